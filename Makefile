@@ -1,0 +1,29 @@
+# Two entry points, each doing all set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint install clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/python -m pip install -q -e '.[dev,plot]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python examples/hybrid_mlp.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	$(BIN)/ruff check hybridpar tests examples scripts
+	$(BIN)/mypy hybridpar
+
+lint: $(STAMP)
+	$(BIN)/ruff check hybridpar tests examples scripts
+	$(BIN)/mypy hybridpar
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: partitioning, schedules, checkpointing, skips and the executor."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: sharded layers, their communication, loss, RNG and state dicts."""

@@ -1,0 +1,80 @@
+"""Parallel-dim attributes on tensors: which dim of a tensor is sharded over the tp group.
+
+An activation or parameter may carry two Python attributes (torchshard's convention):
+
+    attribute           values          meaning
+    _PARALLEL_DIM       None, 0, 1, -1  the layer dim it is sharded on (None: replicated)
+    _ORDER_TYPE         0, 1            how that dim maps to the tensor's dims:
+                                        0: reversed  (a Linear weight (out, in) is read as
+                                           (in, out): parallel dim -1 = tensor dim 0)
+                                        1: as is     (an Embedding weight (num, dim))
+
+Activations use order 1. Elementwise ops lose the attributes (they live on the Python object);
+re-tag with `register_parallel_dim` or `RegisterParallelDim`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = [
+    "ORDER_TYPE_ATTR",
+    "PARALLEL_DIM_ATTR",
+    "get_order_type",
+    "get_parallel_dim",
+    "register_parallel_attribute",
+    "register_parallel_dim",
+    "tensor_shard_dim",
+]
+
+PARALLEL_DIM_ATTR = "_PARALLEL_DIM"
+ORDER_TYPE_ATTR = "_ORDER_TYPE"
+_VALID_DIMS = (None, 0, 1, -1)
+
+
+def _check_dim(parallel_dim: int | None) -> None:
+    if parallel_dim not in _VALID_DIMS:
+        raise ValueError(
+            f"parallel dim must be one of None, 0, 1, -1, got {parallel_dim!r} "
+            "(None: replicated, 0: row / vocab, 1 or -1: column / feature)"
+        )
+
+
+def get_parallel_dim(tensor: Tensor) -> int | None:
+    """The parallel dim registered on `tensor` (None when it is not sharded)."""
+    return getattr(tensor, PARALLEL_DIM_ATTR, None)
+
+
+def get_order_type(tensor: Tensor) -> int:
+    """The order type registered on `tensor` (1 when none is)."""
+    return getattr(tensor, ORDER_TYPE_ATTR, 1)
+
+
+def register_parallel_dim(tensor: Tensor, parallel_dim: int | None) -> None:
+    """Tag `tensor` as sharded on `parallel_dim` (in place)."""
+    _check_dim(parallel_dim)
+    setattr(tensor, PARALLEL_DIM_ATTR, parallel_dim)
+
+
+def register_parallel_attribute(tensor: Tensor, parallel_dim: int | None,
+                                order_type: int = 0) -> None:
+    """Tag `tensor` with a parallel dim and an order type (0 reversed, 1 as is), in place."""
+    _check_dim(parallel_dim)
+    if order_type not in (0, 1):
+        raise ValueError(f"order_type must be 0 (reversed) or 1 (as is), got {order_type!r}")
+    setattr(tensor, PARALLEL_DIM_ATTR, parallel_dim)
+    setattr(tensor, ORDER_TYPE_ATTR, order_type)
+
+
+def tensor_shard_dim(tensor: Tensor) -> int | None:
+    """The dim of `tensor` itself that is sharded, from its parallel dim and order type."""
+    parallel_dim = get_parallel_dim(tensor)
+    if parallel_dim is None:
+        return None
+    ndim = tensor.dim()
+    if ndim == 0:
+        return None
+    dim = parallel_dim % ndim
+    if get_order_type(tensor) == 0:
+        dim = ndim - 1 - dim
+    return dim

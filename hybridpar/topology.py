@@ -1,0 +1,243 @@
+"""Topology: which (dp, pp, tp) coordinate each rank holds, and the process groups of each dim.
+
+Ranks are laid out with tp varying fastest, then pp, then dp, so tensor-parallel peers are
+neighbours (the same node) and pipeline stages of one replica are contiguous blocks:
+
+    dp=2, pp=2, tp=2      rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+
+    rank | 0 1 2 3 4 5 6 7
+    dp   | 0 0 0 0 1 1 1 1
+    pp   | 0 0 1 1 0 0 1 1
+    tp   | 0 1 0 1 0 1 0 1
+
+The rank math (`ParallelDims`) is pure; `Topology` adds the process groups, built from a
+`torch.distributed` device mesh with dims ``("dp", "pp", "tp")``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Coordinate",
+    "ParallelDims",
+    "Topology",
+    "current_topology",
+    "default_tp_group",
+    "init",
+    "shutdown",
+]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class Coordinate(NamedTuple):
+    """Where a rank sits in the (dp, pp, tp) grid."""
+
+    dp: int
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The sizes of the three parallel dims, and the rank math between ranks and coordinates."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def for_world(cls, world_size: int, *, pp: int = 1, tp: int = 1, dp: int | None = None
+                  ) -> ParallelDims:
+        """The dims for `world_size` ranks; `dp` defaults to ``world_size // (pp * tp)``."""
+        if pp < 1 or tp < 1:
+            raise ValueError(f"pp and tp must be positive integers, got pp={pp}, tp={tp}")
+        if dp is None:
+            if world_size % (pp * tp) != 0:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by pp * tp = {pp} * {tp} = "
+                    f"{pp * tp}; launch a multiple of {pp * tp} ranks or change pp / tp"
+                )
+            dp = world_size // (pp * tp)
+        if dp * pp * tp != world_size:
+            raise ValueError(
+                f"world size {world_size} != dp * pp * tp = {dp} * {pp} * {tp} = "
+                f"{dp * pp * tp}; launch {dp * pp * tp} ranks or change the layout"
+            )
+        return cls(dp=dp, pp=pp, tp=tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def coordinate(self, rank: int) -> Coordinate:
+        """The (dp, pp, tp) coordinate of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
+        tp_rank = rank % self.tp
+        pp_rank = (rank // self.tp) % self.pp
+        dp_rank = rank // (self.tp * self.pp)
+        return Coordinate(dp_rank, pp_rank, tp_rank)
+
+    def rank(self, dp: int, pp: int, tp: int) -> int:
+        """The global rank at a (dp, pp, tp) coordinate."""
+        for name, value, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name} coordinate {value} is outside 0..{size - 1}")
+        return (dp * self.pp + pp) * self.tp + tp
+
+
+class Topology:
+    """This rank's place in the (dp, pp, tp) grid, with the process group of each dim."""
+
+    def __init__(self, dims: ParallelDims, rank: int, mesh: DeviceMesh | None,
+                 *, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+        self.dims = dims
+        self.rank = rank
+        self.mesh = mesh
+        self.timeout = timeout
+        self.coordinate = dims.coordinate(rank)
+
+    # sizes and coordinates ----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinate.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinate.tp
+
+    def global_rank(self, dp: int, pp: int, tp: int) -> int:
+        """The global rank at a (dp, pp, tp) coordinate."""
+        return self.dims.rank(dp, pp, tp)
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank holding `stage` in this rank's pipeline, at this rank's dp and tp."""
+        return self.dims.rank(self.dp_rank, stage, self.tp_rank)
+
+    # groups -------------------------------------------------------------------------------
+    def _group(self, name: str) -> ProcessGroup:
+        if self.mesh is None:
+            raise RuntimeError("this Topology has no process groups (built without a mesh)")
+        return self.mesh.get_group(name)
+
+    @property
+    def dp_group(self) -> ProcessGroup:
+        return self._group("dp")
+
+    @property
+    def pp_group(self) -> ProcessGroup:
+        return self._group("pp")
+
+    @property
+    def tp_group(self) -> ProcessGroup:
+        return self._group("tp")
+
+    def __repr__(self) -> str:
+        d = self.dims
+        c = self.coordinate
+        return (f"Topology(rank={self.rank}, dp={d.dp}, pp={d.pp}, tp={d.tp}, "
+                f"dp_rank={c.dp}, pp_rank={c.pp}, tp_rank={c.tp})")
+
+
+_current: Topology | None = None
+
+
+def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None = None,
+         timeout: float | datetime.timedelta | None = None) -> Topology:
+    """Initialize `torch.distributed` (if needed) and the (dp, pp, tp) grid; returns the Topology.
+
+    Reads the torchrun variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
+    when the default process group is not initialized yet. `backend` defaults to nccl when
+    CUDA is available, else gloo. `timeout` (seconds or timedelta) bounds every wait.
+    The topology becomes the default one read by `hybridpar.nn` layers.
+    """
+    global _current
+    wait = _as_timedelta(timeout)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise RuntimeError(
+                "torch.distributed is not initialized and RANK / WORLD_SIZE are not set; "
+                "launch with torchrun or `hybridpar run`, or use hybridpar.spawn(fn, nprocs)"
+            )
+        if backend is None:
+            backend = os.environ.get("HYBRIDPAR_BACKEND") or (
+                "nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=wait)
+    dims = ParallelDims.for_world(dist.get_world_size(), pp=pp, tp=tp, dp=dp)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (dims.dp, dims.pp, dims.tp),
+                            mesh_dim_names=("dp", "pp", "tp"))
+    _current = Topology(dims, dist.get_rank(), mesh, timeout=wait)
+    return _current
+
+
+def current_topology() -> Topology:
+    """The topology set by `hybridpar.init`; raises `RuntimeError` before it."""
+    if _current is None:
+        raise RuntimeError(
+            "hybridpar is not initialized: call hybridpar.init(pp=..., tp=...) first "
+            "(or pass group= to the layer)"
+        )
+    return _current
+
+
+def default_tp_group() -> ProcessGroup:
+    """The tensor-parallel group of the current topology (what layers use without group=)."""
+    return current_topology().tp_group
+
+
+def shutdown() -> None:
+    """Forget the current topology and destroy the default process group."""
+    global _current
+    _current = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
