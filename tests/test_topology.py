@@ -1,0 +1,107 @@
+"""Rank math without processes, and the process groups with real gloo ranks."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hybridpar
+from hybridpar.topology import Coordinate, ParallelDims
+
+
+def test_tp_varies_fastest_then_pp_then_dp():
+    dims = ParallelDims(dp=2, pp=2, tp=2)
+    table = [tuple(dims.coordinate(r)) for r in range(8)]
+    assert table == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+        (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
+    ]
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (2, 1, 1), (1, 4, 1), (1, 1, 4), (2, 3, 2)])
+def test_rank_and_coordinate_are_inverse(dp, pp, tp):
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp)
+    for r in range(dims.world_size):
+        assert dims.rank(*dims.coordinate(r)) == r
+    assert isinstance(dims.coordinate(0), Coordinate)
+
+
+def test_dp_is_inferred_from_the_world_size():
+    assert ParallelDims.for_world(8, pp=2, tp=2) == ParallelDims(dp=2, pp=2, tp=2)
+    assert ParallelDims.for_world(4) == ParallelDims(dp=4)
+
+
+def test_world_that_does_not_match_the_layout_is_rejected_with_the_numbers():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by pp \* tp = 2 \* 2"):
+        ParallelDims.for_world(6, pp=2, tp=2)
+    with pytest.raises(ValueError, match=r"world size 8 != dp \* pp \* tp = 3 \* 2 \* 1 = 6"):
+        ParallelDims.for_world(8, pp=2, dp=3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_sizes_must_be_positive_integers(bad):
+    with pytest.raises(ValueError, match="positive integer"):
+        ParallelDims(dp=1, pp=bad, tp=1)
+
+
+def test_coordinates_outside_the_grid_are_rejected():
+    dims = ParallelDims(dp=1, pp=2, tp=2)
+    with pytest.raises(ValueError, match="rank 4 is outside a world of 4 ranks"):
+        dims.coordinate(4)
+    with pytest.raises(ValueError, match="tp coordinate 2 is outside 0..1"):
+        dims.rank(0, 0, 2)
+
+
+def test_using_the_topology_before_init_says_to_call_init():
+    hybridpar.shutdown()
+    with pytest.raises(RuntimeError, match=r"call hybridpar.init"):
+        hybridpar.current_topology()
+
+
+def _groups_worker():
+    topo = hybridpar.init(pp=2, tp=2, timeout=30)
+    out = {"coord": list(topo.coordinate), "dims": [topo.dp, topo.pp, topo.tp],
+           "timeout": topo.timeout.total_seconds()}
+    for name in ("dp", "pp", "tp"):
+        group = getattr(topo, f"{name}_group")
+        members = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(members, torch.tensor([float(topo.rank)]), group=group)
+        out[name] = [int(m.item()) for m in members]
+    out["next_stage"] = topo.stage_rank((topo.pp_rank + 1) % topo.pp)
+    assert hybridpar.current_topology() is topo
+    return out
+
+
+def test_groups_hold_the_ranks_that_share_the_other_coordinates():
+    results = hybridpar.spawn(_groups_worker, 8, timeout=90)
+    for rank, out in enumerate(results):
+        dp, pp, tp = out["coord"]
+        assert out["dims"] == [2, 2, 2]
+        assert out["timeout"] == 30
+        assert out["tp"] == [(dp * 2 + pp) * 2 + t for t in range(2)]
+        assert out["pp"] == [(dp * 2 + p) * 2 + tp for p in range(2)]
+        assert out["dp"] == [(d * 2 + pp) * 2 + tp for d in range(2)]
+        assert out["next_stage"] == (dp * 2 + (1 - pp)) * 2 + tp
+
+
+def _bad_layout_worker():
+    try:
+        hybridpar.init(pp=3)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_bad_layout_is_reported_on_every_rank():
+    messages = hybridpar.spawn(_bad_layout_worker, 4, timeout=60)
+    assert all("world size 4 is not divisible by pp * tp = 3 * 1" in m for m in messages)
+
+
+def test_timeout_accepts_seconds_and_timedelta():
+    from hybridpar.topology import _as_timedelta
+
+    assert _as_timedelta(5) == datetime.timedelta(seconds=5)
+    assert _as_timedelta(datetime.timedelta(minutes=1)).total_seconds() == 60
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        _as_timedelta(0)
