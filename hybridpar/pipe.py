@@ -1,0 +1,253 @@
+"""HybridPipe: an nn.Sequential run as a multi-process pipeline of tensor-sharded stages."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
+from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES, RNGReplay
+from hybridpar.pipeline.executor import StageExecutor, StageSpec
+from hybridpar.pipeline.partition import (
+    check_balance,
+    check_sequential,
+    free_layers,
+    materialize,
+    split,
+)
+from hybridpar.pipeline.schedule import FORWARD, RECV_F, SEND_F, get_schedule
+from hybridpar.pipeline.skip import skip_routes
+from hybridpar.tensor_parallel import random as tp_random
+from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.tensor_parallel.mappings import all_gather_along
+from hybridpar.tensor_parallel.state import gather_full, shard_of
+from hybridpar.topology import Topology, current_topology
+
+__all__ = ["HybridPipe"]
+
+log = logging.getLogger(__name__)
+
+TensorOrTensors = Tensor | tuple[Tensor, ...]
+
+
+def _split_batch(x: Any, chunks: int, what: str) -> list[Any]:
+    """Split a Tensor or tuple of Tensors on dim 0 into at most `chunks` micro-batches."""
+    if isinstance(x, Tensor):
+        if x.dim() == 0 or x.shape[0] == 0:
+            raise ValueError(f"{what} has no rows (shape {tuple(x.shape)}); pass a batch "
+                             "with at least one row on dim 0")
+        return list(x.chunk(chunks))
+    if isinstance(x, tuple) and x and all(isinstance(t, Tensor) for t in x):
+        parts = [_split_batch(t, chunks, what) for t in x]
+        if len({len(p) for p in parts}) != 1 or len({t.shape[0] for t in x}) != 1:
+            raise ValueError(f"the tensors of {what} have different batch sizes "
+                             f"{[t.shape[0] for t in x]}; they must agree on dim 0")
+        return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
+    raise TypeError(f"{what} must be a Tensor or a tuple of Tensors, got {type(x).__name__}")
+
+
+def _rows(x: TensorOrTensors) -> int:
+    return (x[0] if isinstance(x, tuple) else x).shape[0]
+
+
+class HybridPipe(nn.Module):
+    """Pipeline parallelism over `topology.pp` stages, with tp-sharded layers inside stages.
+
+    Every rank builds the same `nn.Sequential` (same seed, or on the `meta` device); each keeps
+    only the layers of its stage, under their original names (``"3.fc1.weight"``).
+    """
+
+    def __init__(self, module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
+                 topology: Topology | None = None, schedule: str = "gpipe",
+                 checkpoint: str = "except_last", loss_fn: Callable[..., Tensor] | None = None,
+                 tp_plan: Any = None, deferred_batch_norm: bool = False) -> None:
+        super().__init__()
+        check_sequential(module)
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}"
+                             f", got {checkpoint!r}")
+        self.schedule_fn = get_schedule(schedule)
+        topo = topology if topology is not None else current_topology()
+        if tp_plan is not None:
+            from hybridpar.tensor_parallel.plan import apply_tp_plan
+
+            module = apply_tp_plan(module, tp_plan, group=topo.tp_group)
+        counts = check_balance(module, balance, topo.pp)
+        routes = skip_routes(module, counts)
+        if deferred_batch_norm:
+            module = convert_deferred_batch_norm(module, chunks)
+
+        self.topology, self.balance, self.chunks = topo, counts, chunks
+        self.stage, self.num_stages = topo.pp_rank, topo.pp
+        self.checkpoint, self.schedule, self.loss_fn = checkpoint, schedule, loss_fn
+        self._state_keys = list(module.state_dict().keys())
+        stages = split(module, counts)
+        local = stages[self.stage]
+        free_layers(stages, keep=self.stage)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+        materialize(local, self.device)
+        local.to(self.device)
+        for name, layer in local.named_children():
+            self.add_module(name, layer)
+        self._executor = StageExecutor(StageSpec(
+            stage=self.stage, num_stages=self.num_stages, partition=local, routes=routes,
+            rank_of_stage=topo.stage_rank, tp_group=topo.tp_group if topo.tp > 1 else None,
+            timeout=topo.timeout, checkpoint=checkpoint,
+            replay=RNGReplay(tp_random.get_rng_state_all, tp_random.set_rng_state_all)))
+
+    # the local stage ---------------------------------------------------------------------
+    @property
+    def partition(self) -> nn.Sequential:
+        """This rank's stage as an `nn.Sequential` (original layer names)."""
+        return self._executor.spec.partition
+
+    def _last_rank(self) -> int:
+        return self.topology.stage_rank(self.num_stages - 1)
+
+    # training ----------------------------------------------------------------------------
+    def train_step(self, input: TensorOrTensors, target: Any) -> Tensor:
+        """Forward and backward of every micro-batch; returns the loss on every rank.
+
+        Gradients accumulate into ``.grad`` as `loss_fn(model(input), target).backward()`
+        would on one device (micro-batch losses weighted by their share of the batch), then
+        are averaged over the dp group. `loss_fn` must reduce by mean.
+        """
+        if self.loss_fn is None:
+            raise ValueError("train_step needs a loss: HybridPipe(..., loss_fn=fn) where "
+                             "fn(output_microbatch, target_microbatch) returns a scalar")
+        inputs = _split_batch(input, self.chunks, "input")
+        targets = _split_batch(target, self.chunks, "target")
+        if len(targets) != len(inputs) or _rows(input) != _rows(target):
+            raise ValueError(f"input has {_rows(input)} rows but target has {_rows(target)}; "
+                             "they must have the same batch size")
+        total = _rows(input)
+        weights = [_rows(x) / total for x in inputs]
+        actions = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
+        result = self._executor.run(actions, inputs=inputs, targets=targets,
+                                    loss_fn=self.loss_fn, weights=weights, train=True)
+        commit_deferred_batch_norms(self)
+        loss = result.loss.detach().clone() if result.loss is not None else torch.zeros(())
+        loss = loss.to(self.device, torch.float32)
+        if self.num_stages > 1:
+            dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
+        if self.topology.dp > 1:
+            self._average_over_dp()
+            dist.all_reduce(loss, group=self.topology.dp_group)
+            loss /= self.topology.dp
+        return loss
+
+    def _average_over_dp(self) -> None:
+        """Average the gradients over the dp group in one flat all-reduce."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.topology.dp_group)
+        flat /= self.topology.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # inference ---------------------------------------------------------------------------
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
+        """Inference over the pipeline (no grad); the full output on every rank."""
+        inputs = _split_batch(input, self.chunks, "input")
+        schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
+        actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
+        result = self._executor.run(actions, inputs=inputs, targets=None, loss_fn=None,
+                                    weights=[1.0] * len(inputs), train=False)
+        box: list[Any] = [None]
+        if self.stage == self.num_stages - 1:
+            box[0] = self._gather_outputs(result.outputs)
+        if self.num_stages > 1:
+            dist.broadcast_object_list(box, self._last_rank(), group=self.topology.pp_group)
+        return box[0]
+
+    def _gather_outputs(self, outputs: list[TensorOrTensors]) -> TensorOrTensors:
+        def full(t: Tensor) -> Tensor:
+            if get_parallel_dim(t) in (-1, 1) and self.topology.tp > 1:
+                return all_gather_along(t, -1, self.topology.tp_group)
+            return t
+
+        if isinstance(outputs[0], tuple):
+            return tuple(full(torch.cat([o[k] for o in outputs]))  # type: ignore[index]
+                         for k in range(len(outputs[0])))
+        return full(torch.cat(outputs))  # type: ignore[arg-type]
+
+    # state -------------------------------------------------------------------------------
+    def consolidated_state_dict(self) -> dict[str, Tensor]:
+        """The unsharded model's full state dict (same keys and shapes), on every rank."""
+        group = self.topology.tp_group if self.topology.tp > 1 else None
+        tensors = dict(self.named_parameters())
+        local = {}
+        for key, value in self.state_dict().items():
+            param = tensors.get(key)
+            local[key] = gather_full(value, param, group) if param is not None else value
+            local[key] = local[key].detach().cpu().clone()
+        parts: list[Any] = [None] * self.num_stages
+        if self.num_stages > 1:
+            dist.all_gather_object(parts, local, group=self.topology.pp_group)
+        else:
+            parts = [local]
+        merged: dict[str, Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return {key: merged[key] for key in self._state_keys}
+
+    def load_consolidated_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Load a full (unsharded) state dict, keeping this rank's stage and tp shard."""
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in set(self._state_keys)]
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+        group = self.topology.tp_group if self.topology.tp > 1 else None
+        tensors = dict(self.named_parameters())
+        local = {}
+        for key in self.state_dict():
+            param = tensors.get(key)
+            value = state_dict[key]
+            local[key] = shard_of(value, param, group) if param is not None else value
+        self.load_state_dict(local)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the global norm over all stages and tp shards (replicated params once)."""
+        if norm_type != 2.0:
+            raise ValueError("clip_grad_norm_ supports the 2-norm only")
+        tp = self.topology.tp
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            square = p.grad.detach().double().pow(2).sum()
+            sharded = get_parallel_dim(p) is not None
+            total += square if sharded or tp == 1 else square / tp
+        if tp > 1:
+            dist.all_reduce(total, group=self.topology.tp_group)
+        if self.num_stages > 1:
+            dist.all_reduce(total, group=self.topology.pp_group)
+        norm = total.sqrt().to(torch.float32)
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def extra_repr(self) -> str:
+        return (f"stage={self.stage}/{self.num_stages}, balance={self.balance}, "
+                f"chunks={self.chunks}, schedule={self.schedule!r}, "
+                f"checkpoint={self.checkpoint!r}")
+
+    def named_stage_layers(self) -> Iterator[tuple[str, nn.Module]]:
+        """The layers of this stage with their original names."""
+        return self.partition.named_children()

@@ -1,0 +1,81 @@
+"""Per-micro-batch checkpointing: which micro-batches drop activations, and exact replay.
+
+    mode            micro-batches checkpointed (m micro-batches)
+    "always"        all m
+    "except_last"   the first m - 1 (the last one goes straight into backward)
+    "never"         none
+
+A checkpointed forward runs under `torch.no_grad()` inside torchgpipe's
+`enable_checkpointing()`; its backward first recomputes the forward inside
+`enable_recomputing()` from the RNG state saved at the first forward, so dropout masks
+replay exactly and `is_recomputing()` tells modules to skip side effects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
+
+__all__ = ["CHECKPOINT_MODES", "RNGReplay", "checkpoint_stop", "is_checkpointed"]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def checkpoint_stop(mode: str, microbatches: int) -> int:
+    """How many leading micro-batches are checkpointed under `mode`."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
+                         f"got {mode!r}")
+    return {"always": microbatches, "except_last": microbatches - 1, "never": 0}[mode]
+
+
+def is_checkpointed(mode: str, microbatch: int, microbatches: int) -> bool:
+    """Whether `microbatch` of `microbatches` is checkpointed under `mode`."""
+    return microbatch < checkpoint_stop(mode, microbatches)
+
+
+class RNGReplay:
+    """Captures the RNG state at a first forward; replays it for the recomputation.
+
+    `get_state` / `set_state` default to the CPU (and CUDA) generators; the pipe passes the
+    tensor-parallel ones, which also cover the RNG tracker's named streams.
+    """
+
+    def __init__(self, get_state: Callable[[], Any] | None = None,
+                 set_state: Callable[[Any], None] | None = None) -> None:
+        self.get_state = get_state or _default_get
+        self.set_state = set_state or _default_set
+
+    @contextmanager
+    def first_forward(self) -> Iterator[Any]:
+        """Run a checkpointed forward; yields the state to replay later."""
+        state = self.get_state()
+        with torch.no_grad(), enable_checkpointing():
+            yield state
+
+    @contextmanager
+    def recompute(self, state: Any) -> Iterator[None]:
+        """Run the recomputation from `state`, then put the RNG back as it was."""
+        now = self.get_state()
+        self.set_state(state)
+        try:
+            with torch.enable_grad(), enable_recomputing():
+                yield
+        finally:
+            self.set_state(now)
+
+
+def _default_get() -> Any:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _default_set(state: Any) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

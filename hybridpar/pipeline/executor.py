@@ -1,0 +1,306 @@
+"""Run one stage's action list: receive, compute the partition, send; backward in reverse.
+
+The schedule says what to do (`schedule.py`); this module only does it. Channels between a
+pair of ranks (each a tag pair in `comm`):
+
+    channel     carries                                   direction
+    FWD  0      stage output of micro-batch i             s -> s + 1
+    BWD  1      gradient of that output                   s + 1 -> s
+    SKIP 2      skip tensors stashed on a, popped on b    a -> b
+    SKIPG 3     their gradients                           b -> a
+
+Every floating tensor that crosses a boundary in training gets a gradient back (zeros when
+the receiver did not use it), so sender and receiver agree on the messages without asking.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torchgpipe.skip.namespace import Namespace
+from torchgpipe.skip.tracker import use_skip_tracker
+
+from hybridpar import comm
+from hybridpar.pipeline.checkpoint import RNGReplay, is_checkpointed
+from hybridpar.pipeline.schedule import Action
+from hybridpar.pipeline.skip import SkipRoute, StageSkipTracker
+
+__all__ = ["PipelineError", "StageExecutor", "StageSpec", "current_microbatch"]
+
+FWD, BWD, SKIP, SKIPG = 0, 1, 2, 3
+
+TensorOrTensors = Tensor | tuple[Tensor, ...]
+SkipKey = tuple[Namespace, str]
+
+
+class PipelineError(RuntimeError):
+    """An action of the schedule failed; the message names the stage, action and micro-batch."""
+
+
+_local = threading.local()
+
+
+def current_microbatch() -> Tensor | None:
+    """A tensor that identifies the micro-batch being computed on this stage (None outside).
+
+    The same object during the first forward and the recomputation of a micro-batch, so it
+    can key a dict or a weak reference, as torchgpipe's `current_microbatch`.
+    """
+    return getattr(_local, "microbatch", None)
+
+
+@contextmanager
+def _microbatch_context(key: Tensor) -> Iterator[None]:
+    before = getattr(_local, "microbatch", None)
+    _local.microbatch = key
+    try:
+        yield
+    finally:
+        _local.microbatch = before
+
+
+@dataclass
+class StageSpec:
+    """What an executor needs to know about its stage."""
+
+    stage: int
+    num_stages: int
+    partition: nn.Sequential
+    routes: Sequence[SkipRoute]
+    rank_of_stage: Callable[[int], int]
+    tp_group: ProcessGroup | None
+    timeout: datetime.timedelta
+    checkpoint: str = "except_last"
+    replay: RNGReplay = field(default_factory=RNGReplay)
+
+
+@dataclass
+class _MicroBatch:
+    key: Tensor
+    inputs: TensorOrTensors | None = None
+    outputs: TensorOrTensors | None = None
+    loss: Tensor | None = None
+    skips_in: dict[SkipKey, Tensor] = field(default_factory=dict)
+    skips_out: dict[SkipKey, Tensor] = field(default_factory=dict)
+    rng: Any = None
+    input_grads: tuple[Tensor, ...] = ()
+    skip_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    recv_f: comm.PostedRecv | None = None
+    recv_b: comm.PostedRecv | None = None
+    recv_skip: dict[int, comm.PostedRecv] = field(default_factory=dict)
+    recv_skip_grad: dict[int, comm.PostedRecv] = field(default_factory=dict)
+
+
+def _as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _floating(tensors: Sequence[Tensor]) -> list[Tensor]:
+    return [t for t in tensors if t.is_floating_point()]
+
+
+@dataclass
+class StepResult:
+    """What a step leaves on this stage: the weighted loss sum (last stage) and outputs."""
+
+    loss: Tensor | None
+    outputs: list[TensorOrTensors]
+
+
+class StageExecutor:
+    """Interprets a stage's action list for one step (training or inference)."""
+
+    def __init__(self, spec: StageSpec) -> None:
+        self.spec = spec
+        s = spec.stage
+        self.first, self.last = s == 0, s == spec.num_stages - 1
+        self.skip_in: dict[int, list[SkipRoute]] = {}
+        self.skip_out: dict[int, list[SkipRoute]] = {}
+        for r in spec.routes:
+            if r.dst == s and r.src != s:
+                self.skip_in.setdefault(r.src, []).append(r)
+            if r.src == s and r.dst != s:
+                self.skip_out.setdefault(r.dst, []).append(r)
+
+    # one step ----------------------------------------------------------------------------
+    def run(self, actions: Sequence[Action], *, inputs: Sequence[TensorOrTensors] | None,
+            targets: Sequence[Any] | None, loss_fn: Callable[..., Tensor] | None,
+            weights: Sequence[float], train: bool) -> StepResult:
+        """Run `actions`; `inputs` on the first stage, `targets` and `loss_fn` on the last."""
+        self.train, self.inputs, self.targets = train, inputs, targets
+        self.loss_fn, self.weights = loss_fn, weights
+        self.m = len(weights)
+        self.mbs = [_MicroBatch(key=torch.empty(0)) for _ in range(self.m)]
+        self.sends: list[tuple[Any, str]] = []
+        self.loss_sum: Tensor | None = None
+        self.outputs: list[TensorOrTensors] = []
+        handlers = {"RECV_F": self._recv_f, "F": self._forward, "SEND_F": self._send_f,
+                    "RECV_B": self._recv_b, "B": self._backward, "SEND_B": self._send_b}
+        for action in actions:
+            try:
+                handlers[action.kind](action.microbatch)
+            except PipelineError:
+                raise
+            except Exception as e:
+                raise PipelineError(
+                    f"stage {self.spec.stage} (rank {dist.get_rank()}) failed at "
+                    f"{action.kind}({action.microbatch}): {type(e).__name__}: {e}"
+                ) from e
+        for work, what in self.sends:
+            self._wait(work, what)
+        self.mbs = []
+        return StepResult(self.loss_sum, self.outputs)
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(self.spec.timeout)
+        except RuntimeError as e:
+            raise PipelineError(f"stage {self.spec.stage} (rank {dist.get_rank()}) gave up "
+                                f"{what} after {self.spec.timeout}: {e}") from e
+
+    def _rank(self, stage: int) -> int:
+        return self.spec.rank_of_stage(stage)
+
+    def _recv(self, posted: comm.PostedRecv | None, what: str) -> tuple[Tensor, ...]:
+        assert posted is not None, f"schedule error: {what} was never posted"
+        try:
+            return posted.wait(self.spec.timeout)
+        except RuntimeError as e:
+            raise PipelineError(f"stage {self.spec.stage} (rank {dist.get_rank()}) gave up "
+                                f"waiting for {what} from rank {posted.src} after "
+                                f"{self.spec.timeout}: {e}") from e
+
+    def _send(self, tensors: Sequence[Tensor], stage: int, channel: int, what: str,
+              *, grads: bool, single: bool = False) -> None:
+        works = comm.send(tuple(tensors), self._rank(stage), channel=channel,
+                          tp_group=self.spec.tp_group, grads=grads, single=single)
+        self.sends.extend((w, f"sending {what} to stage {stage}") for w in works)
+
+    # forward -----------------------------------------------------------------------------
+    def _recv_f(self, i: int) -> None:
+        mb = self.mbs[i]
+        mb.recv_f = comm.post_recv(self._rank(self.spec.stage - 1), channel=FWD,
+                                   tp_group=self.spec.tp_group)
+        for src in self.skip_in:
+            mb.recv_skip[src] = comm.post_recv(self._rank(src), channel=SKIP,
+                                               tp_group=self.spec.tp_group)
+
+    def _forward(self, i: int) -> None:
+        mb = self.mbs[i]
+        if self.first:
+            assert self.inputs is not None
+            mb.inputs = self.inputs[i]
+        else:
+            received = self._recv(mb.recv_f, f"the activation of micro-batch {i}")
+            mb.inputs = received[0] if mb.recv_f is not None and mb.recv_f.single else received
+            mb.recv_f = None
+        for src, routes in self.skip_in.items():
+            tensors = self._recv(mb.recv_skip.pop(src), f"the skips of micro-batch {i}")
+            mb.skips_in.update((r.key, t) for r, t in zip(routes, tensors))
+        checkpointed = self.train and is_checkpointed(self.spec.checkpoint, i, self.m)
+        if checkpointed:
+            with self.spec.replay.first_forward() as state:
+                mb.rng = state
+                self._compute(mb, i)
+        elif self.train:
+            self._compute(mb, i)
+        else:
+            with torch.no_grad():
+                self._compute(mb, i)
+        if self.last:
+            if self.train:
+                assert mb.loss is not None
+                value = mb.loss.detach()
+                self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+                if checkpointed:
+                    mb.loss = None
+            else:
+                assert mb.outputs is not None
+                self.outputs.append(mb.outputs)
+
+    def _compute(self, mb: _MicroBatch, i: int) -> None:
+        """The partition's forward on micro-batch `i` (and the weighted loss on the last stage)."""
+        tracker = StageSkipTracker(self.spec.routes, self.spec.stage, mb.skips_in)
+        with use_skip_tracker(tracker), _microbatch_context(mb.key):
+            assert mb.inputs is not None
+            out = self.spec.partition(mb.inputs)
+        if not self.last and not isinstance(out, (Tensor, tuple)):
+            raise TypeError(f"stage {self.spec.stage} returned {type(out).__name__}; a stage "
+                            "must return a Tensor or a tuple of Tensors")
+        mb.outputs, mb.skips_out = out, tracker.outgoing
+        if self.last and self.train:
+            assert self.loss_fn is not None and self.targets is not None
+            mb.loss = self.loss_fn(out, self.targets[i]) * self.weights[i]
+
+    def _send_f(self, i: int) -> None:
+        mb = self.mbs[i]
+        assert mb.outputs is not None
+        self._send(_as_tuple(mb.outputs), self.spec.stage + 1, FWD,
+                   f"the activation of micro-batch {i}", grads=self.train,
+                   single=isinstance(mb.outputs, Tensor))
+        for dst, routes in self.skip_out.items():
+            self._send([mb.skips_out[r.key] for r in routes], dst, SKIP,
+                       f"the skips of micro-batch {i}", grads=self.train)
+        if not self.train:
+            mb.outputs, mb.skips_out = None, {}
+
+    # backward ----------------------------------------------------------------------------
+    def _recv_b(self, i: int) -> None:
+        mb = self.mbs[i]
+        mb.recv_b = comm.post_recv(self._rank(self.spec.stage + 1), channel=BWD,
+                                   tp_group=self.spec.tp_group)
+        for dst in self.skip_out:
+            mb.recv_skip_grad[dst] = comm.post_recv(self._rank(dst), channel=SKIPG,
+                                                    tp_group=self.spec.tp_group)
+
+    def _backward(self, i: int) -> None:
+        mb = self.mbs[i]
+        if mb.rng is not None:  # checkpointed: recompute the forward with the replayed RNG
+            with self.spec.replay.recompute(mb.rng):
+                self._compute(mb, i)
+        tensors: list[Tensor] = []
+        grads: list[Tensor | None] = []
+        if self.last:
+            assert mb.loss is not None
+            tensors, grads = [mb.loss], [None]
+        else:
+            assert mb.outputs is not None
+            received = self._recv(mb.recv_b, f"the gradient of micro-batch {i}")
+            tensors += _floating(_as_tuple(mb.outputs))
+            grads += received
+        for dst, routes in self.skip_out.items():
+            received = self._recv(mb.recv_skip_grad.pop(dst),
+                                  f"the skip gradients of micro-batch {i}")
+            tensors += [mb.skips_out[r.key] for r in routes]
+            grads += received
+        pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if not self.first:
+            assert mb.inputs is not None
+            mb.input_grads = tuple(_grad_or_zeros(t) for t in _floating(_as_tuple(mb.inputs)))
+        for src, routes in self.skip_in.items():
+            mb.skip_grads[src] = tuple(_grad_or_zeros(mb.skips_in[r.key]) for r in routes)
+        mb.inputs = mb.outputs = mb.loss = None
+        mb.skips_in, mb.skips_out, mb.recv_b = {}, {}, None
+
+    def _send_b(self, i: int) -> None:
+        mb = self.mbs[i]
+        self._send(mb.input_grads, self.spec.stage - 1, BWD,
+                   f"the gradient of micro-batch {i}", grads=False)
+        for src, grads in mb.skip_grads.items():
+            self._send(grads, src, SKIPG, f"the skip gradients of micro-batch {i}", grads=False)
+        mb.input_grads, mb.skip_grads = (), {}
+
+
+def _grad_or_zeros(t: Tensor) -> Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)

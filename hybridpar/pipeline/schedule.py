@@ -1,0 +1,371 @@
+"""Schedules as data: which action each pipeline stage takes, in order, and a simulator."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = [
+    "BACKWARD",
+    "COMPUTE",
+    "FORWARD",
+    "RECV_B",
+    "RECV_F",
+    "SCHEDULES",
+    "SEND_B",
+    "SEND_F",
+    "Action",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "Span",
+    "get_schedule",
+    "gpipe",
+    "live_microbatches",
+    "one_f_one_b",
+    "render",
+    "render_timeline",
+    "simulate",
+    "validate",
+]
+
+# The vocabulary of a stage's action list. Stage s talks only to s - 1 and s + 1:
+#
+#   kind    peer     meaning
+#   F       -        forward micro-batch i (on the last stage this includes the loss)
+#   B       -        backward micro-batch i (needs F(i) earlier on the same stage)
+#   RECV_F  s - 1    post a non-blocking receive of the activation of micro-batch i
+#   SEND_F  s + 1    post a non-blocking send of the output of F(i) (after F(i))
+#   RECV_B  s + 1    post a non-blocking receive of the output gradient of micro-batch i
+#   SEND_B  s - 1    post a non-blocking send of the input gradient of B(i) (after B(i))
+#
+# A receive only posts; the F / B that consumes the data waits for it. Sends are awaited at
+# the end of the step. Receives on one channel match sends in posting order (FIFO), so the
+# micro-batch order of both sides must agree: a swap gives silently wrong numbers.
+FORWARD = "F"
+BACKWARD = "B"
+RECV_F = "RECV_F"
+SEND_F = "SEND_F"
+RECV_B = "RECV_B"
+SEND_B = "SEND_B"
+COMPUTE = (FORWARD, BACKWARD)
+_KINDS = (FORWARD, BACKWARD, RECV_F, SEND_F, RECV_B, SEND_B)
+
+
+class Action(NamedTuple):
+    """One step of a stage: `kind` (F, B, RECV_F, SEND_F, RECV_B, SEND_B) of a micro-batch."""
+
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+Schedule = list[list[Action]]
+
+
+class ScheduleError(ValueError):
+    """A schedule that would mismatch messages or deadlock."""
+
+
+def _check_sizes(stages: int, microbatches: int) -> None:
+    for name, value in (("stages", stages), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _with_communication(stage: int, stages: int, compute: Sequence[Action]) -> list[Action]:
+    """Insert the receives and sends one stage needs around its compute order.
+
+    The receive for a compute action is posted just before the previous compute action (so
+    the transfer overlaps it), or at the very start; a send right after its producer:
+
+        compute  F0 F1 B1 B0   on a middle stage
+        actions  RECV_F0 RECV_F1 F0 SEND_F0 RECV_B1 F1 SEND_F1 RECV_B0 B1 SEND_B1 B0 SEND_B0
+    """
+    first, last = stage == 0, stage == stages - 1
+
+    def recv(action: Action) -> list[Action]:
+        if action.kind == FORWARD and not first:
+            return [Action(RECV_F, action.microbatch)]
+        if action.kind == BACKWARD and not last:
+            return [Action(RECV_B, action.microbatch)]
+        return []
+
+    def send(action: Action) -> list[Action]:
+        if action.kind == FORWARD and not last:
+            return [Action(SEND_F, action.microbatch)]
+        if action.kind == BACKWARD and not first:
+            return [Action(SEND_B, action.microbatch)]
+        return []
+
+    actions = recv(compute[0]) if compute else []
+    for k, action in enumerate(compute):
+        if k + 1 < len(compute):
+            actions += recv(compute[k + 1])
+        actions.append(action)
+        actions += send(action)
+    return actions
+
+
+def _build(stages: int, order: Callable[[int], list[Action]]) -> Schedule:
+    return [_with_communication(s, stages, order(s)) for s in range(stages)]
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    """Fill-drain: every forward, then every backward in reverse.
+
+    stages=3, microbatches=2 (F = forward, B = backward, number = micro-batch):
+
+        stage 0 | F0 F1 .  .  .  .  B1 B0
+        stage 1 | .  F0 F1 .  .  B1 B0 .
+        stage 2 | .  .  F0 F1 B1 B0 .  .
+
+    Every stage keeps all m micro-batches alive until the backward starts.
+    """
+    _check_sizes(stages, microbatches)
+    forwards = [Action(FORWARD, i) for i in range(microbatches)]
+    backwards = [Action(BACKWARD, i) for i in reversed(range(microbatches))]
+    return _build(stages, lambda s: forwards + backwards)
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """1F1B: warm up with a few forwards, then alternate one forward, one backward.
+
+    Stage s runs min(stages - s - 1, m) warm-up forwards, then F, B pairs, then the remaining
+    backwards, so it keeps at most min(stages - s, m) micro-batches alive.
+    stages=3, microbatches=4:
+
+        stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
+        stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
+        stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
+    """
+    _check_sizes(stages, microbatches)
+
+    def order(s: int) -> list[Action]:
+        warmup = min(stages - s - 1, microbatches)
+        actions = [Action(FORWARD, i) for i in range(warmup)]
+        for i in range(microbatches - warmup):
+            actions += [Action(FORWARD, warmup + i), Action(BACKWARD, i)]
+        actions += [Action(BACKWARD, i) for i in range(microbatches - warmup, microbatches)]
+        return actions
+
+    return _build(stages, order)
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def get_schedule(name: str) -> Callable[[int, int], Schedule]:
+    """The schedule function registered under `name` ("gpipe", "1f1b")."""
+    try:
+        return SCHEDULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown schedule {name!r}; choose one of {', '.join(sorted(SCHEDULES))}"
+        ) from None
+
+
+def render(schedule: Schedule) -> list[str]:
+    """The compute actions of each stage as one line: ``["F0 F1 B1 B0", ...]``."""
+    return [" ".join(str(a) for a in actions if a.kind in COMPUTE) for actions in schedule]
+
+
+def render_timeline(schedule: Schedule) -> list[str]:
+    """The picture of the docstrings: one slot per unit-time compute, dots when idle."""
+    result = simulate(schedule)
+    slots = round(result.makespan)
+    labels = [str(span.action) for spans in result.spans for span in spans]
+    width = max((len(label) for label in labels), default=1)
+    digits = len(str(len(schedule) - 1))
+    lines = []
+    for s, spans in enumerate(result.spans):
+        cells = ["."] * slots
+        for span in spans:
+            cells[round(span.start)] = str(span.action)
+        row = " ".join(cell.ljust(width) for cell in cells)
+        lines.append(f"stage {s:>{digits}} | {row}".rstrip())
+    return lines
+
+
+def live_microbatches(schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches forwarded but not yet backwarded at any time."""
+    peaks = []
+    for actions in schedule:
+        live = peak = 0
+        for action in actions:
+            if action.kind == FORWARD:
+                live += 1
+                peak = max(peak, live)
+            elif action.kind == BACKWARD:
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
+# A message kind travels on one channel: SEND_F on stage s pairs with RECV_F on s + 1.
+_SEND_OF = {RECV_F: SEND_F, RECV_B: SEND_B}
+_RECV_OF = {SEND_F: RECV_F, SEND_B: RECV_B}
+_NEEDS = {FORWARD: RECV_F, BACKWARD: RECV_B}
+
+
+def _peer(stage: int, kind: str) -> int:
+    return stage - 1 if kind in (RECV_F, SEND_B) else stage + 1
+
+
+def _check_stage(s: int, stages: int, actions: Sequence[Action]) -> None:
+    """Local rules of one stage: kinds, endpoints, and each action after what it needs."""
+    done: set[Action] = set()
+    for action in actions:
+        kind, i = action
+        where = f"stage {s}: {action}"
+        if kind not in _KINDS:
+            raise ScheduleError(f"{where}: unknown kind {kind!r}; use one of {_KINDS}")
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ScheduleError(f"{where}: micro-batch must be an integer >= 0, got {i!r}")
+        if kind not in COMPUTE and not 0 <= _peer(s, kind) < stages:
+            raise ScheduleError(f"{where}: stage {s} of {stages} has no peer for {kind}")
+        if action in done:
+            raise ScheduleError(f"{where} appears twice")
+        if kind == BACKWARD and Action(FORWARD, i) not in done:
+            raise ScheduleError(f"{where} comes before F{i} on the same stage")
+        if kind in COMPUTE and 0 <= _peer(s, _NEEDS[kind]) < stages:
+            if Action(_NEEDS[kind], i) not in done:
+                raise ScheduleError(f"{where} needs {_NEEDS[kind]}{i} posted earlier")
+        if kind in _RECV_OF:
+            producer = FORWARD if kind == SEND_F else BACKWARD
+            if Action(producer, i) not in done:
+                raise ScheduleError(f"{where} comes before {producer}{i} that produces it")
+        done.add(action)
+    forwards = {i for kind, i in done if kind == FORWARD}
+    backwards = {i for kind, i in done if kind == BACKWARD}
+    if forwards != backwards:
+        missing = sorted(forwards - backwards)
+        raise ScheduleError(f"stage {s}: micro-batches {missing} are forwarded, never backwarded")
+
+
+def _check_channel(src: int, dst: int, send: str, schedule: Schedule) -> None:
+    """Sends on src and receives on dst of one kind pair up one to one, in the same order."""
+    recv = _RECV_OF[send]
+    sends = [i for kind, i in schedule[src] if kind == send]
+    recvs = [i for kind, i in schedule[dst] if kind == recv]
+    for i in sorted((Counter(sends) - Counter(recvs)).elements()):
+        raise ScheduleError(f"stage {src}: {send}{i} has no matching {recv}{i} on stage {dst}")
+    for i in sorted((Counter(recvs) - Counter(sends)).elements()):
+        raise ScheduleError(f"stage {dst}: {recv}{i} has no matching {send}{i} on stage {src}")
+    for k, (i, j) in enumerate(zip(sends, recvs)):
+        if i != j:
+            raise ScheduleError(
+                f"stage {dst}: {recv}{j} is receive #{k} from stage {src} but send #{k} is "
+                f"{send}{i}; it would silently get micro-batch {i}'s tensor. Post receives "
+                f"in the send order {sends}, not {recvs}"
+            )
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise `ScheduleError` unless every message pairs up in order (deadlock: `simulate`)."""
+    if not schedule:
+        raise ScheduleError("a schedule needs at least one stage")
+    stages = len(schedule)
+    for s, actions in enumerate(schedule):
+        _check_stage(s, stages, actions)
+    microbatches = {i for kind, i in schedule[0] if kind == FORWARD}
+    for s, actions in enumerate(schedule):
+        mine = {i for kind, i in actions if kind == FORWARD}
+        if mine != microbatches:
+            raise ScheduleError(
+                f"stage {s} computes micro-batches {sorted(mine)} but stage 0 computes "
+                f"{sorted(microbatches)}; every stage must run each micro-batch once"
+            )
+    for s in range(stages - 1):
+        _check_channel(s, s + 1, SEND_F, schedule)
+        _check_channel(s + 1, s, SEND_B, schedule)
+
+
+class Span(NamedTuple):
+    """When one compute action ran on its stage."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Timing of a simulated step; `spans[s]` lists stage s's compute actions in order."""
+
+    makespan: float
+    busy: list[float]
+    idle: list[float]
+    spans: list[list[Span]]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of stage-time spent idle: (p - 1) / (m + p - 1) for GPipe and 1F1B."""
+        total = self.makespan * len(self.busy)
+        return sum(self.idle) / total if total else 0.0
+
+
+def simulate(
+    schedule: Schedule,
+    *,
+    forward_time: float = 1.0,
+    backward_time: float = 1.0,
+    transfer_time: float = 0.0,
+) -> SimResult:
+    """Run every stage's actions in order with the given durations; prove there's no deadlock.
+
+    Sends never block and put the message on its channel `transfer_time` after they are
+    posted; a compute waits for the message it needs. Raises `ScheduleError` for unmatched
+    or reordered messages (see `validate`) and for a deadlock, naming what each stage waits on.
+    """
+    validate(schedule)
+    durations = {FORWARD: forward_time, BACKWARD: backward_time}
+    stages = len(schedule)
+    clock = [0.0] * stages
+    pc = [0] * stages
+    arrival: dict[tuple[int, int, str, int], float] = {}  # (src, dst, send kind, mb) -> time
+    spans: list[list[Span]] = [[] for _ in range(stages)]
+
+    def waits_for(s: int) -> tuple[int, int, str, int] | None:
+        """The message the next action of stage s needs that has not been sent yet."""
+        kind, i = schedule[s][pc[s]]
+        if kind in COMPUTE and 0 <= _peer(s, _NEEDS[kind]) < stages:
+            key = (_peer(s, _NEEDS[kind]), s, _SEND_OF[_NEEDS[kind]], i)
+            if key not in arrival:
+                return key
+        return None
+
+    progress = True
+    while progress:
+        progress = False
+        for s, actions in enumerate(schedule):
+            while pc[s] < len(actions) and waits_for(s) is None:
+                action = actions[pc[s]]
+                kind, i = action
+                if kind in _RECV_OF:
+                    arrival[(s, _peer(s, kind), kind, i)] = clock[s] + transfer_time
+                elif kind in COMPUTE:
+                    start = clock[s]
+                    if 0 <= _peer(s, _NEEDS[kind]) < stages:
+                        key = (_peer(s, _NEEDS[kind]), s, _SEND_OF[_NEEDS[kind]], i)
+                        start = max(start, arrival[key])
+                    clock[s] = start + durations[kind]
+                    spans[s].append(Span(action, start, clock[s]))
+                pc[s] += 1
+                progress = True
+
+    blocked = [s for s in range(stages) if pc[s] < len(schedule[s])]
+    if blocked:
+        reasons = []
+        for s in blocked:
+            src, _, send, i = waits_for(s) or (s, s, "?", -1)
+            reasons.append(f"stage {s} waits at {schedule[s][pc[s]]} for {send}{i} of stage {src}")
+        raise ScheduleError("deadlock: " + "; ".join(reasons))
+
+    makespan = max(clock, default=0.0)
+    busy = [sum(span.end - span.start for span in stage) for stage in spans]
+    return SimResult(makespan, busy, [makespan - b for b in busy], spans)

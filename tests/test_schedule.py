@@ -1,0 +1,308 @@
+"""Schedules as data: literal tables, the communication pass and the simulator."""
+
+import pytest
+
+from hybridpar.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    RECV_B,
+    RECV_F,
+    SCHEDULES,
+    SEND_B,
+    SEND_F,
+    Action,
+    ScheduleError,
+    get_schedule,
+    gpipe,
+    live_microbatches,
+    one_f_one_b,
+    render,
+    render_timeline,
+    simulate,
+    validate,
+)
+
+SIZES = [(p, m) for p in range(1, 7) for m in range(1, 11)]
+
+
+def parse(line: str) -> list[Action]:
+    """'RECV_F0 F0 SEND_F0' -> [Action('RECV_F', 0), ...]."""
+    actions = []
+    for word in line.split():
+        kind = word.rstrip("0123456789")
+        actions.append(Action(kind, int(word[len(kind) :])))
+    return actions
+
+
+# Literal tables -----------------------------------------------------------------------------
+
+
+def test_gpipe_three_stages_two_microbatches():
+    assert render(gpipe(3, 2)) == [
+        "F0 F1 B1 B0",
+        "F0 F1 B1 B0",
+        "F0 F1 B1 B0",
+    ]
+
+
+def test_gpipe_two_stages_four_microbatches():
+    assert render(gpipe(2, 4)) == [
+        "F0 F1 F2 F3 B3 B2 B1 B0",
+        "F0 F1 F2 F3 B3 B2 B1 B0",
+    ]
+
+
+def test_one_f_one_b_four_stages_eight_microbatches():
+    assert render(one_f_one_b(4, 8)) == [
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+    ]
+
+
+def test_one_f_one_b_three_stages_four_microbatches():
+    assert render(one_f_one_b(3, 4)) == [
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+
+
+def test_one_f_one_b_with_fewer_microbatches_than_stages():
+    assert render(one_f_one_b(4, 2)) == [
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 F1 B0 B1",
+        "F0 B0 F1 B1",
+    ]
+    assert render(one_f_one_b(4, 1)) == ["F0 B0"] * 4
+
+
+def test_gpipe_two_stages_two_microbatches_full_action_lists():
+    assert gpipe(2, 2) == [
+        parse("F0 SEND_F0 RECV_B1 F1 SEND_F1 RECV_B0 B1 B0"),
+        parse("RECV_F0 RECV_F1 F0 F1 B1 SEND_B1 B0 SEND_B0"),
+    ]
+
+
+def test_one_f_one_b_three_stages_two_microbatches_full_action_lists():
+    assert one_f_one_b(3, 2) == [
+        parse("F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 B0 B1"),
+        parse("RECV_F0 RECV_F1 F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 B0 SEND_B0 B1 SEND_B1"),
+        parse("RECV_F0 F0 RECV_F1 B0 SEND_B0 F1 B1 SEND_B1"),
+    ]
+
+
+def test_one_stage_has_no_communication():
+    assert gpipe(1, 3) == [parse("F0 F1 F2 B2 B1 B0")]
+    assert one_f_one_b(1, 3) == [parse("F0 B0 F1 B1 F2 B2")]
+
+
+# Pictures -----------------------------------------------------------------------------------
+
+
+def test_gpipe_timeline_shows_the_fill_and_drain():
+    assert render_timeline(gpipe(3, 2)) == [
+        "stage 0 | F0 F1 .  .  .  .  B1 B0",
+        "stage 1 | .  F0 F1 .  .  B1 B0 .",
+        "stage 2 | .  .  F0 F1 B1 B0 .  .",
+    ]
+
+
+def test_one_f_one_b_timeline_with_fewer_microbatches_than_stages():
+    assert render_timeline(one_f_one_b(4, 2)) == [
+        "stage 0 | F0 F1 .  .  .  .  .  B0 .  B1",
+        "stage 1 | .  F0 F1 .  .  .  B0 .  B1 .",
+        "stage 2 | .  .  F0 F1 .  B0 .  B1 .  .",
+        "stage 3 | .  .  .  F0 B0 F1 B1 .  .  .",
+    ]
+
+
+def test_timeline_pads_two_digit_microbatches_and_stages():
+    lines = render_timeline(gpipe(11, 11))
+    assert lines[0].startswith("stage  0 | F0  F1  F2 ")
+    assert lines[10].startswith("stage 10 | .   .   ")
+
+
+@pytest.mark.parametrize("schedule", [gpipe, one_f_one_b])
+def test_docstring_picture_is_the_simulated_timeline(schedule):
+    lines = [line.strip() for line in schedule.__doc__.splitlines()]
+    picture = [line for line in lines if line.startswith("stage ")]
+    first = picture[0].split("|")[1].split()
+    stages, microbatches = len(picture), sum(cell.startswith("F") for cell in first)
+    assert render_timeline(schedule(stages, microbatches)) == picture
+
+
+# The communication pass ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_receives_precede_the_previous_compute_and_sends_follow_their_producer(name):
+    for p, m in SIZES:
+        for s, actions in enumerate(get_schedule(name)(p, m)):
+            compute = [a for a in actions if a.kind in (FORWARD, BACKWARD)]
+            for k, action in enumerate(actions):
+                if action.kind in (RECV_F, RECV_B):
+                    consumer = compute.index(Action(action.kind[-1], action.microbatch))
+                    if consumer == 0:
+                        assert k == 0, (p, m, s, action)
+                    else:
+                        assert actions[k + 1] == compute[consumer - 1], (p, m, s, action)
+                elif action.kind in (SEND_F, SEND_B):
+                    assert actions[k - 1] == Action(action.kind[-1], action.microbatch)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_first_and_last_stage_only_talk_inwards(name):
+    for p, m in SIZES:
+        schedule = get_schedule(name)(p, m)
+        assert not {a.kind for a in schedule[0]} & {RECV_F, SEND_B}
+        assert not {a.kind for a in schedule[-1]} & {SEND_F, RECV_B}
+
+
+# The simulator ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_size_pairs_all_messages_and_finishes(name):
+    for p, m in SIZES:
+        schedule = get_schedule(name)(p, m)
+        validate(schedule)
+        result = simulate(schedule)
+        assert [len(spans) for spans in result.spans] == [2 * m] * p
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_step_time_is_m_plus_p_minus_one_times_forward_plus_backward(name):
+    for p, m in SIZES:
+        result = simulate(get_schedule(name)(p, m), forward_time=1.0, backward_time=1.0)
+        assert result.makespan == (m + p - 1) * 2.0, (p, m)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("tf, tb", [(1.0, 2.0), (3.0, 1.0)])
+def test_step_time_bound_holds_for_unequal_forward_and_backward(name, tf, tb):
+    for p, m in SIZES:
+        result = simulate(get_schedule(name)(p, m), forward_time=tf, backward_time=tb)
+        assert result.makespan == pytest.approx((m + p - 1) * (tf + tb)), (p, m)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_busy_idle_and_bubble_fraction(name):
+    p, m, tf, tb = 4, 6, 2.0, 3.0
+    result = simulate(get_schedule(name)(p, m), forward_time=tf, backward_time=tb)
+    assert result.busy == [m * (tf + tb)] * p
+    assert result.idle == [result.makespan - m * (tf + tb)] * p
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_spans_give_start_and_end_of_each_compute():
+    result = simulate(gpipe(2, 1), forward_time=1.0, backward_time=2.0, transfer_time=0.5)
+    assert [[(str(a), t0, t1) for a, t0, t1 in spans] for spans in result.spans] == [
+        [("F0", 0.0, 1.0), ("B0", 5.0, 7.0)],
+        [("F0", 1.5, 2.5), ("B0", 2.5, 4.5)],
+    ]
+    assert result.makespan == 7.0
+
+
+def test_gpipe_keeps_every_microbatch_alive_on_every_stage():
+    for p, m in SIZES:
+        assert live_microbatches(gpipe(p, m)) == [m] * p
+
+
+def test_one_f_one_b_keeps_at_most_p_minus_s_microbatches_alive():
+    for p, m in SIZES:
+        assert live_microbatches(one_f_one_b(p, m)) == [min(p - s, m) for s in range(p)]
+
+
+# Broken schedules are caught ----------------------------------------------------------------
+
+
+def test_swapped_receive_order_is_an_error_not_silently_wrong_numbers():
+    schedule = gpipe(2, 2)
+    schedule[1] = parse("RECV_F1 RECV_F0 F0 F1 B1 SEND_B1 B0 SEND_B0")
+    with pytest.raises(ScheduleError, match=r"stage 1: RECV_F1 is receive #0 from stage 0.*F0"):
+        simulate(schedule)
+
+
+def test_missing_send_is_named():
+    schedule = gpipe(2, 2)
+    schedule[0].remove(Action(SEND_F, 1))
+    with pytest.raises(ScheduleError, match="stage 1: RECV_F1 has no matching SEND_F1 on stage 0"):
+        validate(schedule)
+
+
+def test_missing_gradient_send_is_named():
+    schedule = one_f_one_b(3, 2)
+    schedule[2].remove(Action(SEND_B, 0))
+    with pytest.raises(ScheduleError, match="stage 1: RECV_B0 has no matching SEND_B0 on stage 2"):
+        validate(schedule)
+
+
+def test_a_cycle_of_waits_is_reported_as_deadlock():
+    schedule = [
+        parse("F0 RECV_B0 B0 SEND_F0"),  # waits for B0's gradient before sending F0
+        parse("RECV_F0 F0 B0 SEND_B0"),
+    ]
+    validate(schedule)  # every message pairs up: only running it shows the cycle
+    with pytest.raises(
+        ScheduleError,
+        match=r"deadlock: stage 0 waits at B0 for SEND_B0 of stage 1; "
+        r"stage 1 waits at F0 for SEND_F0 of stage 0",
+    ):
+        simulate(schedule)
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ([parse("B0 F0")], "stage 0: B0 comes before F0"),
+        ([parse("F0 SEND_F0 RECV_B0 B0"), parse("F0 B0 SEND_B0")], "stage 1: F0 needs RECV_F0"),
+        ([parse("SEND_F0 F0 B0"), parse("RECV_F0 F0 B0")], "stage 0: SEND_F0 comes before F0"),
+        ([parse("RECV_F0 F0 B0")], "stage 0: RECV_F0: stage 0 of 1 has no peer"),
+        ([parse("F0 F0 B0")], "stage 0: F0 appears twice"),
+        ([parse("F0 F1 B0")], r"micro-batches \[1\] are forwarded, never backwarded"),
+        ([parse("X0")], "unknown kind 'X'"),
+        ([[Action(FORWARD, -1)]], "micro-batch must be an integer >= 0"),
+        ([], "at least one stage"),
+    ],
+)
+def test_local_rules_are_checked(schedule, message):
+    with pytest.raises(ScheduleError, match=message):
+        validate(schedule)
+
+
+def test_stages_that_disagree_on_microbatches_are_rejected():
+    schedule = [parse("F0 SEND_F0 RECV_B0 B0"), parse("RECV_F0 RECV_F1 F0 B0 SEND_B0 F1 B1")]
+    with pytest.raises(ScheduleError, match=r"stage 1 computes micro-batches \[0, 1\]"):
+        validate(schedule)
+
+
+# Arguments ----------------------------------------------------------------------------------
+
+
+def test_schedules_are_registered_by_name():
+    assert get_schedule("gpipe") is gpipe
+    assert get_schedule("1f1b") is one_f_one_b
+
+
+def test_unknown_schedule_name_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown schedule 'zb'; choose one of 1f1b, gpipe"):
+        get_schedule("zb")
+
+
+@pytest.mark.parametrize("schedule", [gpipe, one_f_one_b])
+@pytest.mark.parametrize(
+    "stages, microbatches, message",
+    [
+        (0, 4, "stages must be a positive integer, got 0"),
+        (2, 0, "microbatches must be a positive integer, got 0"),
+        (-1, 4, "stages must be a positive integer, got -1"),
+        (2.0, 4, "stages must be a positive integer, got 2.0"),
+        (True, 4, "stages must be a positive integer, got True"),
+    ],
+)
+def test_bad_sizes_are_rejected(schedule, stages, microbatches, message):
+    with pytest.raises(ValueError, match=message):
+        schedule(stages, microbatches)
