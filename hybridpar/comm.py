@@ -124,7 +124,7 @@ def _local_slice(flat: Tensor, tp_group: ProcessGroup | None) -> Tensor:
 
 def send(tensors: tuple[Tensor, ...], dst: int, *, channel: int,
          tp_group: ProcessGroup | None = None, grads: bool = False,
-         single: bool = False) -> list[dist.Work]:
+         single: bool = False) -> list[dist.Work | None]:
     """Post the sends of a message to global rank `dst`; returns the works to wait on.
 
     `grads`: the receiver makes the floating tensors leaves that require grad (it will send
@@ -194,7 +194,9 @@ def post_recv(src: int, *, channel: int, tp_group: ProcessGroup | None = None) -
     return PostedRecv(src, channel, tp_group)
 
 
-def _wait(work: dist.Work, timeout: datetime.timedelta | None) -> None:
+def _wait(work: dist.Work | None, timeout: datetime.timedelta | None) -> None:
+    if work is None:  # a send to this rank itself never happens between stages
+        return
     if timeout is None:
         work.wait()
     else:

@@ -158,7 +158,7 @@ class HybridPipe(nn.Module):
             offset += g.numel()
 
     # inference ---------------------------------------------------------------------------
-    def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Inference over the pipeline (no grad); the full output on every rank."""
         inputs = _split_batch(input, self.chunks, "input")
         schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
@@ -179,9 +179,9 @@ class HybridPipe(nn.Module):
             return t
 
         if isinstance(outputs[0], tuple):
-            return tuple(full(torch.cat([o[k] for o in outputs]))  # type: ignore[index]
+            return tuple(full(torch.cat([o[k] for o in outputs]))
                          for k in range(len(outputs[0])))
-        return full(torch.cat(outputs))  # type: ignore[arg-type]
+        return full(torch.cat([o for o in outputs if isinstance(o, Tensor)]))
 
     # state -------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, Tensor]:

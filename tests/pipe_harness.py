@@ -54,7 +54,8 @@ def pipe_worker(model_name: str, model_kwargs: dict, balance, layout, steps: int
     model = MODELS[model_name](**model_kwargs)
     pipe = hybridpar.HybridPipe(model, balance, topology=topo,
                                 loss_fn=nn.functional.cross_entropy, **options)
-    opt = make_optimizer(optimizer, pipe.parameters())
+    # a stage may hold no parameter at all (a lone StashShort); torch optimizers refuse that
+    opt = make_optimizer(optimizer, list(pipe.parameters()) or [nn.Parameter(torch.zeros(1))])
     xs, ys = data(steps, batch * dp)
     losses = []
     rows = batch
@@ -65,3 +66,62 @@ def pipe_worker(model_name: str, model_kwargs: dict, balance, layout, steps: int
         losses.append(pipe.train_step(x, y).item())
         opt.step()
     return {"losses": losses, "state": pipe.consolidated_state_dict()}
+
+
+# a net whose skips jump over stages, with BatchNorm -----------------------------------------
+from torchgpipe.skip import pop, skippable, stash  # noqa: E402
+
+
+@skippable(stash=["long"])
+class StashLong(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.fc(x)
+        yield stash("long", x)
+        return torch.tanh(x)
+
+
+@skippable(stash=["short"])
+class StashShort(nn.Module):
+    def forward(self, x):
+        yield stash("short", x * 2)
+        return x
+
+
+@skippable(pop=["short"])
+class PopShort(nn.Module):
+    def forward(self, x):
+        short = yield pop("short")
+        return x + short
+
+
+@skippable(pop=["long"])
+class PopLong(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        long = yield pop("long")
+        return self.fc(x) + long
+
+
+def skipnet(seed: int = 0, width: int = 8, batch_norm: bool = False,
+            dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        StashLong(width),                                              # 0: stash long
+        nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width)) if batch_norm
+        else nn.Linear(width, width),                                  # 1
+        StashShort(),                                                  # 2: stash short
+        nn.Sequential(nn.Dropout(dropout), nn.Linear(width, width)),   # 3
+        PopShort(),                                                    # 4: pop short
+        PopLong(width),                                                # 5: pop long
+        nn.Linear(width, 3),                                           # 6
+    )
+
+
+MODELS["skipnet"] = skipnet

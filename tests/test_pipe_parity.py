@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from pipe_harness import data, mlp, pipe_worker, reference, skipnet
 
 import hybridpar
-from pipe_harness import data, mlp, pipe_worker, reference
 
 
 def _assert_same(results, ref_losses, ref_state, tol=1e-5):
@@ -24,4 +24,43 @@ def test_mlp_two_stages_matches_one_device(schedule, checkpoint):
     results = hybridpar.spawn(pipe_worker, 2, args=(
         "mlp", {}, [1, 3], (2, 1, 1), steps, batch,
         {"chunks": 4, "schedule": schedule, "checkpoint": checkpoint}), timeout=120)
+    _assert_same(results, ref_losses, ref_state)
+
+
+@pytest.mark.parametrize("layout,balance,schedule", [
+    ((4, 1, 1), [1, 1, 1, 1], "1f1b"),
+    ((2, 1, 2), [2, 2], "gpipe"),
+    ((2, 1, 2), [3, 1], "1f1b"),
+])
+def test_mlp_layouts_match_one_device(layout, balance, schedule):
+    steps, batch = 3, 8
+    dp = layout[2]
+    xs, ys = data(steps, batch * dp)
+    ref_losses, ref_state = reference(mlp(), xs, ys, optimizer="adamw")
+    results = hybridpar.spawn(pipe_worker, layout[0] * layout[1] * dp, args=(
+        "mlp", {}, balance, layout, steps, batch,
+        {"chunks": 4, "schedule": schedule}, "adamw"), timeout=120)
+    _assert_same(results, ref_losses, ref_state)
+
+
+@pytest.mark.parametrize("batch,chunks", [(7, 4), (3, 4), (1, 4)])
+def test_uneven_and_small_batches_match_one_device(batch, chunks):
+    steps = 2
+    xs, ys = data(steps, batch)
+    ref_losses, ref_state = reference(mlp(), xs, ys)
+    results = hybridpar.spawn(pipe_worker, 4, args=(
+        "mlp", {}, [1, 1, 1, 1], (4, 1, 1), steps, batch,
+        {"chunks": chunks, "schedule": "1f1b"}), timeout=120)
+    _assert_same(results, ref_losses, ref_state)
+
+
+@pytest.mark.parametrize("balance", [[1, 6], [2, 2, 3], [1, 1, 1, 4]])
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_skips_across_stages_match_one_device(balance, checkpoint):
+    steps, batch = 3, 8
+    xs, ys = data(steps, batch)
+    ref_losses, ref_state = reference(skipnet(), xs, ys)
+    results = hybridpar.spawn(pipe_worker, len(balance), args=(
+        "skipnet", {}, balance, (len(balance), 1, 1), steps, batch,
+        {"chunks": 4, "schedule": "1f1b", "checkpoint": checkpoint}), timeout=120)
     _assert_same(results, ref_losses, ref_state)

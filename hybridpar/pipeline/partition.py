@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["check_balance", "check_sequential", "free_layers", "materialize", "split", "stage_bounds"]
+__all__ = ["check_balance", "check_sequential", "free_layers", "materialize", "split",
+           "stage_bounds"]
 
 _BALANCE_HINT = ("give one layer count per stage, or use balance='time' / 'size' / 'params' / "
                  "'uniform' (hybridpar.balance_by_time, balance_by_size)")

@@ -1,0 +1,229 @@
+"""Vocab-parallel cross-entropy: the loss of class-sharded logits, never gathering them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.nn import _reduction
+
+from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.tensor_parallel.mappings import group_rank, group_size
+from hybridpar.topology import default_tp_group
+
+__all__ = ["ParallelCrossEntropyLoss", "parallel_cross_entropy"]
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _is_class_sharded(input: Tensor) -> bool:
+    """Whether `input` is tagged as sharded on its last (class) dim: parallel dim -1 or 1."""
+    return get_parallel_dim(input) in (-1, 1)
+
+
+# The sharded algorithm, per row r of logits x (classes c split in contiguous rank-ordered
+# slices [start, stop) of width Cl = stop - start; every rank holds the same target row):
+#
+#   step                                   local work                 communication
+#   1  m_r = max_c x_rc                    max of the slice           all-reduce MAX  (R + tp)
+#      (fused: each rank's width Cl, so every rank learns C and its start)
+#   2  s = x - m                           (R, Cl)                    -
+#   3  S_r = Σ_c exp(s_rc)                 sum of the slice ┐
+#      z_r = s_r,target                    owner picks it, 0 else ├   all-reduce SUM  (R, 2|3)
+#      u_r = Σ_c w_c s_rc  (smoothing)     sum of the slice ┘
+#   4  log p_target = z - log S,  nll_r = -w_target · log p_target
+#      smooth_r = -Σ_c w_c log p_c = -u_r + log S_r · Σ_c w_c            (torch's definition)
+#      loss_r = (1 - ε) nll_r + ε / C · smooth_r,   0 on ignored rows
+#
+# 'mean' divides Σ_r loss_r by D = Σ_r w_target over the rows not ignored (the row count
+# without weights), as torch does for both the nll and the smoothing term. The backward needs
+# no communication: with p = exp(s) / S kept from forward,
+#
+#   ∂loss_r / ∂x_rc = (1 - ε) w_target (p_rc - [c = target]) + ε / C (p_rc Σ_c' w_c' - w_c)
+#
+# scaled by the incoming gradient (divided by D for 'mean'), and 0 on ignored rows.
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits sharded on the last dim; backward is local."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, target: Tensor, weight: Tensor | None,
+                ignore_index: int, reduction: str, label_smoothing: float,
+                group: ProcessGroup | None) -> Tensor:
+        n, rank = group_size(group), group_rank(group)
+        width = logits.shape[-1]
+        # Half precision is computed in float32 (torch's log_softmax accumulates in float too).
+        dtype = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
+        rows = math.prod(logits.shape[:-1])
+        x = logits.detach().reshape(rows, width).to(dtype)          # (R, Cl)
+        t = target.reshape(rows).long()                              # (R,)
+
+        # 1. row max and the widths of every rank, in one MAX all-reduce.
+        head = x.new_zeros(rows + n)
+        if width > 0:
+            head[:rows] = x.amax(dim=-1)
+        else:  # a rank may hold no class at all (3 classes over 4 ranks)
+            head[:rows] = float("-inf")
+        head[rows + rank] = width
+        if n > 1:
+            dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
+        row_max = head[:rows]                                        # (R,)
+        widths = [int(w) for w in head[rows:].tolist()]
+        classes, start = sum(widths), sum(widths[:rank])
+
+        ignored = t == ignore_index                                  # (R,)
+        bad = ~ignored & ((t < 0) | (t >= classes))
+        if bool(bad.any()):
+            raise IndexError(f"Target {int(t[bad][0])} is out of bounds for {classes} classes "
+                             f"(ignore_index={ignore_index})")
+        if weight is not None:
+            if weight.shape != (classes,):
+                raise ValueError(
+                    f"weight has shape {tuple(weight.shape)} but the sharded logits have "
+                    f"{classes} classes in all; give the full ({classes},) class weight on "
+                    "every rank"
+                )
+            weight = weight.detach().to(device=x.device, dtype=dtype)
+            w_target = weight[t.masked_fill(ignored, 0)].masked_fill(ignored, 0.0)  # (R,)
+            w_local = weight[start:start + width]                    # (Cl,)
+            w_total = weight.sum()
+        else:
+            w_target = (~ignored).to(dtype)
+            w_local = None
+            w_total = x.new_tensor(float(classes))
+
+        # 2-3. shifted logits, local sums, the owner's target logit: one SUM all-reduce.
+        shifted = x - row_max.unsqueeze(-1)                          # (R, Cl)
+        exp = shifted.exp()
+        local_t = t - start
+        owns = ~ignored & (local_t >= 0) & (local_t < width)
+        index = torch.where(owns, local_t, 0).unsqueeze(-1)          # (R, 1)
+        picked = shifted.gather(-1, index).squeeze(-1) if width > 0 else x.new_zeros(rows)
+        columns = [exp.sum(dim=-1), torch.where(owns, picked, 0.0)]
+        if label_smoothing > 0:
+            weighted = shifted if w_local is None else shifted * w_local
+            columns.append(weighted.sum(dim=-1))
+        stats = torch.stack(columns, dim=-1)                         # (R, 2 or 3)
+        if n > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        log_sum = stats[:, 0].log()                                  # (R,)
+
+        # 4. the loss of each row, then the reduction.
+        loss = -(stats[:, 1] - log_sum) * w_target
+        if label_smoothing > 0:
+            smooth = -stats[:, 2] + log_sum * w_total
+            loss = (1.0 - label_smoothing) * loss + (label_smoothing / classes) * smooth
+        loss = torch.where(ignored, 0.0, loss)
+        denominator = w_target.sum()
+        if reduction == "none":
+            out = loss.reshape(target.shape)
+        elif reduction == "sum":
+            out = loss.sum()
+        else:
+            out = loss.sum() / denominator
+
+        softmax = exp.div_(stats[:, :1])                             # (R, Cl), in place
+        ctx.save_for_backward(softmax, index, owns, ignored, w_target, denominator,
+                              w_total, w_local if w_local is not None else x.new_ones(()))
+        ctx.smoothing, ctx.classes, ctx.reduction = label_smoothing, classes, reduction
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return out.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        softmax, index, owns, ignored, w_target, denominator, w_total, w_local = ctx.saved_tensors
+        eps, classes = ctx.smoothing, ctx.classes
+        rows = softmax.shape[0]
+        grad = grad.to(softmax.dtype)
+        if ctx.reduction == "none":
+            scale = grad.reshape(rows)                               # (R,)
+        elif ctx.reduction == "sum":
+            scale = grad.expand(rows)
+        else:
+            scale = (grad / denominator).expand(rows)
+
+        nll = (1.0 - eps) * w_target                                 # (R,)
+        # p_c · ((1 - ε) w_target + ε / C · Σ w), minus (1 - ε) w_target at the owned target
+        out = softmax * (nll + (eps / classes) * w_total).unsqueeze(-1)
+        if softmax.shape[1] > 0:
+            out.scatter_add_(-1, index, -(nll * owns).unsqueeze(-1))
+        if eps > 0:
+            out -= (eps / classes) * w_local                        # w_local is 1 unweighted
+        out *= scale.unsqueeze(-1)
+        out = torch.where(ignored.unsqueeze(-1), 0.0, out)           # also hides 0 / 0 of D = 0
+        return out.reshape(ctx.shape).to(ctx.dtype), None, None, None, None, None, None
+
+
+def _check_sharded_target(input: Tensor, target: Tensor) -> None:
+    if target.is_floating_point():
+        raise TypeError(
+            "class-sharded logits take class-index targets (an integer tensor); probability "
+            "targets are supported only for untagged (replicated) logits"
+        )
+    if target.shape != input.shape[:-1]:
+        raise ValueError(
+            f"class-sharded logits of shape {tuple(input.shape)} (classes last, (*, C / tp)) "
+            f"need a target of shape {tuple(input.shape[:-1])}, got {tuple(target.shape)}"
+        )
+
+
+def parallel_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None,
+                           size_average: bool | None = None, ignore_index: int = -100,
+                           reduce: bool | None = None, reduction: str = "mean",
+                           label_smoothing: float = 0.0, *,
+                           group: ProcessGroup | None = None) -> Tensor:
+    """`F.cross_entropy` that also takes logits sharded over the classes of a tp group.
+
+    Untagged logits: exactly ``F.cross_entropy`` (classes on dim 1, probability targets, any
+    shape torch takes); no `hybridpar.init` needed. Logits tagged with parallel dim -1 (or 1),
+    as a column-parallel layer leaves them, are ``(*, C / tp)`` with the classes LAST, each rank
+    holding a contiguous slice of the C classes in rank order (uneven slices allowed); the
+    target holds class indices of shape ``(*)``, equal on every rank. The result equals
+    ``F.cross_entropy(full.reshape(-1, C), target.reshape(-1), ...)`` (reshaped back for
+    ``reduction='none'``), and so does the gradient slice; the logits are never gathered.
+    `weight` is the full ``(C,)`` class weight on every rank. `group` defaults to the tensor
+    parallel group of `hybridpar.init`.
+    """
+    if not _is_class_sharded(input):
+        return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce,
+                               reduction, label_smoothing)
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction; "
+                         f"use one of {', '.join(_REDUCTIONS)}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    if input.dim() < 1:
+        raise ValueError("class-sharded logits need at least one dim (the classes, last)")
+    _check_sharded_target(input, target)
+    if group is None:
+        group = default_tp_group()
+    return _VocabParallelCrossEntropy.apply(input, target, weight, ignore_index, reduction,
+                                            float(label_smoothing), group)
+
+
+class ParallelCrossEntropyLoss(nn.CrossEntropyLoss):
+    """`nn.CrossEntropyLoss` that also takes class-sharded logits (see `parallel_cross_entropy`).
+
+    Same arguments as ``nn.CrossEntropyLoss``, plus the keyword-only tp `group` (default: the
+    group of `hybridpar.init`, read only when the logits are class-sharded).
+    """
+
+    def __init__(self, weight: Tensor | None = None, size_average: bool | None = None,
+                 ignore_index: int = -100, reduce: bool | None = None,
+                 reduction: str = "mean", label_smoothing: float = 0.0, *,
+                 group: ProcessGroup | None = None) -> None:
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.group = group
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return parallel_cross_entropy(input, target, self.weight, ignore_index=self.ignore_index,
+                                      reduction=self.reduction,
+                                      label_smoothing=self.label_smoothing, group=self.group)
