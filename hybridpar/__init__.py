@@ -2,10 +2,23 @@
 
 from torchgpipe.checkpoint import is_checkpointing, is_recomputing
 
+from hybridpar import nn
 from hybridpar.comm import comm_stats, reset_comm_stats
 from hybridpar.launch import SpawnError, SpawnTimeout, spawn
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.executor import PipelineError, current_microbatch
+from hybridpar.tensor_parallel.attrs import (
+    get_parallel_dim,
+    register_parallel_attribute,
+    register_parallel_dim,
+)
+from hybridpar.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
+from hybridpar.tensor_parallel.state import (
+    collect_state_dict,
+    register_ddp_parameters_to_ignore,
+    relocate_state_dict,
+    slice,
+)
 from hybridpar.topology import ParallelDims, Topology, current_topology, init, shutdown
 
 __version__ = "0.1.0"
@@ -18,13 +31,23 @@ __all__ = [
     "SpawnTimeout",
     "Topology",
     "__version__",
+    "collect_state_dict",
     "comm_stats",
     "current_microbatch",
     "current_topology",
+    "get_parallel_dim",
+    "get_rng_tracker",
     "init",
     "is_checkpointing",
     "is_recomputing",
+    "model_parallel_manual_seed",
+    "nn",
+    "register_ddp_parameters_to_ignore",
+    "register_parallel_attribute",
+    "register_parallel_dim",
+    "relocate_state_dict",
     "reset_comm_stats",
     "shutdown",
+    "slice",
     "spawn",
 ]

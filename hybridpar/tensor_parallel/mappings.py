@@ -161,7 +161,8 @@ class _GatherFromGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return split_along(grad, ctx.dim, ctx.group, length=ctx.length).contiguous(), None, None, None
+        grad = split_along(grad, ctx.dim, ctx.group, length=ctx.length).contiguous()
+        return grad, None, None, None
 
 
 class _ReduceScatterGroup(torch.autograd.Function):

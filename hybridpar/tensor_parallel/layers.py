@@ -1,0 +1,314 @@
+"""ParallelLinear, ParallelEmbedding and RegisterParallelDim: torchshard's layers, same numbers.
+
+Each layer holds this rank's shard of the full weight:
+
+    layer               dim      weight (local)      bias (local)    output
+    ParallelLinear      None     (out, in)           (out,)          (*, out)
+                        1 / -1   (out / tp, in)      (out / tp,)     (*, out / tp), tag -1
+                        0        (out, in / tp)      (out,) full     (*, out)
+    ParallelEmbedding   None     (V, D)              -               (*, D)
+                        0        (V_r, D)            -               (*, D)
+                        1 / -1   (V, D_r)            -               (*, D)
+
+Same numbers as one device: a layer built under a seed initializes the FULL tensors exactly
+as `nn.Linear` / `nn.Embedding` would (a temporary full layer consumes the RNG the same way)
+and keeps its slice, so with the same `torch.manual_seed` on every rank the shards together
+are the plain layer's tensors, and the RNG stream afterwards is the same too. On the meta
+device nothing is initialized and no random number is drawn; after ``to_empty``, call
+``reset_parameters()`` under the seed (or load a state dict).
+
+Parameters carry their tags (`attrs`) and full shape (`state.FULL_SHAPE_ATTR`), which
+`state.collect_state_dict` / `relocate_state_dict` and `init.shard_init_helper_` read. The
+tags are restored after ``copy.deepcopy`` and ``module.to_empty`` / ``.to`` (which may
+replace the Parameter objects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from hybridpar.tensor_parallel.attrs import register_parallel_attribute, register_parallel_dim
+from hybridpar.tensor_parallel.functional import (
+    check_parallel_dim,
+    parallel_embedding,
+    parallel_linear,
+)
+from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_sizes
+from hybridpar.tensor_parallel.state import register_full_shape, shard_of
+from hybridpar.topology import default_tp_group
+
+__all__ = ["ParallelEmbedding", "ParallelLinear", "RegisterParallelDim"]
+
+
+class _GroupRef:
+    """Holds a process group; deep copies share it (a ProcessGroup cannot be copied)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _GroupRef:
+        return self
+
+
+class _ParallelLayer(nn.Module):
+    """What the parallel layers share: the group, tags kept on their Parameters."""
+
+    dim: int | None
+    _group_ref: _GroupRef
+
+    def _setup_group(self, dim: int | None, group: ProcessGroup | None, what: str) -> None:
+        check_parallel_dim(dim, what)
+        self.dim = dim
+        if dim is not None and group is None:
+            group = default_tp_group()  # RuntimeError before hybridpar.init
+        self._group_ref = _GroupRef(group if dim is not None else None)
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        """The tp group the weight is sharded over (None when dim is None)."""
+        return self._group_ref.group
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def tp_rank(self) -> int:
+        return group_rank(self.group)
+
+    def _tag_parameters(self) -> None:
+        raise NotImplementedError
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._tag_parameters()  # deepcopy / pickle build new Parameters without attributes
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
+        out = super()._apply(fn, recurse)
+        self._tag_parameters()  # to_empty / to may swap in new Parameter objects
+        return out
+
+
+class ParallelLinear(_ParallelLayer):
+    """`nn.Linear` whose weight is split over the tp group by output (dim=1 / -1) or input (0).
+
+    dim=None is a plain `nn.Linear`. Column-parallel (dim=1 / -1): rows of the weight and
+    the bias; the output holds ``out_features / tp`` features, tagged parallel dim -1.
+    Row-parallel (dim=0): columns of the weight, the full bias added after the all-reduce;
+    the input may be full (split here) or tagged -1 (used as is); the output is full.
+    The sharded features must divide by tp.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 dim: int | None = None, *, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self._setup_group(dim, group, "ParallelLinear")
+        self.in_features = in_features
+        self.out_features = out_features
+        tp = self.tp_size
+        sharded = {None: None, 0: ("in_features", in_features),
+                   1: ("out_features", out_features), -1: ("out_features", out_features)}[dim]
+        if sharded is not None and sharded[1] % tp != 0:
+            raise ValueError(
+                f"ParallelLinear(in_features={in_features}, out_features={out_features}, "
+                f"dim={dim}): {sharded[0]}={sharded[1]} is not divisible by the tp size {tp}; "
+                f"choose {sharded[0]} as a multiple of {tp}, or change tp or dim"
+            )
+        column = dim in (1, -1)
+        w_shape = ((out_features // tp, in_features) if column else
+                   (out_features, in_features // tp) if dim == 0 else
+                   (out_features, in_features))
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(w_shape, **kw))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // tp if column else
+                                                 out_features, **kw))
+        else:
+            self.register_parameter("bias", None)
+        self._tag_parameters()
+        self.reset_parameters()
+
+    def _tag_parameters(self) -> None:
+        # order type 0: the weight (out, in) is read reversed, as (in, out)
+        column = self.dim in (1, -1)
+        w_dim = -1 if column else self.dim
+        register_parallel_attribute(self.weight, w_dim, 0)
+        register_full_shape(self.weight, (self.out_features, self.in_features))
+        if self.bias is not None:
+            register_parallel_attribute(self.bias, -1 if column else None, 0)
+            register_full_shape(self.bias, (self.out_features,))
+
+    def reset_parameters(self) -> None:
+        """Re-initialize as `nn.Linear` would the full layer, keeping this rank's slice."""
+        if self.weight.is_meta:
+            return
+        full = nn.Linear(self.in_features, self.out_features, self.bias is not None,
+                         device=self.weight.device, dtype=self.weight.dtype)
+        self._load_full(full.weight, full.bias)
+
+    def _load_full(self, weight: Tensor, bias: Tensor | None) -> None:
+        with torch.no_grad():
+            self.weight.copy_(shard_of(weight, self.weight, self.group))
+            if self.bias is not None and bias is not None:
+                self.bias.copy_(shard_of(bias, self.bias, self.group))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return parallel_linear(x, self.weight, self.bias, self.dim, group=self.group)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, dim={self.dim}")
+
+    @classmethod
+    def convert_parallel_linear(cls, module: nn.Module, dim: int | None = None, *,
+                                group: ProcessGroup | None = None) -> nn.Module:
+        """Replace every `nn.Linear` in `module` (recursively) by a `ParallelLinear` slice of it.
+
+        Values are kept (each new layer holds its slice of the old weight and bias) and no
+        random number is drawn. Returns `module`, or a new layer when `module` is itself an
+        `nn.Linear`. The children of `nn.MultiheadAttention` are left alone (it reads its
+        ``out_proj`` weight directly instead of calling it).
+        """
+        if isinstance(module, nn.Linear):
+            old_w, old_b = module.weight, module.bias
+            new = cls(module.in_features, module.out_features, old_b is not None, dim,
+                      group=group, device="meta", dtype=old_w.dtype)
+            if not old_w.is_meta:
+                new.to_empty(device=old_w.device)
+                new._load_full(old_w, old_b)
+            new.weight.requires_grad_(old_w.requires_grad)
+            if new.bias is not None and old_b is not None:
+                new.bias.requires_grad_(old_b.requires_grad)
+            new.train(module.training)
+            return new
+        if isinstance(module, nn.MultiheadAttention):
+            return module
+        for name, child in module.named_children():
+            converted = cls.convert_parallel_linear(child, dim, group=group)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+
+class ParallelEmbedding(_ParallelLayer):
+    """`nn.Embedding` whose table is split over the tp group by vocabulary (0) or features.
+
+    dim=None is a plain `nn.Embedding`. Vocab-parallel (dim=0): each rank holds rows
+    ``shard_range(num_embeddings, tp, rank)`` (uneven allowed) and looks up the ids it owns;
+    the partial outputs are all-reduced. Feature-parallel (dim=1 / -1): each rank holds
+    columns ``shard_range(embedding_dim, tp, rank)``; the output is all-gathered. Both give
+    full, untagged outputs. `max_norm` works with dim None and 0 only.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False,
+                 _weight: Tensor | None = None, dim: int | None = None, *,
+                 _freeze: bool = False, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self._setup_group(dim, group, "ParallelEmbedding")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx={padding_idx} must be within the vocabulary "
+                                 f"[-{num_embeddings}, {num_embeddings})")
+            padding_idx %= num_embeddings
+        if max_norm is not None and dim in (1, -1):
+            raise NotImplementedError(
+                "ParallelEmbedding(max_norm=..., dim=-1): max_norm renormalizes each row by "
+                "its full norm, which a column shard does not hold; use dim=0 (vocab "
+                "parallel) or dim=None, or drop max_norm"
+            )
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        tp, rank = self.tp_size, self.tp_rank
+        shape = [num_embeddings, embedding_dim]
+        if dim is not None:
+            shape[0 if dim == 0 else 1] = shard_sizes(shape[0 if dim == 0 else 1], tp)[rank]
+        if _weight is None:
+            self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype),
+                                       requires_grad=not _freeze)
+            self._tag_parameters()
+            self.reset_parameters()
+        else:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected the full "
+                                 f"table ({num_embeddings}, {embedding_dim})")
+            # as nn.Embedding: dim=None uses the given tensor itself; shards are copies
+            weight = _weight if dim is None else torch.empty(
+                shape, device=_weight.device, dtype=_weight.dtype)
+            self.weight = nn.Parameter(weight, requires_grad=not _freeze)
+            self._tag_parameters()
+            if dim is not None:
+                with torch.no_grad():
+                    self.weight.copy_(shard_of(_weight, self.weight, self.group))
+
+    def _tag_parameters(self) -> None:
+        # order type 1: the table (V, D) is read as is; dim 0 = vocabulary, -1 = features
+        register_parallel_attribute(self.weight, -1 if self.dim == 1 else self.dim, 1)
+        register_full_shape(self.weight, (self.num_embeddings, self.embedding_dim))
+
+    def reset_parameters(self) -> None:
+        """Re-initialize as `nn.Embedding` would (N(0, 1), padding row zero), keep the slice."""
+        if self.weight.is_meta:
+            return
+        full = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx,
+                            device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(shard_of(full.weight, self.weight, self.group))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return parallel_embedding(
+            x, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+            self.scale_grad_by_freq, self.sparse, num_embeddings=self.num_embeddings,
+            dim=self.dim, embedding_dim=self.embedding_dim, group=self.group)
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.max_norm is not None:
+            s += f", max_norm={self.max_norm}"
+        if self.norm_type != 2.0:
+            s += f", norm_type={self.norm_type}"
+        if self.scale_grad_by_freq:
+            s += ", scale_grad_by_freq=True"
+        if self.sparse:
+            s += ", sparse=True"
+        return s + f", dim={self.dim}"
+
+
+class RegisterParallelDim(nn.Module):
+    """Tag its input as sharded on `dim` (None, 0, 1, -1) and return the same tensor object.
+
+    Elementwise ops drop the tag; put this after them, e.g. between a column-parallel and a
+    row-parallel `ParallelLinear`: ``Linear(dim=-1), ReLU(), RegisterParallelDim(-1),
+    Linear(dim=0)``.
+    """
+
+    def __init__(self, dim: int | None = None) -> None:
+        super().__init__()
+        check_parallel_dim(dim, "RegisterParallelDim")
+        self.dim = dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        register_parallel_dim(x, self.dim)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
