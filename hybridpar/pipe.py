@@ -173,15 +173,18 @@ class HybridPipe(nn.Module):
         return box[0]
 
     def _gather_outputs(self, outputs: list[TensorOrTensors]) -> TensorOrTensors:
-        def full(t: Tensor) -> Tensor:
-            if get_parallel_dim(t) in (-1, 1) and self.topology.tp > 1:
-                return all_gather_along(t, -1, self.topology.tp_group)
-            return t
+        """Concatenate the micro-batch outputs; all-gather class-sharded ones over tp."""
+
+        def full(parts: list[Tensor]) -> Tensor:
+            whole = torch.cat(parts)  # cat drops the tag: read it from a part
+            if get_parallel_dim(parts[0]) in (-1, 1) and self.topology.tp > 1:
+                return all_gather_along(whole, -1, self.topology.tp_group)
+            return whole
 
         if isinstance(outputs[0], tuple):
-            return tuple(full(torch.cat([o[k] for o in outputs]))
+            return tuple(full([o[k] for o in outputs if isinstance(o, tuple)])
                          for k in range(len(outputs[0])))
-        return full(torch.cat([o for o in outputs if isinstance(o, Tensor)]))
+        return full([o for o in outputs if isinstance(o, Tensor)])
 
     # state -------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, Tensor]:

@@ -1,0 +1,270 @@
+"""HybridPipe's torchgpipe promises across processes: dropout replay, deferred BatchNorm,
+is_recomputing, current_microbatch, live activations per schedule, exact P2P bytes, meta models,
+layout-free names and inference."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hybridpar
+from pipe_harness import data, mlp, pipe_worker, reference, skipnet
+
+# dropout -------------------------------------------------------------------------------------
+
+
+def test_dropout_on_one_stage_matches_the_plain_model_bit_for_bit():
+    steps, batch = 3, 8
+    xs, ys = data(steps, batch)
+    ref_losses, ref_state = reference(mlp(dropout=0.3), xs, ys)
+    (result,) = hybridpar.spawn(pipe_worker, 1, args=(
+        "mlp", {"dropout": 0.3}, [4], (1, 1, 1), steps, batch, {"checkpoint": "always"}),
+        timeout=60)
+    assert result["losses"] == ref_losses
+    for k, v in ref_state.items():
+        assert torch.equal(result["state"][k], v), k
+
+
+def test_dropout_masks_replay_exactly_under_every_checkpoint_mode_and_schedule():
+    runs = {}
+    for checkpoint in ("always", "except_last", "never"):
+        for schedule in ("gpipe", "1f1b"):
+            runs[checkpoint, schedule] = hybridpar.spawn(pipe_worker, 2, args=(
+                "mlp", {"dropout": 0.3}, [2, 2], (2, 1, 1), 3, 8,
+                {"chunks": 4, "checkpoint": checkpoint, "schedule": schedule}), timeout=60)[0]
+    # Within a schedule the checkpoint modes agree bit for bit; across schedules the
+    # gradients accumulate in another micro-batch order, so they agree to rounding.
+    for (checkpoint, schedule), run in runs.items():
+        same = runs["never", schedule]
+        assert run["losses"] == same["losses"], (checkpoint, schedule)
+        for k, v in same["state"].items():
+            assert torch.equal(run["state"][k], v), (checkpoint, schedule, k)
+    gpipe, one_f_one_b = runs["never", "gpipe"], runs["never", "1f1b"]
+    assert gpipe["losses"] == pytest.approx(one_f_one_b["losses"], abs=1e-6)
+
+
+# deferred BatchNorm ----------------------------------------------------------------------------
+
+
+def _bn_reference(model, xs, ys, chunks):
+    """Per-micro-batch normalization, running statistics of the whole mini-batch."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in zip(xs, ys):
+        buffers = {k: v.clone() for k, v in model.named_buffers()}
+        opt.zero_grad()
+        loss = sum(nn.functional.cross_entropy(model(xc), yc) * len(xc) / len(x)
+                   for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)))
+        loss.backward()
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(buffers[k])
+            model(x)  # one update of the running statistics by the whole mini-batch
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_deferred_batch_norm_tracks_the_whole_mini_batch(checkpoint):
+    steps, batch, chunks = 3, 12, 3
+    xs, ys = data(steps, batch)
+    ref_losses, ref_state = _bn_reference(skipnet(batch_norm=True), xs, ys, chunks)
+    results = hybridpar.spawn(pipe_worker, 2, args=(
+        "skipnet", {"batch_norm": True}, [2, 5], (2, 1, 1), steps, batch,
+        {"chunks": chunks, "deferred_batch_norm": True, "checkpoint": checkpoint}), timeout=60)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
+        assert list(r["state"]) == list(ref_state)  # no extra buffers in the state dict
+        for k, v in ref_state.items():
+            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+    assert results[0]["state"]["1.1.num_batches_tracked"].item() == steps
+
+
+# is_recomputing, current_microbatch, live activations ------------------------------------------
+
+
+class Probe(nn.Module):
+    """Counts forwards, records the flags it sees and the micro-batches alive on its stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.forwards = 0
+        self.flags = []
+        self.keys = {}
+        self.live = 0
+        self.max_live = 0
+
+    def forward(self, x):
+        import torchgpipe
+
+        self.flags.append((hybridpar.is_recomputing(), torchgpipe.is_recomputing(),
+                           hybridpar.is_checkpointing(), torchgpipe.is_checkpointing()))
+        key = hybridpar.current_microbatch()
+        self.keys.setdefault(id(key), 0)
+        self.keys[id(key)] += 1
+        if not hybridpar.is_recomputing():
+            self.forwards += 1
+        return _Live.apply(x, self) if torch.is_grad_enabled() else x
+
+
+class _Live(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probe):
+        ctx.probe = probe
+        probe.live += 1
+        probe.max_live = max(probe.max_live, probe.live)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.probe.live -= 1
+        return grad, None
+
+
+def _probe_worker(pp, schedule, checkpoint, chunks):
+    topo = hybridpar.init(pp=pp, timeout=60)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(pp):
+        layers += [nn.Linear(4, 4), Probe()]
+    pipe = hybridpar.HybridPipe(nn.Sequential(*layers), [2] * pp, chunks=chunks, topology=topo,
+                                schedule=schedule, checkpoint=checkpoint,
+                                loss_fn=lambda out, y: (out - y).pow(2).mean())
+    probe = pipe.partition[1]
+    pipe.train_step(torch.randn(2 * chunks, 4), torch.randn(2 * chunks, 4))
+    return {"forwards": probe.forwards, "max_live": probe.max_live, "live": probe.live,
+            "flags": [list(f) for f in probe.flags], "keys": sorted(probe.keys.values())}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_live_microbatches_per_stage_follow_the_schedule(schedule):
+    pp, m = 4, 6
+    results = hybridpar.spawn(_probe_worker, pp, args=(pp, schedule, "never", m), timeout=60)
+    expected = [m] * pp if schedule == "gpipe" else [min(pp - s, m) for s in range(pp)]
+    assert [r["max_live"] for r in results] == expected
+    assert all(r["live"] == 0 for r in results)
+
+
+def test_recomputation_is_detected_and_counts_each_microbatch_once():
+    m = 3
+    results = hybridpar.spawn(_probe_worker, 2, args=(2, "1f1b", "always", m), timeout=60)
+    for r in results:
+        assert r["forwards"] == m
+        # first forwards are checkpointing, the recomputations are recomputing
+        assert r["flags"].count([False, False, True, True]) == m
+        assert r["flags"].count([True, True, False, False]) == m
+        assert r["keys"] == [2] * m  # current_microbatch: one object per micro-batch, seen twice
+        assert r["max_live"] == 1  # checkpointing keeps no micro-batch's activations alive
+
+
+def test_except_last_recomputes_all_but_the_last_microbatch():
+    m = 4
+    (r0, r1) = hybridpar.spawn(_probe_worker, 2, args=(2, "gpipe", "except_last", m), timeout=60)
+    assert r0["forwards"] == m
+    assert sum(f[0] for f in r0["flags"]) == m - 1
+
+
+# exact communication ---------------------------------------------------------------------------
+
+
+def _bytes_worker(tp, chunks, batch, width):
+    topo = hybridpar.init(pp=2, tp=tp, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+    pipe = hybridpar.HybridPipe(model, [1, 1], chunks=chunks, topology=topo,
+                                loss_fn=lambda out, y: (out - y).pow(2).mean())
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    pipe.train_step(x, y)  # warm-up: the counters count one whole step after it
+    hybridpar.reset_comm_stats()
+    pipe.train_step(x, y)
+    return hybridpar.comm_stats()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_p2p_bytes_per_step_are_b_h_per_microbatch_divided_by_tp(tp):
+    chunks, batch, width = 4, 8, 6
+    results = hybridpar.spawn(_bytes_worker, 2 * tp, args=(tp, chunks, batch, width), timeout=60)
+    payload = batch * width * 4 // tp  # fp32: b*h per boundary per step, 1/tp with scatter-gather
+    for rank, stats in enumerate(results):
+        assert stats["p2p_send"]["bytes"] == payload, rank  # activations out, or gradients back
+        assert stats["p2p_send"]["calls"] == chunks
+        assert stats["p2p_recv"]["bytes"] == payload
+        if tp > 1:  # the receiver re-assembles each micro-batch inside its tp group
+            assert stats["all_gather"]["calls"] == chunks
+
+
+# construction, names, inference ------------------------------------------------------------------
+
+
+def _meta_worker():
+    topo = hybridpar.init(pp=2, timeout=60)
+    with torch.device("meta"):
+        model = mlp()
+    pipe = hybridpar.HybridPipe(model, [2, 2], chunks=2, topology=topo,
+                                loss_fn=nn.functional.cross_entropy)
+    others = [p.is_meta for i, layer in enumerate(model) if i // 2 != topo.pp_rank
+              for p in layer.parameters()]
+    loss = pipe.train_step(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+    return {"names": [n for n, _ in pipe.named_parameters()], "others_freed": all(others),
+            "local_on_cpu": all(p.device.type == "cpu" for p in pipe.parameters()),
+            "loss": loss.item()}
+
+
+def test_a_meta_built_model_is_materialized_only_for_the_local_stage():
+    r0, r1 = hybridpar.spawn(_meta_worker, 2, timeout=60)
+    assert r0["names"] == ["0.0.weight", "0.0.bias", "1.0.weight", "1.0.bias"]
+    assert r1["names"] == ["2.0.weight", "2.0.bias", "3.weight", "3.bias"]
+    assert r0["others_freed"] and r1["others_freed"]
+    assert r0["local_on_cpu"] and r1["local_on_cpu"]
+    assert r0["loss"] == r1["loss"] and r0["loss"] == r0["loss"]  # finite, shared
+
+
+def _inference_worker(pp, chunks):
+    topo = hybridpar.init(pp=pp, timeout=60)
+    pipe = hybridpar.HybridPipe(skipnet(), [7 // pp + (1 if s < 7 % pp else 0) for s in range(pp)],
+                                chunks=chunks, topology=topo)
+    return pipe(data(1, 10)[0][0])
+
+
+@pytest.mark.parametrize("pp", [1, 3])
+def test_inference_returns_the_full_output_on_every_rank(pp):
+    expected = skipnet()(data(1, 10)[0][0])
+    for out in hybridpar.spawn(_inference_worker, pp, args=(pp, 4), timeout=60):
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
+def _clip_worker():
+    topo = hybridpar.init(pp=2, timeout=60)
+    pipe = hybridpar.HybridPipe(mlp(), [2, 2], chunks=2, topology=topo,
+                                loss_fn=nn.functional.cross_entropy)
+    x, y = data(1, 8)
+    pipe.train_step(x[0], y[0])
+    norm = pipe.clip_grad_norm_(0.1)
+    return {"norm": norm.item(), "state": {n: p.grad for n, p in pipe.named_parameters()}}
+
+
+def test_clip_grad_norm_uses_the_global_norm_over_all_stages():
+    model = mlp()
+    x, y = data(1, 8)
+    nn.functional.cross_entropy(model(x[0]), y[0]).backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for r in hybridpar.spawn(_clip_worker, 2, timeout=60):
+        assert r["norm"] == pytest.approx(norm.item(), rel=1e-5)
+        for n, g in r["state"].items():
+            torch.testing.assert_close(g, grads[n], atol=1e-6, rtol=0)
+
+
+def test_pipe_does_not_copy_the_users_modules():
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    (names,) = hybridpar.spawn(_names_worker, 1, timeout=60)
+    assert names == list(before)
+
+
+def _names_worker():
+    topo = hybridpar.init(timeout=60)
+    pipe = hybridpar.HybridPipe(mlp(), [4], topology=topo)
+    return list(pipe.state_dict())
