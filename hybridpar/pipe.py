@@ -78,7 +78,7 @@ class HybridPipe(nn.Module):
         if tp_plan is not None:
             from hybridpar.tensor_parallel.plan import apply_tp_plan
 
-            module = apply_tp_plan(module, tp_plan, group=topo.tp_group)
+            module = check_sequential(apply_tp_plan(module, tp_plan, group=topo.tp_group))
         counts = check_balance(module, balance, topo.pp)
         routes = skip_routes(module, counts)
         if deferred_batch_norm:

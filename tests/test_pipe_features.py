@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import hybridpar
+
 from pipe_harness import data, mlp, pipe_worker, reference, skipnet
 
 # dropout -------------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ def test_recomputation_is_detected_and_counts_each_microbatch_once():
 
 def test_except_last_recomputes_all_but_the_last_microbatch():
     m = 4
-    (r0, r1) = hybridpar.spawn(_probe_worker, 2, args=(2, "gpipe", "except_last", m), timeout=60)
+    r0, _ = hybridpar.spawn(_probe_worker, 2, args=(2, "gpipe", "except_last", m), timeout=60)
     assert r0["forwards"] == m
     assert sum(f[0] for f in r0["flags"]) == m - 1
 

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from pipe_harness import data, mlp, pipe_worker, reference, skipnet
 
 import hybridpar
+
+from pipe_harness import data, mlp, pipe_worker, reference, skipnet
 
 
 def _assert_same(results, ref_losses, ref_state, tol=1e-5):
