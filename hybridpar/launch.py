@@ -66,7 +66,7 @@ def _child(fn: Callable[..., Any], args: Sequence[Any], rank: int, env: dict[str
     try:
         value = fn(*args)
         results.put((rank, True, _encode(value)))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException:  # every failure, even SystemExit, must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         import torch.distributed as dist
@@ -77,7 +77,7 @@ def _child(fn: Callable[..., Any], args: Sequence[Any], rank: int, env: dict[str
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - the child is exiting anyway
+            except Exception:  # the child is exiting anyway
                 pass
 
 
