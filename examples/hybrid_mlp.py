@@ -32,5 +32,8 @@ def train(steps: int = 60) -> float:
 
 
 if __name__ == "__main__":
-    losses = hybridpar.spawn(train, 4, timeout=600)
+    import sys
+
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+    losses = hybridpar.spawn(train, 4, args=(steps,), timeout=600)
     print(f"final loss {losses[0]:.4f} (same on every rank: {len(set(losses)) == 1})")

@@ -75,10 +75,12 @@ class HybridPipe(nn.Module):
                              f", got {checkpoint!r}")
         self.schedule_fn = get_schedule(schedule)
         topo = topology if topology is not None else current_topology()
+        self.tp_plan_decisions: list[str] = []
         if tp_plan is not None:
-            from hybridpar.tensor_parallel.plan import apply_tp_plan
+            from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
 
             module = check_sequential(apply_tp_plan(module, tp_plan, group=topo.tp_group))
+            self.tp_plan_decisions = plan_decisions(module)
         counts = check_balance(module, balance, topo.pp)
         routes = skip_routes(module, counts)
         if deferred_batch_norm:

@@ -209,6 +209,8 @@ def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None
         if backend is None:
             backend = os.environ.get("HYBRIDPAR_BACKEND") or (
                 "nccl" if torch.cuda.is_available() else "gloo")
+        # A bad layout fails here, on every rank alike, before any rank connects to another.
+        ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=pp, tp=tp, dp=dp)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=wait)

@@ -111,3 +111,25 @@ def test_a_stage_that_fails_brings_the_job_down_promptly_with_its_error():
     assert "stage 0" in info.value.trace and "F(0)" in info.value.trace
     assert "returned dict; a stage must return a Tensor or a tuple of Tensors" in info.value.trace
     assert time.monotonic() - start < 30  # far below the 300 s wait timeout
+
+
+def _stage_zero_stalls():
+    topo = hybridpar.init(pp=2, timeout=2)
+    pipe = hybridpar.HybridPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1],
+                                topology=topo, loss_fn=lambda out, y: out.sum())
+    if topo.pp_rank == 0:
+        time.sleep(6)  # never sends within the 2 s timeout
+        return "stalled"
+    start = time.monotonic()
+    try:
+        pipe.train_step(torch.randn(2, 2), torch.zeros(2))
+    except hybridpar.PipelineError as e:
+        return [time.monotonic() - start, str(e)]
+    return "no error"
+
+
+def test_a_wait_past_the_topology_timeout_names_the_stage_microbatch_and_peer():
+    _, (waited, message) = hybridpar.spawn(_stage_zero_stalls, 2, timeout=60)
+    assert waited < 5
+    assert ("stage 1 (rank 1) gave up waiting for the activation of micro-batch 0 from rank 0"
+            in message)

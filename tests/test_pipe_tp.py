@@ -78,3 +78,28 @@ def test_tensor_parallel_dropout_masks_equal_the_single_device_ones():
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         for k, v in ref_state.items():
             torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+
+
+def _load_worker(layout, balance, state):
+    pp, tp, dp = layout
+    topo = hybridpar.init(pp=pp, tp=tp, dp=dp, timeout=60)
+    torch.manual_seed(123)  # other weights: everything must come from the loaded state
+    pipe = hybridpar.HybridPipe(gpt(**SMALL, tp=tp), balance, topology=topo, chunks=2)
+    pipe.load_consolidated_state_dict(state)
+    x, _ = _batches(BATCH)[0]
+    return {"state": pipe.consolidated_state_dict(), "out": pipe(x)}
+
+
+@pytest.mark.parametrize("layout,balance", [((2, 2, 1), [3, 2]), ((1, 4, 1), [5])])
+def test_a_consolidated_state_dict_loads_into_any_layout(layout, balance):
+    _, _, trained = _reference(0.0)
+    torch.manual_seed(0)
+    plain = gpt(**SMALL)
+    plain.load_state_dict(trained)
+    x, _ = _batches(BATCH)[0]
+    expected = plain(x)
+    world = layout[0] * layout[1] * layout[2]
+    for r in hybridpar.spawn(_load_worker, world, args=(layout, balance, trained), timeout=120):
+        for k, v in trained.items():
+            assert torch.equal(r["state"][k], v), k
+        torch.testing.assert_close(r["out"], expected, atol=1e-5, rtol=0)

@@ -33,6 +33,7 @@ from hybridpar import comm
 from hybridpar.pipeline.checkpoint import RNGReplay, is_checkpointed
 from hybridpar.pipeline.schedule import Action
 from hybridpar.pipeline.skip import SkipRoute, StageSkipTracker
+from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 
 __all__ = ["PipelineError", "StageExecutor", "StageSpec", "current_microbatch"]
 
@@ -303,4 +304,9 @@ class StageExecutor:
 
 
 def _grad_or_zeros(t: Tensor) -> Tensor:
-    return t.grad if t.grad is not None else torch.zeros_like(t)
+    """The gradient of a received tensor, sharded like it (so it never travels scattered)."""
+    grad = t.grad if t.grad is not None else torch.zeros_like(t)
+    tag = get_parallel_dim(t)
+    if tag is not None:
+        register_parallel_dim(grad, tag)
+    return grad

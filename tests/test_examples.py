@@ -1,0 +1,16 @@
+"""The examples run as a user runs them and do what they say."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_hybrid_mlp_example_trains_on_four_ranks():
+    out = subprocess.run([sys.executable, "examples/hybrid_mlp.py", "30"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    assert losses[0] > 1.0 and losses[-1] < 0.1 * losses[0], out
+    assert "same on every rank: True" in out
