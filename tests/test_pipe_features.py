@@ -269,3 +269,92 @@ def _names_worker():
     topo = hybridpar.init(timeout=60)
     pipe = hybridpar.HybridPipe(mlp(), [4], topology=topo)
     return list(pipe.state_dict())
+
+
+# saved activations, measured with saved-tensor hooks ----------------------------------------
+
+
+def _saved_bytes_worker(pp, schedule, checkpoint, chunks):
+    import weakref
+
+    topo = hybridpar.init(pp=pp, timeout=60)
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(pp)]
+    pipe = hybridpar.HybridPipe(nn.Sequential(*layers), [1] * pp, chunks=chunks, topology=topo,
+                                schedule=schedule, checkpoint=checkpoint,
+                                loss_fn=lambda out, y: (out - y).pow(2).mean())
+    params = {id(p) for p in pipe.parameters()}
+    live, peak = [0], [0]
+
+    class Saved:
+        def __init__(self, t):
+            self.t = t
+
+    def pack(t):
+        handle = Saved(t)
+        if id(t) not in params:  # activations only
+            nbytes = t.numel() * t.element_size()
+            live[0] += nbytes
+            peak[0] = max(peak[0], live[0])
+            weakref.finalize(handle, lambda: live.__setitem__(0, live[0] - nbytes))
+        return handle
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
+        pipe.train_step(torch.randn(4 * chunks, 16), torch.randn(4 * chunks, 16))
+    return {"peak": peak[0], "after": live[0]}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_saved_activation_bytes_follow_the_live_microbatch_formulas(schedule):
+    pp, m = 3, 6
+    one = [r["peak"] for r in hybridpar.spawn(_saved_bytes_worker, pp,
+                                               args=(pp, schedule, "never", 1), timeout=60)]
+    runs = {mode: hybridpar.spawn(_saved_bytes_worker, pp, args=(pp, schedule, mode, m),
+                                  timeout=60) for mode in ("never", "always")}
+    live = [m] * pp if schedule == "gpipe" else [min(pp - s, m) for s in range(pp)]
+    assert [r["peak"] for r in runs["never"]] == [n * b for n, b in zip(live, one)]
+    # checkpointing keeps one micro-batch's activations at a time (during its recomputation)
+    assert [r["peak"] for r in runs["always"]] == one
+    assert all(r["after"] == 0 for mode in runs for r in runs[mode])
+
+
+# tuples between stages -----------------------------------------------------------------------
+
+
+class SplitPair(nn.Module):
+    def forward(self, x):
+        return x * 2, (x > 0).long()  # a float and an integer tensor cross the boundary
+
+
+class JoinPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, pair):
+        x, mask = pair
+        return self.fc(x * mask)
+
+
+def _tuple_worker():
+    topo = hybridpar.init(pp=2, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SplitPair(), JoinPair())
+    pipe = hybridpar.HybridPipe(model, [2, 1], chunks=2, topology=topo,
+                                loss_fn=nn.functional.cross_entropy)
+    x, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.arange(6) % 3
+    loss = pipe.train_step(x, y)
+    return {"loss": loss.item(), "grads": {n: p.grad for n, p in pipe.named_parameters()}}
+
+
+def test_tuples_of_float_and_integer_tensors_cross_stages():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), SplitPair(), JoinPair())
+    x, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.arange(6) % 3
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for r in hybridpar.spawn(_tuple_worker, 2, timeout=60):
+        assert r["loss"] == pytest.approx(loss.item(), abs=1e-6)
+        for n, g in r["grads"].items():
+            torch.testing.assert_close(g, grads[n], atol=1e-6, rtol=0)
