@@ -3,6 +3,7 @@
 from torchgpipe.checkpoint import is_checkpointing, is_recomputing
 
 from hybridpar import nn
+from hybridpar.balance import balance_by_params, balance_by_size, balance_by_time, balance_uniform
 from hybridpar.comm import comm_stats, reset_comm_stats
 from hybridpar.launch import SpawnError, SpawnTimeout, spawn
 from hybridpar.pipe import HybridPipe
@@ -31,6 +32,10 @@ __all__ = [
     "SpawnTimeout",
     "Topology",
     "__version__",
+    "balance_by_params",
+    "balance_by_size",
+    "balance_by_time",
+    "balance_uniform",
     "collect_state_dict",
     "comm_stats",
     "current_microbatch",

@@ -51,6 +51,35 @@ def _split_batch(x: Any, chunks: int, what: str) -> list[Any]:
     raise TypeError(f"{what} must be a Tensor or a tuple of Tensors, got {type(x).__name__}")
 
 
+def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
+                    sample: TensorOrTensors | None, chunks: int) -> list[int]:
+    """Resolve ``balance="time" | "size" | "params" | "uniform"`` to the same list on every rank.
+
+    Global rank 0 profiles and broadcasts its choice; when the model already holds sharded
+    layers (their collectives need every tp peer), every rank profiles alongside it.
+    """
+    from hybridpar.balance import BALANCERS, balance_by
+
+    if name not in BALANCERS:
+        raise ValueError(f"unknown balance {name!r}; give a list of layer counts per stage or "
+                         "one of " + ", ".join(repr(b) for b in BALANCERS))
+    if name in ("time", "size") and sample is None:
+        raise ValueError(f"balance={name!r} profiles the model on a sample: pass "
+                         "balance_sample=<a mini-batch of input> (one rank profiles it), or use "
+                         "balance='params' / 'uniform'")
+    sharded = any(get_parallel_dim(p) is not None for p in module.parameters())
+    options: dict[str, Any] = {"tp": topo.tp} if name in ("time", "size") else {}
+    if name == "size":
+        options["chunks"] = chunks
+    choice: list[Any] = [None]
+    if topo.rank == 0 or (sharded and name in ("time", "size")):
+        choice[0] = balance_by(name, topo.pp, module, sample, **options)
+    dist.broadcast_object_list(choice, src=0)
+    if topo.rank == 0:
+        log.info("balance=%r chose %s for %d stages", name, choice[0], topo.pp)
+    return list(choice[0])
+
+
 def _rows(x: TensorOrTensors) -> int:
     return (x[0] if isinstance(x, tuple) else x).shape[0]
 
@@ -62,10 +91,11 @@ class HybridPipe(nn.Module):
     only the layers of its stage, under their original names (``"3.fc1.weight"``).
     """
 
-    def __init__(self, module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
+    def __init__(self, module: nn.Sequential, balance: Sequence[int] | str, *, chunks: int = 1,
                  topology: Topology | None = None, schedule: str = "gpipe",
                  checkpoint: str = "except_last", loss_fn: Callable[..., Tensor] | None = None,
-                 tp_plan: Any = None, deferred_batch_norm: bool = False) -> None:
+                 tp_plan: Any = None, deferred_batch_norm: bool = False,
+                 balance_sample: TensorOrTensors | None = None) -> None:
         super().__init__()
         check_sequential(module)
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
@@ -81,6 +111,8 @@ class HybridPipe(nn.Module):
 
             module = check_sequential(apply_tp_plan(module, tp_plan, group=topo.tp_group))
             self.tp_plan_decisions = plan_decisions(module)
+        if isinstance(balance, str):
+            balance = _choose_balance(module, balance, topo, balance_sample, chunks)
         counts = check_balance(module, balance, topo.pp)
         routes = skip_routes(module, counts)
         if deferred_batch_norm:

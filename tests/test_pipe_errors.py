@@ -133,3 +133,29 @@ def test_a_wait_past_the_topology_timeout_names_the_stage_microbatch_and_peer():
     assert waited < 5
     assert ("stage 1 (rank 1) gave up waiting for the activation of micro-batch 0 from rank 0"
             in message)
+
+
+def _named_balance(name, with_sample):
+    topo = hybridpar.init(pp=2, timeout=60)
+    sample = torch.randn(4, 8) if with_sample else None
+    try:
+        pipe = hybridpar.HybridPipe(mlp(), name, topology=topo, balance_sample=sample,
+                                    loss_fn=nn.functional.cross_entropy)
+    except ValueError as e:
+        return str(e)
+    loss = pipe.train_step(torch.randn(4, 8), torch.zeros(4, dtype=torch.long))
+    return {"balance": pipe.balance, "loss": loss.item()}
+
+
+@pytest.mark.parametrize("name", ["params", "uniform", "time", "size"])
+def test_named_balances_give_every_rank_the_same_split(name):
+    r0, r1 = hybridpar.spawn(_named_balance, 2, args=(name, True), timeout=120)
+    assert r0["balance"] == r1["balance"] and sum(r0["balance"]) == 4
+    assert min(r0["balance"]) >= 1 and r0["loss"] == r1["loss"]
+
+
+def test_profiling_balances_need_a_sample_and_unknown_names_are_rejected():
+    for message in hybridpar.spawn(_named_balance, 2, args=("time", False), timeout=60):
+        assert "balance='time' profiles the model on a sample: pass balance_sample=" in message
+    for message in hybridpar.spawn(_named_balance, 2, args=("fastest", True), timeout=60):
+        assert "unknown balance 'fastest'" in message

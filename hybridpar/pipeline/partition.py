@@ -38,7 +38,7 @@ def check_sequential(module: object) -> nn.Sequential:
 
 def check_balance(module: nn.Sequential, balance: Sequence[int], stages: int) -> list[int]:
     """Validate `balance` for `module` over `stages` pipeline stages (torchgpipe's rules)."""
-    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):  # list expected
         raise TypeError(f"balance must be a list of layer counts, got {balance!r}; "
                         f"{_BALANCE_HINT}")
     counts = list(balance)
