@@ -1,4 +1,10 @@
-"""Train an MLP on 4 CPU ranks: 2 pipeline stages x 2 tensor-parallel shards."""
+"""Train an MLP on 4 CPU ranks: 2 pipeline stages x 2 tensor-parallel shards.
+
+    python examples/hybrid_mlp.py [configs/example_mlp.toml] [--steps N]
+"""
+
+import argparse
+import tomllib
 
 import torch
 from torch import nn
@@ -13,16 +19,19 @@ def block(width: int) -> nn.Sequential:
                          RegisterParallelDim(-1), ParallelLinear(4 * width, width, dim=0))
 
 
-def train(steps: int = 60) -> float:
-    topo = hybridpar.init(pp=2, tp=2)
-    torch.manual_seed(0)  # same seed everywhere: every shard is a slice of the same model
-    model = nn.Sequential(block(32), nn.LayerNorm(32), block(32), ParallelLinear(32, 8, dim=-1))
-    pipe = hybridpar.HybridPipe(model, [2, 2], chunks=4, topology=topo, schedule="1f1b",
-                                loss_fn=ParallelCrossEntropyLoss())
-    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
-    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
-    y = (x[:, :8].argmax(dim=1))  # a learnable target: the largest of the first 8 features
-    for step in range(steps):
+def train(cfg: dict) -> float:
+    par, m, t = cfg["parallel"], cfg["model"], cfg["train"]
+    topo = hybridpar.init(pp=par["pp"], tp=par["tp"])
+    torch.manual_seed(t["seed"])  # same seed everywhere: every shard is a slice of one model
+    w = m["width"]
+    head = ParallelLinear(w, m["classes"], dim=-1)  # class-sharded logits
+    model = nn.Sequential(block(w), nn.LayerNorm(w), block(w), head)
+    pipe = hybridpar.HybridPipe(model, "params", chunks=par["chunks"], topology=topo,
+                                schedule=par["schedule"], loss_fn=ParallelCrossEntropyLoss())
+    opt = torch.optim.AdamW(pipe.parameters(), lr=t["lr"])
+    x = torch.randn(t["batch_size"], w, generator=torch.Generator().manual_seed(1))
+    y = x[:, :m["classes"]].argmax(dim=1)  # learnable: the largest of the first features
+    for step in range(t["steps"]):
         opt.zero_grad()
         loss = pipe.train_step(x, y)
         opt.step()
@@ -32,8 +41,14 @@ def train(steps: int = 60) -> float:
 
 
 if __name__ == "__main__":
-    import sys
-
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 60
-    losses = hybridpar.spawn(train, 4, args=(steps,), timeout=600)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?", default="configs/example_mlp.toml")
+    parser.add_argument("--steps", type=int, help="override train.steps")
+    args = parser.parse_args()
+    with open(args.config, "rb") as f:
+        cfg = tomllib.load(f)
+    if args.steps:
+        cfg["train"]["steps"] = args.steps
+    world = cfg["parallel"]["pp"] * cfg["parallel"]["tp"]
+    losses = hybridpar.spawn(train, world, args=(cfg,), timeout=600)
     print(f"final loss {losses[0]:.4f} (same on every rank: {len(set(losses)) == 1})")

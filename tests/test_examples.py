@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_hybrid_mlp_example_trains_on_four_ranks():
-    out = subprocess.run([sys.executable, "examples/hybrid_mlp.py", "30"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "examples/hybrid_mlp.py", "--steps", "30"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=True).stdout
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert losses[0] > 1.0 and losses[-1] < 0.1 * losses[0], out
