@@ -14,3 +14,13 @@ def test_hybrid_mlp_example_trains_on_four_ranks():
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert losses[0] > 1.0 and losses[-1] < 0.1 * losses[0], out
     assert "same on every rank: True" in out
+
+
+def test_balance_example_prints_the_stage_table_and_trains_with_it():
+    out = subprocess.run([sys.executable, "examples/balance_gpt.py", "--steps", "5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "slowest / fastest stage:" in out
+    balance = re.search(r"balance = \[(\d+), (\d+)\]", out)
+    assert balance and sum(map(int, balance.groups())) == 7  # gpt with 4 blocks: 7 layers
+    first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", out).groups())
+    assert last < first
