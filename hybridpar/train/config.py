@@ -1,0 +1,435 @@
+"""Run configuration: TOML sections as typed dataclasses, `--set` overrides, checks before launch.
+
+    [model]       name = "gpt" and the model's keyword options as flat keys (n_layer = 4, ...)
+    [data]        source, path, seq_len, val_fraction, seed
+    [parallel]    pp, tp, dp, chunks, schedule, checkpoint, balance, tp_plan, deferred_batch_norm
+    [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...
+    [checkpoint]  every, keep
+
+Every key has a default. A value is checked against its field's type (``--set`` values are
+parsed as TOML values, a bare word is a string), its choices and its range; then the layout
+against the model, built on the meta device with tp=None: tp must divide what the model
+shards, pp must not exceed its layers, a list balance must cover them. Every failure is one
+`ConfigError` line naming the file, the key and what would be valid, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridpar.balance import BALANCERS
+from hybridpar.models import MODELS
+from hybridpar.models.gpt import check_gpt_config
+from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
+from hybridpar.pipeline.schedule import SCHEDULES
+from hybridpar.tensor_parallel.plan import STYLES
+
+__all__ = ["SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig",
+           "ParallelConfig", "TrainConfig", "load_config", "write_resolved"]
+
+SECTIONS = ("model", "data", "parallel", "train", "checkpoint")
+_SET_BY_PARALLEL = ("tp", "group")   # model options the trainer fills from [parallel]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: one line naming the file, the key and the valid choices."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """[model]: ``name`` of `hybridpar.models.MODELS`; every other key is a keyword option."""
+
+    name: str = "gpt"
+    args: dict[str, Any] = field(default_factory=dict)  # resolved: all options, defaults filled
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """[data]: where the batches come from (text and corpus: byte tokens for gpt)."""
+
+    source: str = "synthetic"     # "synthetic" | "text" (bytes of `path`) | "corpus" (embedded)
+    path: str | None = None       # the text file of source = "text", relative to the cwd
+    seq_len: int | None = None    # tokens per sample (gpt); default and maximum: block_size
+    val_fraction: float = 0.05    # share of the text held out for the eval loss
+    seed: int = 0                 # data order and synthetic batches
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """[parallel]: the layout (dp x pp x tp ranks) and the pipeline's options."""
+
+    pp: int = 1                   # pipeline stages
+    tp: int = 1                   # tensor-parallel ranks per stage
+    dp: int | None = None         # replicas; None: world size / (pp * tp)
+    chunks: int = 1               # micro-batches per replica's batch
+    schedule: str = "gpipe"       # "gpipe" | "1f1b"
+    checkpoint: str = "except_last"   # "always" | "except_last" | "never"
+    balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
+    tp_plan: dict[str, str] | str | None = None   # None: the model's own tp layers; "auto" | {}
+    deferred_batch_norm: bool = False   # BatchNorm statistics of the whole mini-batch
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """[train]: the loop: AdamW, linear warm-up to `lr`, cosine decay to `min_lr`."""
+
+    steps: int = 100
+    batch_size: int = 16          # global: samples per step over all replicas
+    lr: float = 3e-4              # peak, reached after warmup_steps
+    warmup_steps: int = 0
+    min_lr: float = 0.0           # at the last step
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0        # global gradient norm; 0: off
+    seed: int = 0                 # weights and dropout, the same on every rank
+    log_every: int = 10
+    eval_every: int = 0           # 0: no eval
+    eval_batches: int = 4         # batches per eval loss
+    precision: str = "fp32"       # "fp32" | "bf16" (autocast)
+    sample_tokens: int = 200      # gpt: tokens sampled at the end; 0: none
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """[checkpoint]: reshardable checkpoints in RUN_DIR/checkpoints/step-N/."""
+
+    every: int = 100              # steps between checkpoints (and one at the end); 0: none
+    keep: int = 2                 # the newest complete checkpoints kept
+
+
+_CLASSES: dict[str, type] = {"data": DataConfig, "parallel": ParallelConfig,
+                             "train": TrainConfig, "checkpoint": CheckpointConfig}
+_CHOICES: dict[str, Sequence[str]] = {
+    "data.source": ("synthetic", "text", "corpus"), "parallel.schedule": tuple(SCHEDULES),
+    "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
+    "parallel.tp_plan": ("auto",), "train.precision": ("fp32", "bf16")}
+_POSITIVE = {"data.seq_len", "parallel.pp", "parallel.tp", "parallel.dp", "parallel.chunks",
+             "train.steps", "train.batch_size", "train.lr", "train.log_every",
+             "train.eval_batches", "checkpoint.keep"}
+_FRACTION = {"data.val_fraction"}     # in [0, 1); every other number must be >= 0
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run: `name` (the config file's stem) and one dataclass per section."""
+
+    name: str = "config"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data, shaped like the TOML file (model options flat)."""
+        sections = {s: dataclasses.asdict(getattr(self, s)) for s in _CLASSES}
+        return {"name": self.name, "model": {"name": self.model.name, **self.model.args},
+                **sections}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Config:
+        """Check and resolve plain data shaped like `to_dict` (``name`` optional)."""
+        raw = dict(data)
+        return _build(raw, name=str(raw.pop("name", "config")), where=_Where(source, {}))
+
+
+class _Mismatch(Exception):
+    """A value that is not of the expected type."""
+
+
+_TYPE_NAMES: dict[Any, tuple[str, str]] = {
+    bool: ("true or false", "booleans"), int: ("an integer", "integers"),
+    float: ("a number", "numbers"), str: ("a string", "strings"), type(None): ("none", "none")}
+
+
+def _describe(tp: Any, plural: bool = False) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0], plural=True)}"
+    if origin is dict:
+        return f"a table of {_describe(args[1], plural=True)}"
+    names = _TYPE_NAMES.get(tp)
+    return names[plural] if names else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """`value` as type `tp` (int -> float widens; "none" is None where allowed) or _Mismatch."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or str(value).lower() == "none"):
+            return None
+        for member in args:
+            try:
+                return _coerce(value, member)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin is list and isinstance(value, list):
+        return [_coerce(v, args[0]) for v in value]
+    if origin is dict and isinstance(value, dict):
+        return {_coerce(k, args[0]): _coerce(v, args[1]) for k, v in value.items()}
+    if tp is float and type(value) in (int, float):             # not bool: type() is exact
+        return float(value)
+    if tp in (int, bool, str, type(None)) and type(value) is tp:
+        return value
+    raise _Mismatch
+
+
+@dataclass
+class _Where:
+    """The file being read, and which keys came from which ``--set``."""
+
+    source: str
+    overrides: dict[str, str]
+
+    def error(self, message: str, *keys: str) -> ConfigError:
+        for key in keys:
+            if key in self.overrides:
+                return ConfigError(f"{self.source}: {message} (from --set {self.overrides[key]})")
+        return ConfigError(f"{self.source}: {message}")
+
+    def unknown(self, what: str, key: str, valid: Sequence[str], *, prefix: str = "",
+                origin: str = "") -> ConfigError:
+        """Unknown `prefix + key`: the closest of `valid` (bare names), and all of them."""
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f"did you mean {prefix}{close[0]}? " if close else ""
+        return self.error(f"unknown {what} {prefix}{key}; {hint}valid: "
+                          f"{', '.join(prefix + v for v in valid)}", origin or prefix + key)
+
+
+def _typed(value: Any, tp: Any, key: str, where: _Where) -> Any:
+    try:
+        return _coerce(value, tp)
+    except _Mismatch:
+        raise where.error(f"{key} must be {_describe(tp)}, got {value!r}", key) from None
+
+
+def _check_value(value: Any, key: str, where: _Where) -> None:
+    choices = _CHOICES.get(key)
+    if choices and isinstance(value, str) and value not in choices:
+        raise where.error(f"{key} must be one of {', '.join(map(repr, choices))}, "
+                          f"got {value!r}", key)
+    if value is None or isinstance(value, list | dict | str | bool):
+        return
+    if not math.isfinite(value):
+        raise where.error(f"{key} must be a finite number, got {value!r}", key)
+    if key in _POSITIVE and value <= 0:
+        raise where.error(f"{key} must be positive, got {value!r}", key)
+    if key in _FRACTION and not 0 <= value < 1:
+        raise where.error(f"{key} must be in [0, 1), got {value!r}", key)
+    if value < 0:
+        raise where.error(f"{key} must be >= 0, got {value!r}", key)
+
+
+def _section(cls: type, section: str, table: Mapping[str, Any], where: _Where) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    values: dict[str, Any] = {}
+    for key, raw in table.items():
+        full = f"{section}.{key}"
+        if key not in fields:
+            raise where.unknown("key", key, fields, prefix=f"{section}.")
+        values[key] = _typed(raw, hints[key], full, where)
+        _check_value(values[key], full, where)
+    return cls(**values)
+
+
+def _model_section(table: Mapping[str, Any], where: _Where) -> ModelConfig:
+    name = table.get("name", "gpt")
+    if not isinstance(name, str) or name not in MODELS:
+        raise where.error(f"unknown model.name {name!r}; choose one of "
+                          f"{', '.join(sorted(MODELS))}", "model.name")
+    fn = MODELS[name]
+    options = {n: p for n, p in inspect.signature(fn).parameters.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in _SET_BY_PARALLEL}
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not resolve: fall back to the defaults' types
+        hints = {}
+    args = {n: p.default for n, p in options.items() if p.default is not inspect.Parameter.empty}
+    for key, raw in table.items():
+        full = f"model.{key}"
+        if key == "name":
+            continue
+        if key in _SET_BY_PARALLEL:
+            raise where.error(f"{full} is set from [parallel]: use parallel.tp", full)
+        if key not in options:
+            raise where.unknown(f"option of model {name!r}:", key, list(options),
+                                prefix="model.")
+        default = options[key].default
+        tp = hints.get(key, Any if default in (None, inspect.Parameter.empty) else type(default))
+        args[key] = _typed(raw, tp, full, where)
+    return ModelConfig(name=name, args=args)
+
+
+def _count_layers(model: ModelConfig, where: _Where) -> int:
+    """The model's nn.Sequential length, built on the meta device (no memory, no init cost)."""
+    try:
+        with torch.device("meta"):
+            return len(MODELS[model.name](**model.args))
+    except (ValueError, TypeError) as e:
+        message = str(e).removeprefix(f"{model.name}: ")
+        raise where.error(f"model {model.name!r}: {message}",
+                          *[f"model.{k}" for k in model.args]) from None
+
+
+def _check_tp(model: ModelConfig, tp: int, where: _Where) -> None:
+    """Raise if tp does not divide what the model's own parallel layers shard."""
+    args = model.args
+    try:
+        if model.name == "gpt":
+            check_gpt_config(tp=tp, **{k: args[k] for k in (
+                "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout")})
+        elif model.name == "mlp" and args["hidden"] % tp:
+            valid = [d for d in range(1, args["hidden"] + 1) if args["hidden"] % d == 0]
+            raise ValueError(f"hidden={args['hidden']} is not divisible by tp={tp}; valid "
+                             f"tp sizes are {valid}")
+    except ValueError as e:
+        message = str(e).removeprefix(f"{model.name}: ")
+        raise where.error(f"parallel.tp={tp} does not fit model {model.name!r}: {message}",
+                          "parallel.tp", *[f"model.{k}" for k in args]) from None
+
+
+def _check_layout(cfg: Config, where: _Where) -> Config:
+    model, par, data, train = cfg.model, cfg.parallel, cfg.data, cfg.train
+    layers = _count_layers(model, where)
+    if par.tp > 1 and par.tp_plan is None:
+        if "tp" not in inspect.signature(MODELS[model.name]).parameters:
+            raise where.error(f"parallel.tp={par.tp} but model {model.name!r} has no tensor-"
+                              "parallel layers; set parallel.tp_plan = \"auto\" (or a table of "
+                              "layer globs), or parallel.tp = 1", "parallel.tp")
+        _check_tp(model, par.tp, where)
+    if isinstance(par.tp_plan, dict):
+        for glob, style in par.tp_plan.items():
+            if style not in STYLES:
+                raise where.error(f"parallel.tp_plan[{glob!r}] must be one of "
+                                  f"{', '.join(map(repr, STYLES))}, got {style!r}",
+                                  "parallel.tp_plan")
+    if par.pp > layers:
+        raise where.error(f"parallel.pp={par.pp} is more stages than the {layers} layers of "
+                          f"model {model.name!r}; choose pp between 1 and {layers}",
+                          "parallel.pp")
+    if isinstance(par.balance, list):
+        b = par.balance
+        problem = (f"has {len(b)} stages for pp={par.pp}" if len(b) != par.pp else
+                   "has an empty stage" if min(b, default=0) < 1 else
+                   f"covers {sum(b)} layers" if sum(b) != layers else None)
+        if problem:
+            raise where.error(
+                f"parallel.balance {b} {problem}; give pp={par.pp} positive layer counts "
+                f"summing to the {layers} layers of model {model.name!r}, or one of "
+                f"{', '.join(map(repr, BALANCERS))}", "parallel.balance", "parallel.pp")
+    if par.dp is not None and train.batch_size % par.dp:
+        raise where.error(f"train.batch_size={train.batch_size} is not divisible by "
+                          f"parallel.dp={par.dp}; each replica takes batch_size / dp samples",
+                          "train.batch_size", "parallel.dp")
+    if train.min_lr > train.lr:
+        raise where.error(f"train.min_lr={train.min_lr} is above train.lr={train.lr}",
+                          "train.min_lr", "train.lr")
+    return dataclasses.replace(cfg, data=_check_data(model, data, where))
+
+
+def _check_data(model: ModelConfig, data: DataConfig, where: _Where) -> DataConfig:
+    if data.source != "synthetic":
+        if model.name != "gpt":
+            raise where.error(f"data.source={data.source!r} gives byte tokens for model 'gpt'; "
+                              f"model {model.name!r} takes data.source = 'synthetic'",
+                              "data.source", "model.name")
+        if model.args["vocab_size"] < 256:
+            raise where.error(f"data.source={data.source!r} gives bytes (256 values) but "
+                              f"model.vocab_size={model.args['vocab_size']}; use at least 256",
+                              "data.source", "model.vocab_size")
+    if data.source == "text":
+        if data.path is None:
+            raise where.error("data.path is required with data.source = 'text'", "data.source")
+        if not Path(data.path).is_file():
+            raise where.error(f"data.path {data.path!r}: no such file", "data.path")
+    if model.name == "gpt":
+        block = model.args["block_size"]
+        if data.seq_len is None:
+            return dataclasses.replace(data, seq_len=block)
+        if data.seq_len > block:
+            raise where.error(f"data.seq_len={data.seq_len} is longer than model.block_size="
+                              f"{block}; use at most {block}", "data.seq_len")
+    return data
+
+
+def _build(raw: Mapping[str, Any], *, name: str, where: _Where) -> Config:
+    for section, table in raw.items():
+        if section not in SECTIONS:
+            raise where.unknown("section", section, SECTIONS, origin=next(
+                (k for k in where.overrides if k.startswith(section + ".")), section))
+        if not isinstance(table, dict):
+            raise where.error(f"[{section}] must be a table of keys, got {table!r}", section)
+    model = _model_section(raw.get("model", {}), where)
+    parts = {s: _section(cls, s, raw.get(s, {}), where) for s, cls in _CLASSES.items()}
+    return _check_layout(Config(name=name, model=model, **parts), where)
+
+
+def _parse_override(text: str, source: str) -> tuple[str, str, Any]:
+    """``"section.key=value"`` -> (section, key, value parsed as TOML, else the bare string)."""
+    dotted, sep, value = text.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"{source}: --set {text!r} is not section.key=value "
+                          "(e.g. --set train.steps=100)")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return section, key.strip(), parsed
+
+
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML config, apply ``--set section.key=value`` overrides, check and resolve it."""
+    file = Path(path)
+    if not file.is_file():
+        near = difflib.get_close_matches(file.name, [p.name for p in file.parent.glob("*.toml")],
+                                         n=1) if file.parent.is_dir() else []
+        hint = f"; did you mean {file.parent / near[0]}?" if near else ""
+        raise ConfigError(f"{path}: no such config file{hint}")
+    try:
+        raw = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    where = _Where(str(path), {})
+    for text in overrides:
+        section, key, value = _parse_override(text, str(path))
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: --set {text}: {section} is not a section")
+        table[key] = value
+        where.overrides[f"{section}.{key}"] = text
+    return _build(raw, name=file.stem, where=where)
+
+
+def write_resolved(config: Config, run_dir: str | os.PathLike[str]) -> Path:
+    """Write `config` as RUN_DIR/config.json atomically (a temporary file, then os.replace)."""
+    target = Path(run_dir) / "config.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".config.json.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(config.to_dict(), f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return target
+
