@@ -1,4 +1,4 @@
-"""The `hybridpar` command line: version and environment (run / balance / export follow)."""
+"""The `hybridpar` command line: `balance`, `env` (run / export come with the trainer)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser("env", help="print the versions and devices hybridpar sees")
+    from hybridpar.balance import cli as balance_cli
+
+    balance_cli.add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
+    if args.command == "balance":
+        from hybridpar.train import ConfigError
+
+        try:
+            return balance_cli.run(args)
+        except (ConfigError, ValueError) as e:
+            print(f"hybridpar balance: error: {e}", file=sys.stderr)
+            return 2
     parser.print_help()
     return 0
 

@@ -1,0 +1,111 @@
+"""`hybridpar balance CONFIG`: profile the config's model, print the stage table, write it back."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hybridpar.balance import (
+    DEFAULT_BANDWIDTH,
+    balance_by_params,
+    balance_profiles,
+    format_table,
+    profile_layers,
+    stage_table,
+)
+
+__all__ = ["add_parser", "run", "write_balance"]
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register the ``balance`` subcommand."""
+    p = commands.add_parser("balance", help="profile a config's model and choose a balance",
+                            description=__doc__)
+    p.add_argument("config", help="a TOML config (configs/*.toml)")
+    p.add_argument("--partitions", type=int, help="stages (default: parallel.pp of the config)")
+    p.add_argument("--by", choices=("time", "size", "params"), default="time")
+    p.add_argument("--tp", type=int, help="cost of tp shards (default: parallel.tp)")
+    p.add_argument("--timeout", type=float, default=2.0, help="profiling seconds (time)")
+    p.add_argument("--write", action="store_true",
+                   help="store the balance as parallel.balance in the config file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile, print the table and the balance; with ``--write`` update the file."""
+    from hybridpar.models import build_model, example_batch
+    from hybridpar.train import load_config
+
+    cfg = load_config(args.config, args.set)
+    partitions = args.partitions or cfg.parallel.pp
+    tp = args.tp or cfg.parallel.tp
+    if args.write and partitions != cfg.parallel.pp:
+        raise ValueError(f"--write stores a balance for parallel.pp = {cfg.parallel.pp} stages; "
+                         f"drop --partitions {partitions}, or also --set parallel.pp={partitions}")
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model.name, **cfg.model.args)
+    if not 1 <= partitions <= len(model):
+        raise ValueError(f"cannot split {len(model)} layers into {partitions} stages; "
+                         f"choose --partitions between 1 and {len(model)}")
+    # one micro-batch of one replica: what a stage computes at a time
+    rows = max(1, cfg.train.batch_size // (cfg.parallel.dp or 1) // cfg.parallel.chunks)
+    sample, _ = example_batch(cfg.model.name, rows, seed=cfg.data.seed, **cfg.model.args)
+    profiles = profile_layers(model, sample, timeout=args.timeout, chunks=1, tp=tp,
+                              progress=True)
+    bandwidth = DEFAULT_BANDWIDTH["cpu"]
+    if args.by == "params":
+        balance = balance_by_params(partitions, model)
+    else:
+        balance = balance_profiles(profiles, partitions, by=args.by, p2p_bandwidth=bandwidth)
+    print(f"{cfg.model.name} ({len(model)} layers) over {partitions} stages by {args.by}, "
+          f"tp={tp}, micro-batch of {rows}:")
+    print(format_table(stage_table(profiles, balance, p2p_bandwidth=bandwidth)))
+    print(f"balance = {balance}")
+    if args.write:
+        write_balance(args.config, balance)
+        print(f"wrote parallel.balance = {balance} to {args.config}")
+    return 0
+
+
+_HEADER = re.compile(r"^\s*\[([^\[\]]+)\]\s*(#.*)?$")
+_BALANCE = re.compile(r"^(\s*)balance\s*=.*$")
+
+
+def write_balance(path: str | os.PathLike[str], balance: list[int]) -> None:
+    """Set ``balance = [...]`` in the ``[parallel]`` table of a TOML file, keeping the rest.
+
+    The file is replaced atomically (a temporary file, then `os.replace`): a crash leaves the
+    old file or the new one, never half of one.
+    """
+    lines = Path(path).read_text().splitlines(keepends=True)
+    value = f"balance = {list(balance)}\n"
+    section, header_at, done = None, None, False
+    for i, line in enumerate(lines):
+        header = _HEADER.match(line)
+        if header:
+            section = header.group(1).strip()
+            if section == "parallel":
+                header_at = i
+            continue
+        match = _BALANCE.match(line)
+        if section == "parallel" and match:
+            lines[i] = match.group(1) + value
+            done = True
+            break
+    if not done:
+        if header_at is None:
+            lines += ["\n" if lines and not lines[-1].endswith("\n") else "", "[parallel]\n"]
+            lines.append(value)
+        else:
+            lines.insert(header_at + 1, value)
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.writelines(lines)
+    os.replace(tmp, target)
