@@ -47,3 +47,14 @@ def test_pipe_output_is_gathered_over_tp_although_cat_drops_the_tag():
     part = torch.ones(2, 3)
     hybridpar.register_parallel_dim(part, -1)
     assert hybridpar.get_parallel_dim(torch.cat([part, part])) is None
+
+
+def test_profiling_a_sharded_layer_repeats_it_the_same_number_of_times_on_every_rank():
+    # balance_by_time repeats each layer until its time budget runs out. A layer sharded over
+    # a real tp group runs collectives, and two ranks that stopped after different numbers of
+    # repeats left one waiting in an all-reduce the other never joined ("Connection closed by
+    # peer" once the other exited). The ranks now agree on every repeat (an all-reduce MAX of
+    # "I want more"); tests/test_balance_tp.py runs it on two ranks.
+    from hybridpar.balance.tp import collective_group
+
+    assert collective_group(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) is None

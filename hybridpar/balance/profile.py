@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torchgpipe.microbatch import Batch
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
 from tqdm import tqdm
 
-from hybridpar.balance.tp import shard_estimate
+from hybridpar.balance.tp import collective_group, shard_estimate
 from hybridpar.pipeline.partition import materialize
 
 __all__ = ["DEFAULT_BANDWIDTH", "LayerProfile", "TensorOrTensors", "boundary_ms", "check_module",
@@ -225,7 +226,18 @@ def _time_layer(layer: nn.Module, index: int, name: str, x: tuple[Tensor, ...], 
     out = _forward(layer, index, name, x, tuple(_feed(t, grad) for t in x))
     _backward(out, tracker)
     began = time.perf_counter()
-    while len(runs) < 2 or time.perf_counter() - began < budget:
+    group = collective_group(layer)
+
+    def more() -> bool:
+        want = len(runs) < 2 or time.perf_counter() - began < budget
+        if group is None:
+            return want
+        # a sharded layer runs collectives: every rank repeats while any rank wants to
+        flag = torch.tensor([int(want)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    while more():
         inputs = tuple(_feed(t, grad) for t in x)  # copied outside the timed region
         _sync(device)
         tick = time.perf_counter()

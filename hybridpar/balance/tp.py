@@ -26,10 +26,11 @@ import math
 from dataclasses import dataclass
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
 
-__all__ = ["ShardEstimate", "allreduce_ms", "shard_estimate"]
+__all__ = ["ShardEstimate", "allreduce_ms", "collective_group", "shard_estimate"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,18 @@ def allreduce_ms(nbytes: int, tp: int, bandwidth: float) -> float:
 def _is_sharded(module: nn.Module) -> bool:
     return (isinstance(module, (ParallelLinear, ParallelEmbedding)) and module.dim is not None
             and module.tp_size > 1)
+
+
+def collective_group(layer: nn.Module) -> ProcessGroup | None:
+    """The tp group whose collectives `layer` runs (None when it runs none).
+
+    Ranks profiling such a layer must run it the same number of times, or one would wait in a
+    collective the others never join.
+    """
+    for module in layer.modules():
+        if isinstance(module, (ParallelLinear, ParallelEmbedding)) and _is_sharded(module):
+            return module.group
+    return None
 
 
 def _is_shardable(module: nn.Module) -> bool:
