@@ -24,7 +24,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
-from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_range
+from hybridpar.tensor_parallel.mappings import (
+    all_gather_along,
+    group_rank,
+    group_size,
+    shard_range,
+)
 
 __all__ = ["HEADER_LEN", "CommStats", "PostedRecv", "comm_stats", "post_recv", "record",
            "reset_comm_stats", "send"]
@@ -158,7 +163,6 @@ class PostedRecv:
         _wait(self.work, timeout)
         metas = _decode(self.header)
         self.single = bool(self.header[1])
-        tp = group_size(self.tp_group)
         buffers, works = [], []
         for meta in metas:
             full = torch.empty(meta.shape, dtype=meta.dtype)
@@ -171,16 +175,10 @@ class PostedRecv:
             _wait(work, timeout)
         out = []
         for meta, full, recv_buf in buffers:
-            if meta.scattered:
-                parts = [torch.empty(b - a, dtype=meta.dtype)
-                         for a, b in (shard_range(full.numel(), tp, r) for r in range(tp))]
-                widest = max(p.numel() for p in parts)
-                padded = [torch.empty(widest, dtype=meta.dtype) for _ in range(tp)]
-                local = torch.zeros(widest, dtype=meta.dtype)
-                local[:recv_buf.numel()] = recv_buf
-                dist.all_gather(padded, local, group=self.tp_group)
-                record("all_gather", _nbytes(local) * tp)
-                torch.cat([p[:q.numel()] for p, q in zip(padded, parts)], out=full.view(-1))
+            if meta.scattered:  # every tp rank got its slice: re-assemble the whole
+                whole = all_gather_along(recv_buf, 0, self.tp_group, length=full.numel())
+                record("all_gather", _nbytes(whole))
+                full.view(-1).copy_(whole)
             if meta.tag is not None:
                 register_parallel_dim(full, meta.tag)
             if meta.requires_grad:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -284,7 +284,3 @@ class HybridPipe(nn.Module):
         return (f"stage={self.stage}/{self.num_stages}, balance={self.balance}, "
                 f"chunks={self.chunks}, schedule={self.schedule!r}, "
                 f"checkpoint={self.checkpoint!r}")
-
-    def named_stage_layers(self) -> Iterator[tuple[str, nn.Module]]:
-        """The layers of this stage with their original names."""
-        return self.partition.named_children()
