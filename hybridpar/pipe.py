@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
-from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES, RNGReplay
+from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
 from hybridpar.pipeline.partition import (
     check_balance,
@@ -100,9 +100,7 @@ class HybridPipe(nn.Module):
         check_sequential(module)
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}"
-                             f", got {checkpoint!r}")
+        check_checkpoint(checkpoint)
         self.schedule_fn = get_schedule(schedule)
         topo = topology if topology is not None else current_topology()
         self.tp_plan_decisions: list[str] = []
@@ -242,8 +240,9 @@ class HybridPipe(nn.Module):
 
     def load_consolidated_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a full (unsharded) state dict, keeping this rank's stage and tp shard."""
+        known = set(self._state_keys)
         missing = [k for k in self._state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in set(self._state_keys)]
+        unexpected = [k for k in state_dict if k not in known]
         if missing or unexpected:
             raise KeyError(f"state dict does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")

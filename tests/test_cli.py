@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import hybridpar
 from hybridpar.cli import main
 
@@ -17,10 +19,9 @@ def test_version_and_env_are_printed(capsys):
 
 
 def test_an_unknown_command_is_an_error_naming_the_choices(capsys):
-    try:
+    with pytest.raises(SystemExit) as info:
         main(["frobnicate"])
-    except SystemExit as e:
-        assert e.code == 2
+    assert info.value.code == 2
     assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
 
 

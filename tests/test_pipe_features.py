@@ -2,7 +2,7 @@
 is_recomputing, current_microbatch, live activations per schedule, exact P2P bytes, meta models,
 layout-free names and inference."""
 
-import copy
+import math
 
 import pytest
 import torch
@@ -219,7 +219,7 @@ def test_a_meta_built_model_is_materialized_only_for_the_local_stage():
     assert r1["names"] == ["2.0.weight", "2.0.bias", "3.weight", "3.bias"]
     assert r0["others_freed"] and r1["others_freed"]
     assert r0["local_on_cpu"] and r1["local_on_cpu"]
-    assert r0["loss"] == r1["loss"] and r0["loss"] == r0["loss"]  # finite, shared
+    assert r0["loss"] == r1["loss"] and math.isfinite(r0["loss"])
 
 
 def _inference_worker(pp, chunks):
@@ -258,11 +258,9 @@ def test_clip_grad_norm_uses_the_global_norm_over_all_stages():
             torch.testing.assert_close(g, grads[n], atol=1e-6, rtol=0)
 
 
-def test_pipe_does_not_copy_the_users_modules():
-    model = mlp()
-    before = copy.deepcopy(model.state_dict())
+def test_a_one_stage_pipe_keeps_the_models_state_dict_keys():
     (names,) = hybridpar.spawn(_names_worker, 1, timeout=60)
-    assert names == list(before)
+    assert names == list(mlp().state_dict())
 
 
 def _names_worker():

@@ -20,16 +20,23 @@ from typing import Any
 import torch
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 
-__all__ = ["CHECKPOINT_MODES", "RNGReplay", "checkpoint_stop", "is_checkpointed"]
+__all__ = ["CHECKPOINT_MODES", "RNGReplay", "check_checkpoint", "checkpoint_stop",
+           "is_checkpointed"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
-def checkpoint_stop(mode: str, microbatches: int) -> int:
-    """How many leading micro-batches are checkpointed under `mode`."""
+def check_checkpoint(mode: object) -> str:
+    """`mode` itself if it is a checkpoint mode, else a `ValueError` listing the modes."""
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
                          f"got {mode!r}")
+    return str(mode)
+
+
+def checkpoint_stop(mode: str, microbatches: int) -> int:
+    """How many leading micro-batches are checkpointed under `mode`."""
+    check_checkpoint(mode)
     return {"always": microbatches, "except_last": microbatches - 1, "never": 0}[mode]
 
 

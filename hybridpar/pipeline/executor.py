@@ -201,9 +201,9 @@ class StageExecutor:
             assert self.inputs is not None
             mb.inputs = self.inputs[i]
         else:
-            received = self._recv(mb.recv_f, f"the activation of micro-batch {i}")
-            mb.inputs = received[0] if mb.recv_f is not None and mb.recv_f.single else received
-            mb.recv_f = None
+            posted, mb.recv_f = mb.recv_f, None
+            received = self._recv(posted, f"the activation of micro-batch {i}")
+            mb.inputs = received[0] if posted is not None and posted.single else received
         for src, routes in self.skip_in.items():
             tensors = self._recv(mb.recv_skip.pop(src), f"the skips of micro-batch {i}")
             mb.skips_in.update((r.key, t) for r, t in zip(routes, tensors))

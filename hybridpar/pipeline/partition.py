@@ -92,6 +92,6 @@ def materialize(stage: nn.Module, device: torch.device | str) -> None:
     for sub in stage.modules():
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
-            reset()
-        # BatchNorm's running statistics are buffers that reset_parameters covers; others
-        # (custom buffers) are left as allocated: document that meta models need them reset.
+            reset()  # nn.BatchNorm's covers its running statistics too
+    # A module without reset_parameters keeps uninitialized storage: such a model must be
+    # built on a real device (the README says so).
