@@ -152,6 +152,32 @@ class HybridPipe(nn.Module):
         would on one device (micro-batch losses weighted by their share of the batch), then
         are averaged over the dp group. `loss_fn` must reduce by mean.
         """
+        inputs, targets, weights = self._microbatches(input, target)
+        actions = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
+        result = self._executor.run(actions, inputs=inputs, targets=targets,
+                                    loss_fn=self.loss_fn, weights=weights, train=True)
+        commit_deferred_batch_norms(self)
+        if self.topology.dp > 1:
+            self._average_over_dp()
+        return self._share_loss(result.loss)
+
+    @torch.no_grad()
+    def eval_step(self, input: TensorOrTensors, target: Any) -> Tensor:
+        """The loss of `loss_fn(model(input), target)` without gradients, on every rank.
+
+        Forward only (the schedule's forward actions); layers behave as their mode says, so
+        call ``.eval()`` first to turn dropout off. Averaged over the dp group.
+        """
+        inputs, targets, weights = self._microbatches(input, target)
+        schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
+        actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
+        result = self._executor.run(actions, inputs=inputs, targets=targets,
+                                    loss_fn=self.loss_fn, weights=weights, train=False)
+        return self._share_loss(result.loss)
+
+    def _microbatches(self, input: TensorOrTensors, target: Any
+                      ) -> tuple[list[Any], list[Any], list[float]]:
+        """Input and target micro-batches, and each one's share of the batch."""
         if self.loss_fn is None:
             raise ValueError("train_step needs a loss: HybridPipe(..., loss_fn=fn) where "
                              "fn(output_microbatch, target_microbatch) returns a scalar")
@@ -161,17 +187,15 @@ class HybridPipe(nn.Module):
             raise ValueError(f"input has {_rows(input)} rows but target has {_rows(target)}; "
                              "they must have the same batch size")
         total = _rows(input)
-        weights = [_rows(x) / total for x in inputs]
-        actions = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
-        result = self._executor.run(actions, inputs=inputs, targets=targets,
-                                    loss_fn=self.loss_fn, weights=weights, train=True)
-        commit_deferred_batch_norms(self)
-        loss = result.loss.detach().clone() if result.loss is not None else torch.zeros(())
+        return inputs, targets, [_rows(x) / total for x in inputs]
+
+    def _share_loss(self, local: Tensor | None) -> Tensor:
+        """The last stage's loss on every rank of the pipeline, averaged over dp replicas."""
+        loss = local.detach().clone() if local is not None else torch.zeros(())
         loss = loss.to(self.device, torch.float32)
         if self.num_stages > 1:
             dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
         if self.topology.dp > 1:
-            self._average_over_dp()
             dist.all_reduce(loss, group=self.topology.dp_group)
             loss /= self.topology.dp
         return loss

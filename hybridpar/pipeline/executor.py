@@ -224,6 +224,12 @@ class StageExecutor:
                 self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
                 if checkpointed:
                     mb.loss = None
+            elif self.loss_fn is not None and self.targets is not None:  # evaluation
+                assert mb.outputs is not None
+                with torch.no_grad():
+                    value = self.loss_fn(mb.outputs, self.targets[i]) * self.weights[i]
+                self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+                mb.outputs = None
             else:
                 assert mb.outputs is not None
                 self.outputs.append(mb.outputs)

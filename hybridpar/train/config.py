@@ -81,6 +81,7 @@ class ParallelConfig:
     balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
     tp_plan: dict[str, str] | str | None = None   # None: the model's own tp layers; "auto" | {}
     deferred_batch_norm: bool = False   # BatchNorm statistics of the whole mini-batch
+    timeout: float = 600.0        # seconds any rank waits for another before failing
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
     "parallel.tp_plan": ("auto",), "train.precision": ("fp32", "bf16")}
 _POSITIVE = {"data.seq_len", "parallel.pp", "parallel.tp", "parallel.dp", "parallel.chunks",
-             "train.steps", "train.batch_size", "train.lr", "train.log_every",
+             "parallel.timeout", "train.steps", "train.batch_size", "train.lr", "train.log_every",
              "train.eval_batches", "checkpoint.keep"}
 _FRACTION = {"data.val_fraction"}     # in [0, 1); every other number must be >= 0
 

@@ -1,0 +1,197 @@
+"""A run's tensors as one flat DCP state dict: layout-free keys, tp shards at global offsets.
+
+    key                          value on this rank                     saved by
+    model/<name>                 parameter or buffer (shard if tp)      its stage's ranks
+    optim/<name>/<exp_avg|...>   AdamW state, sharded like the param     its stage's ranks
+    train/step                   int64 scalar                           every rank (one copy)
+    data/<epoch|index|step>      int64 scalar: the data position        every rank (one copy)
+    layout                       int64 (dp, pp, tp, balance...)          every rank (one copy)
+    rng/<dp>.<pp>.<tp>/<...>     this rank's RNG streams                this rank
+
+``<name>`` is the parameter's name in the unsharded `nn.Sequential` ("3.attn.qkv.weight"),
+so the same key holds the same tensor whatever the (pp, tp, dp, balance). A tp-sharded
+tensor is a `ShardChunk`: DCP records where the shard sits in the full tensor, and a load
+under another tp reads the overlapping pieces of the saved shards. Replicated tensors are
+saved once (DCP de-duplicates equal keys), so keys that hold *different* values on two
+ranks must differ: `check_unique` asserts it of the model keys before a save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from hybridpar.tensor_parallel.attrs import get_parallel_dim, tensor_shard_dim
+from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_range
+from hybridpar.tensor_parallel.state import full_shape
+
+__all__ = ["Entry", "ShardChunk", "ShardLoadPlanner", "ShardSavePlanner", "check_unique",
+           "flatten", "model_entries", "optimizer_entries", "unflatten"]
+
+
+class ShardChunk:
+    """A tp shard as DCP sees it: `local`, the block at `offsets` of a tensor of `global_size`.
+
+    Implements DCP's checkpointable protocol (what DTensor implements), so uneven shards
+    (``shard_sizes``: the first ``n % tp`` ranks hold one more row) keep their exact offsets.
+    Save and load with `ShardSavePlanner` / `ShardLoadPlanner`, which hand DCP the local
+    tensor; loading copies into `local` in place.
+    """
+
+    def __init__(self, local: Tensor, global_size: torch.Size, offsets: torch.Size) -> None:
+        self.local, self.global_size, self.offsets = local, global_size, offsets
+
+    def size(self) -> torch.Size:
+        """The full tensor's size (DCP compares it with the saved one)."""
+        return self.global_size
+
+    def _chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.size())
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=self._chunk(),
+                              properties=TensorProperties.create_from_tensor(self.local),
+                              size=self.global_size))]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
+        return self.local
+
+    def __repr__(self) -> str:
+        return (f"ShardChunk(local={tuple(self.local.shape)}, global={tuple(self.global_size)}, "
+                f"offsets={tuple(self.offsets)})")
+
+
+Entry = Tensor | ShardChunk
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner for a flat state dict that may hold `ShardChunk` values."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        return obj.local if isinstance(obj, ShardChunk) else super().lookup_object(index)
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner for a flat state dict that may hold `ShardChunk` values."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None,
+                       is_coordinator: bool = False) -> None:
+        # the default would first pass every value through its meta-tensor initializer,
+        # which replaces values of unknown types (a ShardChunk) with None
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        obj = self.state_dict.get(index.fqn)
+        return obj.local if isinstance(obj, ShardChunk) else super().lookup_tensor(index)
+
+
+def _entry(tensor: Tensor, param: Tensor | None, group: Any) -> Tensor | ShardChunk:
+    """`tensor` (the param itself or state shaped like it) as DCP should see it."""
+    if param is None or get_parallel_dim(param) is None or tensor.shape != param.shape:
+        return tensor
+    dim = tensor_shard_dim(param)
+    if dim is None or group is None or group_size(group) == 1:
+        return tensor
+    size = full_shape(param, group)
+    start, _ = shard_range(size[dim], group_size(group), group_rank(group))
+    offsets = [0] * tensor.dim()
+    offsets[dim] = start
+    return ShardChunk(tensor, size, torch.Size(offsets))
+
+
+def model_entries(module: nn.Module, group: Any) -> dict[str, Tensor | ShardChunk]:
+    """``model/<name>`` for every tensor of `module`'s state dict (`group`: the tp group)."""
+    params = dict(module.named_parameters())
+    return {f"model/{name}": _entry(value, params.get(name), group)
+            for name, value in module.state_dict(keep_vars=True).items()}
+
+
+def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer,
+                      group: Any) -> dict[str, Tensor | ShardChunk]:
+    """``optim/<name>/<key>`` for every tensor of the optimizer state of `module`'s params.
+
+    State that does not exist yet (no step taken) is created first, as the optimizer's first
+    step would (AdamW: ``step`` 0, ``exp_avg`` and ``exp_avg_sq`` zeros), so a load has
+    tensors to fill in place.
+    """
+    out: dict[str, Tensor | ShardChunk] = {}
+    for name, param in module.named_parameters():
+        state = optimizer.state[param]
+        if not state:
+            state.update(_initial_state(optimizer, param))
+        for key, value in state.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"optimizer state {name}/{key} is {type(value).__name__}; "
+                                "only tensor state can be checkpointed")
+            out[f"optim/{name}/{key}"] = _entry(value, param, group)
+    return out
+
+
+def _initial_state(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str, Tensor]:
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise TypeError(f"checkpoints hold Adam / AdamW state; got {type(optimizer).__name__}")
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise ValueError("checkpoints of amsgrad optimizers are not supported")
+    zeros = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": zeros,
+            "exp_avg_sq": zeros.clone()}
+
+
+def check_unique(keys: Iterable[str], layers: range) -> None:
+    """Raise unless every model / optimizer key names a layer of this stage (`layers`).
+
+    Stages hold disjoint layers, so their keys cannot collide: two ranks that save one key
+    are tp peers or dp replicas of one stage, whose replicated tensors are equal.
+    """
+    for key in keys:
+        kind, _, name = key.partition("/")
+        if kind not in ("model", "optim"):
+            continue
+        head = name.split(".", 1)[0]
+        if not head.isdigit() or int(head) not in layers:
+            raise RuntimeError(f"checkpoint key {key!r} does not name a layer of this stage "
+                               f"(layers {layers.start}..{layers.stop - 1}); keys must be the "
+                               "layout-free names of the nn.Sequential")
+
+
+def flatten(prefix: str, tree: Mapping[str, Any] | list[Any] | Tensor) -> dict[str, Tensor]:
+    """Nested dicts / lists of tensors as ``{prefix/a/0/b: tensor}``."""
+    if isinstance(tree, Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+    out: dict[str, Tensor] = {}
+    for key, value in items:
+        out.update(flatten(f"{prefix}/{key}", value))
+    return out
+
+
+def unflatten(prefix: str, flat: Mapping[str, Tensor], like: Any) -> Any:
+    """The inverse of `flatten` for a tree shaped like `like`."""
+    if isinstance(like, Tensor):
+        return flat[prefix]
+    if isinstance(like, Mapping):
+        return {k: unflatten(f"{prefix}/{k}", flat, v) for k, v in like.items()}
+    return [unflatten(f"{prefix}/{i}", flat, v) for i, v in enumerate(like)]

@@ -1,0 +1,323 @@
+"""The training loop of `hybridpar run`: one call of `train` per worker process.
+
+    resume (latest complete checkpoint) | init-from (a plain state dict) | fresh (the seed)
+    per step:  lr_at(step) -> data -> HybridPipe.train_step -> global grad clip -> AdamW
+    then:      metrics.jsonl and the progress bar (the rank holding the loss),
+               eval loss every eval_every, a checkpoint every `every`, a text sample at the end
+
+Every rank runs the same loop in lockstep; each builds the whole model from the seed and keeps
+its stage's tp shards, so every layout starts from the weights of the one-device model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from tqdm import tqdm
+
+from hybridpar.models import build_model, generate, loss_fn
+from hybridpar.pipe import HybridPipe
+from hybridpar.tensor_parallel.random import (
+    get_rng_state_all,
+    model_parallel_manual_seed,
+    set_rng_state_all,
+)
+from hybridpar.topology import Topology, current_topology, init
+from hybridpar.train.checkpoint import (
+    CheckpointError,
+    allocate_like,
+    latest_checkpoint,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+)
+from hybridpar.train.config import Config, write_resolved
+from hybridpar.train.data import SyntheticBatches, TokenBatches, decode, make_batches
+from hybridpar.train.lr import lr_at
+from hybridpar.train.metrics import MetricsLog
+from hybridpar.train.shards import (
+    Entry,
+    check_unique,
+    flatten,
+    model_entries,
+    optimizer_entries,
+    unflatten,
+)
+
+__all__ = ["build_pipe", "loss_rank", "train"]
+
+log = logging.getLogger(__name__)
+
+Batches = TokenBatches | SyntheticBatches
+
+
+def _topology(config: Config) -> Topology:
+    """The current topology if it matches the config's layout, else `hybridpar.init` it."""
+    par = config.parallel
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError):
+            topo = current_topology()
+            if (topo.pp, topo.tp) == (par.pp, par.tp) and par.dp in (None, topo.dp):
+                return topo
+    return init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=par.timeout)
+
+
+def loss_rank(topo: Topology) -> int:
+    """The rank that reports: last stage, tp rank 0, dp rank 0 (not necessarily rank 0)."""
+    return topo.global_rank(0, topo.pp - 1, 0)
+
+
+def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridPipe:
+    """The config's model built from its seed on every rank, as this rank's HybridPipe stage."""
+    par, name = config.parallel, config.model.name
+    args = dict(config.model.args)
+    if par.tp > 1 and par.tp_plan is None:
+        args.update(tp=par.tp, group=topo.tp_group)
+    torch.manual_seed(config.train.seed)
+    model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
+    model = build_model(name, **args)
+    return HybridPipe(model, par.balance, chunks=par.chunks, topology=topo,
+                      schedule=par.schedule, checkpoint=par.checkpoint, loss_fn=loss_fn(name),
+                      tp_plan=par.tp_plan, deferred_batch_norm=par.deferred_batch_norm,
+                      balance_sample=sample)
+
+
+def _optimizer(pipe: HybridPipe, config: Config) -> torch.optim.AdamW:
+    """AdamW over this rank's shards: weight decay on matrices, none on biases and norms."""
+    params = [p for p in pipe.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.train.weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.train.lr)
+
+
+class _Run:
+    """The state of one worker's run: pipe, optimizer, data, step; saved and loaded whole."""
+
+    def __init__(self, config: Config, run_dir: Path, topo: Topology) -> None:
+        self.config, self.run_dir, self.topo = config, run_dir, topo
+        self.reporter = topo.rank == loss_rank(topo)
+        self.batches = make_batches(config, split="train", dp_rank=topo.dp_rank, dp=topo.dp)
+        sample = None
+        if isinstance(config.parallel.balance, str) and config.parallel.balance in (
+                "time", "size"):
+            sample = make_batches(config, split="train", dp_rank=topo.dp_rank,
+                                  dp=topo.dp).next_batch()[0]
+        self.pipe = build_pipe(config, topo, sample=sample)
+        self.optimizer = _optimizer(self.pipe, config)
+        self.step = 0
+        start = sum(self.pipe.balance[:self.pipe.stage])
+        self.layers = range(start, start + self.pipe.balance[self.pipe.stage])
+
+    # checkpoint state ---------------------------------------------------------------------
+    def _tp_group(self) -> Any:
+        return self.topo.tp_group if self.topo.tp > 1 else None
+
+    def _coordinate(self) -> str:
+        return f"rng/{self.topo.dp_rank}.{self.topo.pp_rank}.{self.topo.tp_rank}"
+
+    def _layout(self) -> Tensor:
+        t = self.topo
+        return torch.tensor([t.dp, t.pp, t.tp, *self.pipe.balance], dtype=torch.int64)
+
+    def state(self) -> dict[str, Entry]:
+        """Everything a resume needs, under layout-free keys (see `shards`)."""
+        group = self._tp_group()
+        state: dict[str, Entry] = {**model_entries(self.pipe, group),
+                                   **optimizer_entries(self.pipe, self.optimizer, group)}
+        state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
+        state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)
+                                      for k, v in self.batches.state_dict().items()}))
+        state["layout"] = self._layout()
+        state.update(flatten(self._coordinate(), get_rng_state_all()))
+        return state
+
+    def save(self) -> Path:
+        state = self.state()
+        check_unique(state, self.layers)
+        path = save_checkpoint(self.run_dir / "checkpoints", self.step, state,
+                               keep=self.config.checkpoint.keep)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def load(self, path: Path) -> None:
+        """Continue from checkpoint `path` (saved under this or any other layout)."""
+        metadata = read_metadata(path)
+        state = self.state()
+        rng_keys = [k for k in state if k.startswith("rng/")]
+        for key in rng_keys:
+            del state[key]
+        saved_rng = [k for k in rng_keys if k in metadata.state_dict_metadata]
+        state.update(allocate_like(metadata, ["layout", *saved_rng]))
+        load_checkpoint(path, state)
+        step = state["train/step"]
+        assert isinstance(step, Tensor)
+        self.step = int(step)
+        self.batches.load_state_dict({k.removeprefix("data/"): int(v) for k, v in state.items()
+                                      if k.startswith("data/") and isinstance(v, Tensor)})
+        same_layout = torch.equal(state["layout"], self._layout()) \
+            if isinstance(state["layout"], Tensor) else False
+        if same_layout and len(saved_rng) == len(rng_keys):
+            flat = {k: v for k, v in state.items() if k in saved_rng and isinstance(v, Tensor)}
+            set_rng_state_all(unflatten(self._coordinate(), flat, get_rng_state_all()))
+        else:
+            seed = self.config.train.seed + self.step
+            torch.manual_seed(seed)
+            model_parallel_manual_seed(seed, group=self.topo.tp_group)
+            log.info("checkpoint layout differs (dp, pp, tp, balance): random streams re-seeded "
+                     "from train.seed + step; dropout masks differ from an unchanged run")
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def init_from(self, file: str) -> None:
+        """Start from a plain single-device state dict (`hybridpar export`'s output)."""
+        if not Path(file).is_file():
+            raise CheckpointError(f"--init-from {file}: no such file")
+        try:
+            full = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"--init-from {file}: not a torch.save'd state dict ({e})"
+                                  ) from None
+        if not isinstance(full, dict):
+            raise CheckpointError(f"--init-from {file}: holds {type(full).__name__}, not a "
+                                  "state dict")
+        try:
+            self.pipe.load_consolidated_state_dict(full)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"--init-from {file} does not fit model "
+                                  f"{self.config.model.name!r}: {e}") from None
+        log.info("initialized the weights from %s", file)
+
+
+def _resume_step(root: Path) -> int:
+    """The latest complete checkpoint's step as global rank 0 sees it (-1: none), on all."""
+    found = latest_checkpoint(root) if dist.get_rank() == 0 else None
+    step = torch.tensor(int(found.name.removeprefix("step-")) if found else -1)
+    dist.broadcast(step, 0)
+    return int(step)
+
+
+def _tokens_per_sample(config: Config) -> int:
+    return int(config.data.seq_len or 1) if config.model.name == "gpt" else 1
+
+
+def _evaluate(run: _Run) -> float:
+    """Mean loss over the first `eval_batches` validation batches (the same ones every time)."""
+    cfg, topo = run.config, run.topo
+    batches = make_batches(cfg, split="val", dp_rank=topo.dp_rank, dp=topo.dp)
+    run.pipe.eval()
+    total = 0.0
+    for _ in range(cfg.train.eval_batches):
+        x, y = batches.next_batch()
+        total += float(run.pipe.eval_step(x, y))
+    run.pipe.train()
+    return total / cfg.train.eval_batches
+
+
+def _sample(run: _Run) -> str | None:
+    """A gpt text sample through the pipeline, from the start of the validation text."""
+    cfg = run.config
+    if cfg.model.name != "gpt" or cfg.train.sample_tokens == 0 or cfg.data.source == "synthetic":
+        return None
+    val = make_batches(cfg, split="val")
+    assert isinstance(val, TokenBatches)
+    prompt = val.tokens[:8].view(1, -1)                                    # (1, 8)
+    run.pipe.eval()
+    with torch.no_grad():
+        out = generate(run.pipe, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=32,
+                       generator=torch.Generator().manual_seed(cfg.train.seed),
+                       block_size=cfg.model.args["block_size"])          # (1, 8 + n)
+    run.pipe.train()
+    return decode(out[0])
+
+
+def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | None = None,
+          stop_at: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train `config` in RUN_DIR on every rank of the (already launched) job; a summary.
+
+    Resumes from RUN_DIR/checkpoints when a complete checkpoint is there, else starts from
+    `init_from` (a plain state dict) or from the seed. `stop_at` ends this process after that
+    step (and its checkpoint, if one is due), as an interruption would. Returns, on every rank,
+    ``{"start": first step run, "losses": [...], "eval": {step: loss}, "sample": text}``.
+    """
+    run_dir = Path(run_dir)
+    topo = _topology(config)
+    if topo.rank == 0:
+        write_resolved(config, run_dir)
+    run = _Run(config, run_dir, topo)
+    cfg, train_cfg = config, config.train
+    resume = _resume_step(run_dir / "checkpoints")
+    if resume >= 0:
+        run.load(run_dir / "checkpoints" / f"step-{resume}")
+    elif init_from is not None:
+        run.init_from(init_from)
+    start = run.step
+    metrics = MetricsLog(run_dir / "metrics.jsonl", after=start) if run.reporter else None
+    bar = tqdm(total=train_cfg.steps, initial=start, disable=not (run.reporter and progress),
+               desc=cfg.name, unit="step", file=sys.stderr, dynamic_ncols=True,
+               mininterval=0.5)
+    autocast = torch.autocast(run.pipe.device.type, dtype=torch.bfloat16,
+                              enabled=train_cfg.precision == "bf16")
+    tokens = train_cfg.batch_size * _tokens_per_sample(cfg)
+    unit = "tokens_per_s" if cfg.model.name == "gpt" else "samples_per_s"
+    losses: list[float] = []
+    evals: dict[int, float] = {}
+    window_time, window_steps = 0.0, 0
+    last = min(train_cfg.steps, stop_at) if stop_at is not None else train_cfg.steps
+    while run.step < last:
+        lr = lr_at(run.step, lr=train_cfg.lr, steps=train_cfg.steps,
+                   warmup_steps=train_cfg.warmup_steps, min_lr=train_cfg.min_lr)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        began = time.perf_counter()
+        x, y = run.batches.next_batch()
+        run.optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = float(run.pipe.train_step(x, y))
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"the loss is {loss} at step {run.step + 1}; lower train.lr, set "
+                "train.grad_clip, or use precision = 'fp32'")
+        norm = run.pipe.clip_grad_norm_(train_cfg.grad_clip) if train_cfg.grad_clip else None
+        run.optimizer.step()
+        run.step += 1
+        elapsed = time.perf_counter() - began
+        losses.append(loss)
+        window_time, window_steps = window_time + elapsed, window_steps + 1
+        record: dict[str, Any] = {}
+        if train_cfg.eval_every and run.step % train_cfg.eval_every == 0:
+            evals[run.step] = record["eval_loss"] = _evaluate(run)
+        if run.step % train_cfg.log_every == 0 or run.step == train_cfg.steps or record:
+            step_time = window_time / window_steps
+            record = {"step": run.step, "loss": loss, "lr": lr,
+                      unit: tokens / step_time, "step_time": step_time,
+                      **({"grad_norm": float(norm)} if norm is not None else {}), **record}
+            if metrics is not None:
+                metrics.write(record)
+            bar.set_postfix(loss=f"{loss:.4f}", **{unit.split("_")[0] + "/s":
+                                                   f"{tokens / step_time:,.0f}"})
+            window_time, window_steps = 0.0, 0
+        bar.update(1)
+        every = cfg.checkpoint.every
+        if every and (run.step % every == 0 or run.step == train_cfg.steps):
+            run.save()
+    bar.close()
+    if metrics is not None:
+        metrics.close()
+    sample = _sample(run) if run.step == train_cfg.steps and start < run.step else None
+    if sample is not None and run.reporter:
+        (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
+        log.info("sample:\n%s", sample)
+    return {"start": start, "losses": losses, "eval": evals, "sample": sample,
+            "steps": run.step}
+
