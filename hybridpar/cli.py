@@ -1,4 +1,7 @@
-"""The `hybridpar` command line: `balance`, `env` (run / export come with the trainer)."""
+"""The `hybridpar` command line: `run`, `export`, `balance`, `env`.
+
+Errors in what the user gave (config, paths, options) print one line and exit with 2.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -33,6 +37,51 @@ def _env() -> int:
     return 0
 
 
+def _add_run(commands: Any) -> None:
+    from hybridpar.train.__main__ import add_run_options
+
+    p = commands.add_parser("run", help="train a config on dp x pp x tp local workers",
+                            description="Train a config: checks it, then starts dp x pp x tp "
+                            "workers through torch's elastic launcher. Running again with the "
+                            "same run dir resumes from its latest complete checkpoint.")
+    add_run_options(p)
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart all workers after a failure up to N times, resuming from "
+                   "the latest checkpoint (default 0)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="rendezvous address, the same on every node (node 0 listens there); "
+                   "default for one node: 127.0.0.1 and a free port")
+
+
+def _add_export(commands: Any) -> None:
+    p = commands.add_parser("export", help="write a checkpoint as a plain state dict",
+                            description="Gather a checkpoint folder (any layout) into the plain "
+                            "single-device state dict of the unsharded nn.Sequential.")
+    p.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/quickstart/checkpoints/"
+                   "step-200")
+    p.add_argument("out", help="the .pt file to write (torch.load(..., weights_only=True))")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hybridpar.train.launcher import launch
+
+    return launch(args.config, run_dir=args.run_dir, overrides=args.overrides,
+                  max_restarts=args.max_restarts, nnodes=args.nnodes,
+                  node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                  init_from=args.init_from)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from hybridpar.train.export import export_checkpoint
+
+    state = export_checkpoint(args.checkpoint, args.out)
+    count = sum(t.numel() for t in state.values())
+    print(f"wrote {args.out}: {len(state)} tensors, {count:,} values")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hybridpar` console script."""
     from hybridpar import __version__
@@ -41,23 +90,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Pipeline x tensor x data parallel training for PyTorch."))
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    commands.add_parser("env", help="print the versions and devices hybridpar sees")
+    _add_run(commands)
+    _add_export(commands)
     from hybridpar.balance import cli as balance_cli
 
     balance_cli.add_parser(commands)
+    commands.add_parser("env", help="print the versions and devices hybridpar sees")
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
-    if args.command == "balance":
-        from hybridpar.train import ConfigError
+    handlers = {"run": _run, "export": _export, "balance": balance_cli.run}
+    if args.command not in handlers:
+        parser.print_help()
+        return 0
+    from hybridpar.train import ConfigError
+    from hybridpar.train.checkpoint import CheckpointError
 
-        try:
-            return balance_cli.run(args)
-        except (ConfigError, ValueError) as e:
-            print(f"hybridpar balance: error: {e}", file=sys.stderr)
-            return 2
-    parser.print_help()
-    return 0
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"hybridpar {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hybridpar.models import build_model, generate, loss_fn
 from hybridpar.pipe import HybridPipe
@@ -43,6 +44,7 @@ from hybridpar.train.checkpoint import (
 )
 from hybridpar.train.config import Config, write_resolved
 from hybridpar.train.data import SyntheticBatches, TokenBatches, decode, make_batches
+from hybridpar.train.export import load_exported
 from hybridpar.train.lr import lr_at
 from hybridpar.train.metrics import MetricsLog
 from hybridpar.train.shards import (
@@ -184,13 +186,12 @@ class _Run:
         if not Path(file).is_file():
             raise CheckpointError(f"--init-from {file}: no such file")
         try:
-            full = torch.load(file, map_location="cpu", weights_only=True)
+            full = load_exported(file)
         except Exception as e:
-            raise CheckpointError(f"--init-from {file}: not a torch.save'd state dict ({e})"
-                                  ) from None
-        if not isinstance(full, dict):
-            raise CheckpointError(f"--init-from {file}: holds {type(full).__name__}, not a "
-                                  "state dict")
+            raise CheckpointError(
+                f"--init-from {file} cannot be read as a state dict of tensors with "
+                f"torch.load(weights_only=True) ({type(e).__name__}); give a .pt file written "
+                "by `hybridpar export`") from None
         try:
             self.pipe.load_consolidated_state_dict(full)
         except (KeyError, ValueError, RuntimeError) as e:
@@ -241,6 +242,63 @@ def _sample(run: _Run) -> str | None:
     return decode(out[0])
 
 
+class _Reporter:
+    """Progress bar, metrics.jsonl and throughput over the log window (rank `loss_rank` only)."""
+
+    def __init__(self, run: _Run, *, start: int, progress: bool) -> None:
+        cfg = run.config
+        self.active = run.reporter
+        self.metrics = MetricsLog(run.run_dir / "metrics.jsonl", after=start) \
+            if self.active else None
+        self.bar = tqdm(total=cfg.train.steps, initial=start, desc=cfg.name, unit="step",
+                        disable=not (self.active and progress), file=sys.stderr,
+                        dynamic_ncols=True, mininterval=0.5)
+        self.items = cfg.train.batch_size * _tokens_per_sample(cfg)    # per step, global
+        self.unit = "tokens_per_s" if cfg.model.name == "gpt" else "samples_per_s"
+        self.window_time, self.window_steps = 0.0, 0
+
+    def step(self, record: dict[str, Any], elapsed: float, *, log: bool) -> None:
+        """Count a step; when `log`, write its record with the window's throughput."""
+        self.window_time, self.window_steps = self.window_time + elapsed, self.window_steps + 1
+        if log:
+            step_time = self.window_time / self.window_steps
+            rate = self.items / step_time
+            record = {**record, self.unit: rate, "step_time": step_time}
+            if self.metrics is not None:
+                self.metrics.write(record)
+            self.bar.set_postfix({"loss": f"{record['loss']:.4f}",
+                                  self.unit.split("_")[0] + "/s": f"{rate:,.0f}"})
+            self.window_time, self.window_steps = 0.0, 0
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
+    """One optimizer step: lr, batch, forward and backward, clip, update; its record."""
+    cfg = run.config.train
+    lr = lr_at(run.step, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+               min_lr=cfg.min_lr)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    x, y = run.batches.next_batch()
+    run.optimizer.zero_grad(set_to_none=True)
+    with autocast:
+        loss = float(run.pipe.train_step(x, y))
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss} at step {run.step + 1}; lower train.lr, "
+                                 "set train.grad_clip, or use precision = 'fp32'")
+    record: dict[str, Any] = {"step": run.step + 1, "loss": loss, "lr": lr}
+    if cfg.grad_clip:
+        record["grad_norm"] = float(run.pipe.clip_grad_norm_(cfg.grad_clip))
+    run.optimizer.step()
+    run.step += 1
+    return record
+
+
 def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | None = None,
           stop_at: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Train `config` in RUN_DIR on every rank of the (already launched) job; a summary.
@@ -255,69 +313,37 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
     if topo.rank == 0:
         write_resolved(config, run_dir)
     run = _Run(config, run_dir, topo)
-    cfg, train_cfg = config, config.train
+    cfg = config.train
     resume = _resume_step(run_dir / "checkpoints")
     if resume >= 0:
         run.load(run_dir / "checkpoints" / f"step-{resume}")
     elif init_from is not None:
         run.init_from(init_from)
     start = run.step
-    metrics = MetricsLog(run_dir / "metrics.jsonl", after=start) if run.reporter else None
-    bar = tqdm(total=train_cfg.steps, initial=start, disable=not (run.reporter and progress),
-               desc=cfg.name, unit="step", file=sys.stderr, dynamic_ncols=True,
-               mininterval=0.5)
+    reporter = _Reporter(run, start=start, progress=progress)
     autocast = torch.autocast(run.pipe.device.type, dtype=torch.bfloat16,
-                              enabled=train_cfg.precision == "bf16")
-    tokens = train_cfg.batch_size * _tokens_per_sample(cfg)
-    unit = "tokens_per_s" if cfg.model.name == "gpt" else "samples_per_s"
+                              enabled=cfg.precision == "bf16")
     losses: list[float] = []
     evals: dict[int, float] = {}
-    window_time, window_steps = 0.0, 0
-    last = min(train_cfg.steps, stop_at) if stop_at is not None else train_cfg.steps
-    while run.step < last:
-        lr = lr_at(run.step, lr=train_cfg.lr, steps=train_cfg.steps,
-                   warmup_steps=train_cfg.warmup_steps, min_lr=train_cfg.min_lr)
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr
-        began = time.perf_counter()
-        x, y = run.batches.next_batch()
-        run.optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            loss = float(run.pipe.train_step(x, y))
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"the loss is {loss} at step {run.step + 1}; lower train.lr, set "
-                "train.grad_clip, or use precision = 'fp32'")
-        norm = run.pipe.clip_grad_norm_(train_cfg.grad_clip) if train_cfg.grad_clip else None
-        run.optimizer.step()
-        run.step += 1
-        elapsed = time.perf_counter() - began
-        losses.append(loss)
-        window_time, window_steps = window_time + elapsed, window_steps + 1
-        record: dict[str, Any] = {}
-        if train_cfg.eval_every and run.step % train_cfg.eval_every == 0:
-            evals[run.step] = record["eval_loss"] = _evaluate(run)
-        if run.step % train_cfg.log_every == 0 or run.step == train_cfg.steps or record:
-            step_time = window_time / window_steps
-            record = {"step": run.step, "loss": loss, "lr": lr,
-                      unit: tokens / step_time, "step_time": step_time,
-                      **({"grad_norm": float(norm)} if norm is not None else {}), **record}
-            if metrics is not None:
-                metrics.write(record)
-            bar.set_postfix(loss=f"{loss:.4f}", **{unit.split("_")[0] + "/s":
-                                                   f"{tokens / step_time:,.0f}"})
-            window_time, window_steps = 0.0, 0
-        bar.update(1)
-        every = cfg.checkpoint.every
-        if every and (run.step % every == 0 or run.step == train_cfg.steps):
-            run.save()
-    bar.close()
-    if metrics is not None:
-        metrics.close()
-    sample = _sample(run) if run.step == train_cfg.steps and start < run.step else None
-    if sample is not None and run.reporter:
-        (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
-        log.info("sample:\n%s", sample)
+    last = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
+    every = config.checkpoint.every
+    quiet = logging_redirect_tqdm() if run.reporter and progress else contextlib.nullcontext()
+    with quiet:  # log lines go above the bar, not through it
+        while run.step < last:
+            began = time.perf_counter()
+            record = _train_step(run, autocast)
+            elapsed = time.perf_counter() - began
+            losses.append(record["loss"])
+            if cfg.eval_every and run.step % cfg.eval_every == 0:
+                evals[run.step] = record["eval_loss"] = _evaluate(run)
+            reporter.step(record, elapsed, log=run.step % cfg.log_every == 0
+                          or run.step == cfg.steps or "eval_loss" in record)
+            if every and (run.step % every == 0 or run.step == cfg.steps):
+                run.save()
+        reporter.close()
+        sample = _sample(run) if run.step == cfg.steps and start < run.step else None
+        if sample is not None and run.reporter:
+            (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
+            log.info("sample:\n%s", sample)
     return {"start": start, "losses": losses, "eval": evals, "sample": sample,
             "steps": run.step}
-

@@ -1,0 +1,75 @@
+"""The worker entry point: ``torchrun --nproc-per-node N -m hybridpar.train CONFIG [options]``.
+
+`hybridpar run` starts these workers itself; torchrun (or any launcher that sets RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT) may start them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+__all__ = ["add_run_options", "default_run_dir", "main"]
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options a worker and `hybridpar run` share."""
+    parser.add_argument("config", help="a TOML config (see configs/)")
+    parser.add_argument("--run-dir", help="where checkpoints, metrics and the resolved config "
+                        "go (default: runs/<config name>); an existing one is resumed")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        dest="overrides", help="override a config value (repeatable)")
+    parser.add_argument("--init-from", metavar="FILE.pt", help="start from a plain state dict "
+                        "(hybridpar export's output) when the run dir has no checkpoint")
+
+
+def default_run_dir(config_path: str) -> Path:
+    """``runs/<config file stem>`` under the working directory."""
+    return Path("runs") / Path(config_path).stem
+
+
+def _configure_logging(rank: int, reporter: bool) -> None:
+    logging.basicConfig(level=logging.INFO if reporter else logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr, force=True)
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the training loop of a config on this rank (one of WORLD_SIZE)."""
+    import torch
+
+    from hybridpar.topology import ParallelDims, shutdown
+    from hybridpar.train.config import ConfigError, load_config
+    from hybridpar.train.trainer import train
+
+    parser = argparse.ArgumentParser(prog="python -m hybridpar.train",
+                                     description="A hybridpar training worker.")
+    add_run_options(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"hybridpar.train: error: {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    par = config.parallel
+    dims = ParallelDims.for_world(world, pp=par.pp, tp=par.tp, dp=par.dp)
+    _configure_logging(rank, rank == dims.rank(0, dims.pp - 1, 0))
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
+    try:
+        train(config, run_dir, init_from=args.init_from)
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""`hybridpar export`: a checkpoint folder as the plain single-device state dict (one file)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from hybridpar.train.checkpoint import allocate_like, read_metadata
+from hybridpar.train.shards import ShardLoadPlanner
+
+__all__ = ["export_checkpoint", "load_exported"]
+
+
+def _layer_order(key: str) -> tuple[int, str]:
+    head = re.match(r"(\d+)\.", key)
+    return (int(head.group(1)) if head else -1, key)
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]
+                      ) -> dict[str, Tensor]:
+    """Gather a checkpoint's model tensors (any layout) into `out` with `torch.save`.
+
+    The file holds ``{name: tensor}`` with the names and full shapes of the unsharded
+    `nn.Sequential`'s ``state_dict()``, so ``model.load_state_dict(torch.load(out,
+    weights_only=True))`` works on the plain model. Runs in one process (no process group).
+    Written to a temporary file first, so `out` is either the old file or the whole new one.
+    """
+    metadata = read_metadata(checkpoint)
+    keys = sorted((k for k in metadata.state_dict_metadata if k.startswith("model/")),
+                  key=lambda k: _layer_order(k.removeprefix("model/")))
+    if not keys:
+        raise ValueError(f"{checkpoint} holds no model tensors; is it a hybridpar checkpoint?")
+    state = allocate_like(metadata, keys)
+    dcp.load(state, checkpoint_id=str(checkpoint), planner=ShardLoadPlanner(), no_dist=True)
+    plain = {k.removeprefix("model/"): v for k, v in state.items()}
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        torch.save(plain, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return plain
+
+
+def load_exported(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """Read an exported state dict (``weights_only=True``: tensors only, no code)."""
+    value = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(value, dict) or not all(isinstance(v, Tensor) for v in value.values()):
+        raise ValueError(f"{path} is not a state dict of tensors")
+    return value

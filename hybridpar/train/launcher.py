@@ -1,0 +1,108 @@
+"""`hybridpar run`: check the config, then start dp x pp x tp workers with torch's elastic agent.
+
+    hybridpar run CONFIG                      one node: WORLD = dp * pp * tp local workers,
+                                              rendezvous on 127.0.0.1 (a free port)
+    hybridpar run CONFIG --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT
+                                              WORLD / 2 workers here; node 0 hosts the store
+
+Each worker is ``python -m hybridpar.train CONFIG ...`` (`__main__.py`, wrapped in `@record`,
+so the first failure's traceback is reported by the agent). With ``--max-restarts N`` the
+agent restarts every worker after a failure, up to N times; each restart resumes from the
+latest complete checkpoint. The rendezvous store is not shared with the workers
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): stale addresses in a shared store broke restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from hybridpar.launch import free_port
+from hybridpar.train.config import Config, ConfigError, load_config, write_resolved
+
+__all__ = ["launch", "worker_args"]
+
+log = logging.getLogger(__name__)
+
+
+def worker_args(config_path: str, *, run_dir: Path, overrides: Sequence[str],
+                init_from: str | None) -> list[str]:
+    """The command-line arguments of each worker after ``python``."""
+    args = ["-u", "-m", "hybridpar.train", config_path, "--run-dir", str(run_dir)]
+    for text in overrides:
+        args += ["--set", text]
+    if init_from is not None:
+        args += ["--init-from", init_from]
+    return args
+
+
+def _world_size(config: Config) -> int:
+    par = config.parallel
+    return (par.dp or 1) * par.pp * par.tp
+
+
+def _check_nodes(world: int, nnodes: int, node_rank: int, endpoint: str | None) -> None:
+    if nnodes < 1 or world % nnodes:
+        raise ConfigError(f"--nnodes {nnodes} does not divide the {world} workers (dp x pp x "
+                          "tp); choose a divisor of it")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank {node_rank} is not in 0..{nnodes - 1}")
+    if nnodes > 1 and not endpoint:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every "
+                          "node; node 0 listens there)")
+    if endpoint and (":" not in endpoint or not endpoint.rsplit(":", 1)[1].isdigit()):
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT")
+
+
+def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
+           overrides: Sequence[str] = (), max_restarts: int = 0, nnodes: int = 1,
+           node_rank: int = 0, rdzv_endpoint: str | None = None,
+           init_from: str | None = None) -> int:
+    """Run a config to the end on this node's workers; the exit status (0: success).
+
+    The config is loaded and checked here first, so a bad one fails in one line before any
+    worker starts (raises `ConfigError`).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from hybridpar.train.__main__ import default_run_dir
+
+    config = load_config(config_path, overrides)
+    world = _world_size(config)
+    _check_nodes(world, nnodes, node_rank, rdzv_endpoint)
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if init_from is not None and not Path(init_from).is_file():
+        raise ConfigError(f"--init-from {init_from}: no such file")
+    folder = Path(run_dir) if run_dir is not None else default_run_dir(config_path)
+    if node_rank == 0:
+        write_resolved(config, folder)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    single = nnodes == 1
+    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    launch_config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=world // nnodes,
+        run_id=f"hybridpar-{config.name}" if not single else f"hybridpar-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": node_rank == 0, "rank": node_rank},
+        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
+        local_addr="127.0.0.1" if single or endpoint.startswith("127.") else None)
+    args = worker_args(config_path, run_dir=folder, overrides=overrides, init_from=init_from)
+    log.info("starting %d workers (%s) in %s", world // nnodes, config.name, folder)
+    try:
+        elastic_launch(launch_config, sys.executable)(*args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):  # the error file of a worker wrapped in @record
+            message = message.get("message", "")
+        print(f"hybridpar run: worker rank {rank} failed first (exit code {failure.exitcode}"
+              f"): {message}", file=sys.stderr)
+        return 1
+    return 0
