@@ -1,0 +1,194 @@
+"""`hybridpar run` / `export` through the real console script, launcher and elastic agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridpar.cli import main
+from hybridpar.launch import free_port
+from hybridpar.models import build_model
+from hybridpar.train import load_config
+
+TINY = """# a tiny GPT on 2 stages: every run here starts 2 workers
+[model]
+name = "gpt"
+n_layer = 2
+n_head = 2
+n_embd = 16
+block_size = 16
+
+[data]
+source = "corpus"
+
+[parallel]
+pp = 2
+chunks = 2
+schedule = "1f1b"
+
+[train]
+steps = 8
+batch_size = 4
+lr = 3e-3
+log_every = 1
+sample_tokens = 16
+
+[checkpoint]
+every = 2
+keep = 2
+"""
+
+HYBRIDPAR = [sys.executable, "-m", "hybridpar.cli"]
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY)
+    return path
+
+
+def _run(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*HYBRIDPAR, *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)), f"duplicate steps in metrics.jsonl: {steps}"
+    return {r["step"]: r["loss"] for r in records}
+
+
+def test_run_trains_resumes_and_exports(tiny: Path, tmp_path: Path) -> None:
+    done = _run("run", str(tiny), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run_dir = tmp_path / "runs" / "tiny"            # the default: runs/<config name>
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-6", "step-8"]
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, 9))
+    assert json.loads((run_dir / "config.json").read_text())["parallel"]["pp"] == 2
+    assert (run_dir / "sample.txt").read_text()
+    assert "quickstart" not in done.stderr and "tiny" in done.stderr   # the progress bar
+
+    again = _run("run", str(tiny), cwd=tmp_path)    # everything done: resumes at the end
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stderr and _losses(run_dir) == losses
+
+    out = tmp_path / "plain.pt"
+    exported = _run("export", str(run_dir / "checkpoints" / "step-8"), str(out), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    state = torch.load(out, weights_only=True)
+    model = build_model("gpt", **load_config(tiny).model.args)
+    model.load_state_dict(state, strict=True)
+
+
+def test_a_bad_config_fails_in_one_line_before_any_worker(tiny: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cases = {
+        ("--set", "parallel.tp=3"): "parallel.tp=3 does not fit model 'gpt'",
+        ("--set", "train.stepz=3"): "did you mean train.steps?",
+        ("--nnodes", "3"): "--nnodes 3 does not divide the 2 workers",
+        ("--nnodes", "2"): "--nnodes > 1 needs --rdzv-endpoint",
+        ("--rdzv-endpoint", "localhost"): "--rdzv-endpoint 'localhost' is not HOST:PORT",
+        ("--node-rank", "1"): "--node-rank 1 is not in 0..0",
+        ("--max-restarts", "-1"): "--max-restarts must be >= 0",
+        ("--init-from", "missing.pt"): "--init-from missing.pt: no such file",
+    }
+    for extra, message in cases.items():
+        assert main(["run", str(tiny), *extra]) == 2, extra
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (extra, lines)
+    assert main(["run", "configs/nope.toml"]) == 2
+    assert "no such config file" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()          # nothing started, nothing written
+    assert main(["export", "nope", "x.pt"]) == 2
+    assert "no such checkpoint folder" in capsys.readouterr().err
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_failing_worker_ends_the_run_with_its_error_first(tiny: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    done = _run("run", str(tiny), "--init-from", str(bad), cwd=tmp_path)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("hybridpar run: worker rank ") and "CheckpointError" in last
+    assert "give a .pt file written by `hybridpar export`" in last
+
+
+def test_two_nodes_on_localhost_train_like_one(tiny: Path, tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen(
+        [*HYBRIDPAR, "run", str(tiny), "--run-dir", "two", "--nnodes", "2", "--node-rank",
+         str(rank), "--rdzv-endpoint", endpoint, "--set", "checkpoint.every=0",
+         "--set", "train.sample_tokens=0"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    one = _run("run", str(tiny), "--run-dir", "one", "--set", "checkpoint.every=0",
+               "--set", "train.sample_tokens=0", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert _losses(tmp_path / "two") == _losses(tmp_path / "one")
+
+
+def test_torchrun_runs_the_worker_module(tiny: Path, tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "-m", "hybridpar.train", str(tiny),
+         "--run-dir", "tr", "--set", "train.steps=3", "--set", "train.sample_tokens=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(_losses(tmp_path / "tr")) == [1, 2, 3]
+
+
+def _workers(run_dir: str) -> list[int]:
+    """The pids of the worker processes of a run (by their command line)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hybridpar.train" in cmd and run_dir.encode() in cmd:
+            pids.append(int(proc.name))
+    return sorted(pids)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
+def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: Path) -> None:
+    sets = ["--set", "train.steps=12", "--set", "model.dropout=0.1",
+            "--set", "train.sample_tokens=0", "--set", "checkpoint.every=3"]
+    run_dir = str(tmp_path / "killed")
+    agent = subprocess.Popen([*HYBRIDPAR, "run", str(tiny), "--run-dir", run_dir,
+                              "--max-restarts", "1", *sets], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 90
+    while not (Path(run_dir) / "checkpoints" / "step-3").is_dir():
+        assert agent.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+        time.sleep(0.05)
+    workers = _workers(run_dir)
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    output = agent.communicate(timeout=120)[0]
+    assert agent.returncode == 0, output
+    assert "resumed from" in output and "exitcode: -9" in output
+
+    whole = _run("run", str(tiny), "--run-dir", "whole", *sets, cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    assert _losses(Path(run_dir)) == _losses(tmp_path / "whole")   # exactly: RNG restored
