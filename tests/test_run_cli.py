@@ -17,6 +17,7 @@ from hybridpar.cli import main
 from hybridpar.launch import free_port
 from hybridpar.models import build_model
 from hybridpar.train import load_config
+from hybridpar.train.launcher import worker_pids
 
 TINY = """# a tiny GPT on 2 stages: every run here starts 2 workers
 [model]
@@ -155,21 +156,6 @@ def test_torchrun_runs_the_worker_module(tiny: Path, tmp_path: Path) -> None:
     assert sorted(_losses(tmp_path / "tr")) == [1, 2, 3]
 
 
-def _workers(run_dir: str) -> list[int]:
-    """The pids of the worker processes of a run (by their command line)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hybridpar.train" in cmd and run_dir.encode() in cmd:
-            pids.append(int(proc.name))
-    return sorted(pids)
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: Path) -> None:
     sets = ["--set", "train.steps=12", "--set", "model.dropout=0.1",
@@ -182,7 +168,7 @@ def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: 
     while not (Path(run_dir) / "checkpoints" / "step-3").is_dir():
         assert agent.poll() is None and time.monotonic() < deadline, "no checkpoint came"
         time.sleep(0.05)
-    workers = _workers(run_dir)
+    workers = worker_pids(run_dir)
     assert len(workers) == 2
     os.kill(workers[-1], signal.SIGKILL)
     output = agent.communicate(timeout=120)[0]

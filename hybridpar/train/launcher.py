@@ -24,7 +24,7 @@ from pathlib import Path
 from hybridpar.launch import free_port
 from hybridpar.train.config import Config, ConfigError, load_config, write_resolved
 
-__all__ = ["launch", "worker_args"]
+__all__ = ["launch", "worker_args", "worker_pids"]
 
 log = logging.getLogger(__name__)
 
@@ -106,3 +106,19 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
               f"): {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def worker_pids(run_dir: str | os.PathLike[str]) -> list[int]:
+    """The pids of this machine's workers of the run in `run_dir` (read from /proc; Linux)."""
+    needle = str(run_dir).encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # the process ended while we looked
+            continue
+        if b"hybridpar.train" in argv and needle in argv:
+            pids.append(int(proc.name))
+    return sorted(pids)
