@@ -20,6 +20,7 @@ from hybridpar.tensor_parallel.state import (
     relocate_state_dict,
     slice,
 )
+from hybridpar.tensor_parallel.strategy import shard
 from hybridpar.topology import ParallelDims, Topology, current_topology, init, shutdown
 
 __version__ = "0.1.0"
@@ -52,6 +53,7 @@ __all__ = [
     "register_parallel_dim",
     "relocate_state_dict",
     "reset_comm_stats",
+    "shard",
     "shutdown",
     "slice",
     "spawn",

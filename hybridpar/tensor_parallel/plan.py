@@ -13,6 +13,11 @@ matched layers of the style's type (``"3.mlp.*": "column"`` converts the Linears
 the activation); an exact name of the wrong type is an error, and so is a pattern matching
 nothing. Errors (`ValueError`) come before any change, on every rank, and name the layer.
 
+A dict may also map exact parameter names to strategies, slices per dimension (``"0.weight":
+(tp, 1)``, see `strategy.shard`): those layers follow shard's rules (outputs equal the plain
+module's: a column layer that no row layer follows is gathered), the rest their styles. A
+layer takes a style or strategies, not both (a "replicate" style yields).
+
 ``"auto"`` (best-effort; what it did is logged and kept, see `plan_decisions`):
 
 * two Linears A, B with the same parent, consecutive in registration order with only
@@ -50,9 +55,9 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -187,12 +192,13 @@ def _indivisible(m: nn.Module, style: str, tp: int) -> str | None:
 
 # resolving a plan into {layer name: style} ----------------------------------------------------
 
-def _resolve_dict(plan: Mapping[str, str], layers: _Layers) -> dict[str, str]:
+def _resolve_dict(plan: Mapping[str, Any], layers: _Layers) -> dict[str, str]:
     from_glob: dict[str, tuple[str, str]] = {}
     exact: dict[str, str] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not isinstance(style, str):
-            raise ValueError(f"tp_plan entries must be 'name pattern': 'style' strings, got "
+            raise ValueError(f"tp_plan entries must be 'name pattern': 'style' strings (or "
+                             f"'parameter name': (slices per dimension), a strategy), got "
                              f"{pattern!r}: {style!r}; {_STYLE_HELP}")
         if style not in STYLES:
             raise ValueError(f"tp_plan[{pattern!r}] = {style!r} is not a style; {_STYLE_HELP}")
@@ -342,7 +348,7 @@ def _retag_between(root: nn.Module, group: ProcessGroup) -> list[str]:
 
 # the entry point --------------------------------------------------------------------------------
 
-def apply_tp_plan(module: _M, plan: str | Mapping[str, str] | None, *,
+def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | None, *,
                   group: ProcessGroup | None = None,
                   log: logging.Logger | None = None) -> _M:
     """Shard `module`'s layers over the tp `group` by `plan` (None, "auto" or a dict).
@@ -356,14 +362,30 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str] | None, *,
     if not isinstance(module, nn.Module):
         raise TypeError(f"apply_tp_plan needs an nn.Module, got {type(module).__name__}")
     if not ((isinstance(plan, str) and plan == "auto") or isinstance(plan, Mapping)):
-        raise ValueError(f"tp_plan must be None, 'auto' or a dict {{'name pattern': style}}, "
-                         f"got {plan!r}; {_STYLE_HELP}")
+        raise ValueError(f"tp_plan must be None, 'auto' or a dict {{'name pattern': style, "
+                         f"'parameter name': (slices per dimension)}}, got {plan!r}; "
+                         f"{_STYLE_HELP}")
     layers = _Layers(module)
     explicit = isinstance(plan, Mapping)
-    styles = _resolve_dict(plan, layers) if isinstance(plan, Mapping) else {}
+    strategies: dict[str, Sequence[int]] = {}
+    styles: dict[str, str] = {}
+    if isinstance(plan, Mapping):
+        strategies = {k: v for k, v in plan.items() if isinstance(k, str) and
+                      isinstance(v, Sequence) and not isinstance(v, str)}
+        styles = _resolve_dict({k: v for k, v in plan.items() if k not in strategies}, layers)
     group = group if group is not None else default_tp_group()
     tp = group_size(group)
     logger = log if log is not None else _log
+    prepared = None
+    if strategies:  # parameter name -> slices per dimension: hybridpar.shard's strategies
+        from hybridpar.tensor_parallel.strategy import prepare_strategies  # (it imports us)
+
+        prepared = prepare_strategies(module, strategies, None, tp)
+        for layer in prepared.given:
+            if styles.get(layer, "replicate") != "replicate":
+                raise ValueError(f"tp_plan: layer '{layer}' has the style "
+                                 f"{styles[layer]!r} and the strategies "
+                                 f"{', '.join(prepared.given[layer])}; give one or the other")
     if tp == 1:
         logger.debug("tp_plan: tp=1, nothing to shard")
         return module
@@ -390,6 +412,13 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str] | None, *,
         parent_name, _, key = name.rpartition(".")
         parent = module.get_submodule(parent_name)
         setattr(parent, key, _convert(layers.by_name[name], how, group))
+    lines: dict[str, str] = {}
+    extra: list[str] = []
+    if prepared is not None:
+        from hybridpar.tensor_parallel.strategy import apply_strategies
+
+        new, lines, extra = apply_strategies(module, prepared, group)
+        module = cast(_M, new)
     hooked = _retag_between(module, group)
     for name in [n for n in styles if notes.get(n) == _LOGITS_NOTE]:  # guard "auto" logits
         module.register_forward_hook(_ExpectShardedOutput(name))
@@ -397,16 +426,20 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str] | None, *,
             module.get_submodule(name.split(".")[0]).register_forward_hook(
                 _ExpectShardedOutput(name))
 
-    decisions = []
+    decisions = [lines[""]] if "" in lines else []
     for name in layers.names:
         m = layers.by_name[name]
-        if name in styles or (type(m) in (nn.Linear, nn.Embedding) and name not in layers.in_mha):
+        if name in lines:
+            decisions.append(lines[name])
+        elif name in styles or (type(m) in (nn.Linear, nn.Embedding) and
+                                name not in layers.in_mha):
             note = notes.get(name) or ("" if name in styles else "not in the plan")
             decisions.append(f"{name} ({layers.describe(name)}): "
                              f"{styles.get(name, 'replicate')}"
                              + (f" - {note}" if note else ""))
     if hooked:
         decisions.append(f"re-tag the shard between column and row layers: {', '.join(hooked)}")
+    decisions.extend(extra)
     setattr(module, _DECISIONS_ATTR, decisions)
     if not dist.is_initialized() or dist.get_rank() == 0:
         label = "'auto'" if not explicit else "dict"

@@ -37,6 +37,7 @@ from hybridpar.models.gpt import check_gpt_config
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
 from hybridpar.pipeline.schedule import SCHEDULES
 from hybridpar.tensor_parallel.plan import STYLES
+from hybridpar.tensor_parallel.strategy import strategy_problem
 
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig",
            "ParallelConfig", "TrainConfig", "load_config", "write_resolved"]
@@ -79,7 +80,8 @@ class ParallelConfig:
     schedule: str = "gpipe"       # "gpipe" | "1f1b"
     checkpoint: str = "except_last"   # "always" | "except_last" | "never"
     balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
-    tp_plan: dict[str, str] | str | None = None   # None: the model's own tp layers; "auto" | {}
+    tp_plan: dict[str, str | list[int]] | str | None = None   # None: the model's own tp
+    # layers; "auto"; or a table: layer glob = "style", parameter name = [slices per dim]
     deferred_batch_norm: bool = False   # BatchNorm statistics of the whole mini-batch
     timeout: float = 600.0        # seconds any rank waits for another before failing
 
@@ -319,7 +321,12 @@ def _check_layout(cfg: Config, where: _Where) -> Config:
         _check_tp(model, par.tp, where)
     if isinstance(par.tp_plan, dict):
         for glob, style in par.tp_plan.items():
-            if style not in STYLES:
+            if isinstance(style, list):   # a strategy: slices per dimension (hybridpar.shard)
+                problem = strategy_problem(style, par.tp)
+                if problem:
+                    raise where.error(f"parallel.tp_plan[{glob!r}] = {style}: {problem}",
+                                      "parallel.tp_plan", "parallel.tp")
+            elif style not in STYLES:
                 raise where.error(f"parallel.tp_plan[{glob!r}] must be one of "
                                   f"{', '.join(map(repr, STYLES))}, got {style!r}",
                                   "parallel.tp_plan")
