@@ -1,18 +1,22 @@
-"""Tensor-parallel layers with torchshard's names: `hybridpar.nn.ParallelLinear`, ..."""
+"""Tensor-parallel layers: torchshard's (`ParallelLinear`, ...) and xlstm-jax's (`TPDense`, ...)."""
 
 from hybridpar.nn import functional, init
 from hybridpar.pipeline.batchnorm import DeferredBatchNorm
+from hybridpar.tensor_parallel.dense import TPDense
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
 from hybridpar.tensor_parallel.random import ParallelDropout
+from hybridpar.tensor_parallel.wrapper import ModelParallelismWrapper
 
 __all__ = [
     "DeferredBatchNorm",
+    "ModelParallelismWrapper",
     "ParallelCrossEntropyLoss",
     "ParallelDropout",
     "ParallelEmbedding",
     "ParallelLinear",
     "RegisterParallelDim",
+    "TPDense",
     "functional",
     "init",
 ]
