@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from hybridpar.agreement import fail_together
 from hybridpar.train.shards import Entry, ShardLoadPlanner, ShardSavePlanner
 
 __all__ = ["CheckpointError", "checkpoint_steps", "latest_checkpoint", "load_checkpoint",
@@ -35,7 +36,7 @@ __all__ = ["CheckpointError", "checkpoint_steps", "latest_checkpoint", "load_che
 
 log = logging.getLogger(__name__)
 
-_COMPLETE = re.compile(r"step-(\d+)")
+_COMPLETE = re.compile(r"step-(0|[1-9]\d*)")   # no leading zeros: one name per step
 _PARTIAL = re.compile(r"\.step-(\d+)\.partial")
 
 
@@ -56,6 +57,9 @@ def checkpoint_steps(root: str | os.PathLike[str]) -> list[int]:
     for path in folder.iterdir():
         match = _COMPLETE.fullmatch(path.name)
         if not match or not path.is_dir():
+            if re.fullmatch(r"step-0\d+", path.name):
+                log.warning("ignoring checkpoint %s: rename it to step-%d (no leading zeros)",
+                            path, int(path.name[5:]))
             continue
         if _is_complete(path):
             steps.append(int(match.group(1)))
@@ -162,13 +166,17 @@ def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Entry]) ->
     Every key of `state` must be in the checkpoint; tp shards are read from whatever shards
     were saved, so the layout may differ from the saving run's.
     """
-    metadata = read_metadata(path)
-    check_compatible(path, metadata, state, prefix="model/")
-    check_compatible(path, metadata, state, prefix="optim/")
-    missing = [k for k in state if k not in metadata.state_dict_metadata]
-    if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing[:5])}; it was not written by "
-                              "this version of hybridpar's trainer")
+    with fail_together(CheckpointError):   # each rank checks its own keys: agree first
+        metadata = read_metadata(path)
+        check_compatible(path, metadata, state, prefix="model/")
+        check_compatible(path, metadata, state, prefix="optim/")
+        missing = [k for k in state if k not in metadata.state_dict_metadata]
+        if any(k.startswith("data/") for k in missing):
+            raise CheckpointError(f"{path} holds another data position ({', '.join(missing)} "
+                                  "missing); was it saved with another data.source?")
+        if missing:
+            raise CheckpointError(f"{path} lacks {', '.join(missing[:5])}; it was not written "
+                                  "by this version of hybridpar's trainer")
     dcp.load(dict(state), checkpoint_id=str(path), planner=ShardLoadPlanner())
 
 

@@ -5,7 +5,8 @@
                                     t = (step - warmup) / max(1, steps - 1 - warmup)
 
 So the first step already trains (lr > 0), the peak is reached at step `warmup`, and the last
-step runs at exactly `min_lr`. A pure function of the step: resuming needs only the step.
+step runs at exactly `min_lr` (when warmup < steps - 1; a run that ends inside its warm-up
+never decays). A pure function of the step: resuming needs only the step.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torch import Tensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from hybridpar.agreement import fail_together
 from hybridpar.models import build_model, generate, loss_fn
 from hybridpar.pipe import HybridPipe
 from hybridpar.tensor_parallel.random import (
@@ -192,11 +193,12 @@ class _Run:
                 f"--init-from {file} cannot be read as a state dict of tensors with "
                 f"torch.load(weights_only=True) ({type(e).__name__}); give a .pt file written "
                 "by `hybridpar export`") from None
-        try:
-            self.pipe.load_consolidated_state_dict(full)
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"--init-from {file} does not fit model "
-                                  f"{self.config.model.name!r}: {e}") from None
+        with fail_together(CheckpointError):   # each stage checks its own keys: agree
+            try:
+                self.pipe.load_consolidated_state_dict(full)
+            except (KeyError, ValueError, RuntimeError) as e:
+                raise CheckpointError(f"--init-from {file} does not fit model "
+                                      f"{self.config.model.name!r}: {e}") from None
         log.info("initialized the weights from %s", file)
 
 

@@ -1,0 +1,66 @@
+"""Errors raised on every rank: a check that fails on some ranks fails on all of them alike.
+
+A check that each rank runs on its own part (its stage's keys, its shard's shapes) may fail on
+some ranks only; the others would walk into the next collective and wait for peers that are
+gone. ``with fail_together(ErrorType):`` runs the check, then every rank learns whether any
+failed, with two small collectives and no pickles:
+
+    step                          every rank
+    1. all-reduce MIN             the lowest rank that failed (world size: none failed)
+    2. broadcast from it          its message as UTF-8 bytes (length first, then the bytes)
+    3. raise                      the failing rank re-raises its own error; the others raise
+                                  the same type with its message and rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["fail_together"]
+
+
+def _device(group: ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextmanager
+def fail_together(error_type: type[Exception], *,
+                  group: ProcessGroup | None = None) -> Iterator[None]:
+    """Run the block; if it raises `error_type` on any rank of `group`, raise on every rank.
+
+    Outside an initialized process group the block runs as is. Other exceptions pass through
+    untouched (and may leave peers waiting, as before).
+    """
+    if not dist.is_initialized():
+        yield
+        return
+    error: Exception | None = None
+    try:
+        yield
+    except error_type as e:
+        error = e
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = _device(group)
+    first = torch.tensor([rank if error is not None else world], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    src = int(first.item())
+    if src == world:
+        return
+    message = str(error).encode() if rank == src else b""
+    length = torch.tensor([len(message)], device=device)
+    src_global = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast(length, src_global, group=group)
+    data = torch.frombuffer(bytearray(message), dtype=torch.uint8).to(device) if message \
+        else torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src_global, group=group)
+    if error is not None and rank == src:
+        raise error
+    text = bytes(data.cpu().tolist()).decode(errors="replace")
+    raise error_type(f"{text} (raised on rank {src_global})")
