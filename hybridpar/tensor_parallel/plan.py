@@ -60,14 +60,22 @@ from fnmatch import fnmatchcase
 from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
-from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
+from hybridpar.tensor_parallel.layer_graph import (
+    DECISIONS_ATTR,
+    ExpectShardedOutput,
+    KeepTag,
+    Layers,
+    TagShardedInput,
+    is_elementwise,
+)
+from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
 from hybridpar.tensor_parallel.mappings import group_size
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.tensor_parallel.state import shard_of
+from hybridpar.tensor_parallel.strategy import apply_strategies, prepare_strategies
 from hybridpar.topology import default_tp_group
 
 __all__ = ["STYLES", "apply_tp_plan", "plan_decisions"]
@@ -76,109 +84,10 @@ STYLES = ("column", "row", "vocab", "replicate")
 _TYPE_OF = {"column": nn.Linear, "row": nn.Linear, "vocab": nn.Embedding}
 _STYLE_HELP = ("valid styles: 'column' / 'row' (nn.Linear), 'vocab' (nn.Embedding), "
                "'replicate' (any module)")
-_ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.ELU,
-                nn.SELU, nn.CELU, nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish,
-                nn.Hardsigmoid, nn.Tanhshrink, nn.LogSigmoid, nn.Threshold, nn.Dropout,
-                nn.Identity)
 _LAYERS = (nn.Linear, nn.Embedding, ParallelLinear, ParallelEmbedding)
-_DECISIONS_ATTR = "_tp_plan_decisions"
 _LOGITS_NOTE = "class-sharded logits (tagged -1): train with ParallelCrossEntropyLoss"
 _log = logging.getLogger("hybridpar")
 _M = TypeVar("_M", bound=nn.Module)
-
-
-# hooks (module-level classes, so deepcopy and pickle keep them) ---------------------------------
-
-class _TagShardedInput:
-    """Forward pre-hook of a row-parallel layer: an untagged input of width in / tp is a shard."""
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0] if args else None
-        if isinstance(x, Tensor) and x.dim() > 0 and get_parallel_dim(x) is None and \
-                isinstance(module, ParallelLinear) and module.tp_size > 1 and \
-                x.shape[-1] == module.in_features // module.tp_size:
-            register_parallel_dim(x, -1)
-
-
-class _KeepTag:
-    """Forward hook: an output as wide as a sharded input is sharded the same way."""
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        x = args[0] if args else None
-        if isinstance(x, Tensor) and isinstance(output, Tensor) and output.dim() > 0 and \
-                x.dim() > 0 and get_parallel_dim(x) in (-1, 1) and \
-                get_parallel_dim(output) is None and output.shape[-1] == x.shape[-1]:
-            register_parallel_dim(output, get_parallel_dim(x))
-
-
-class _ExpectShardedOutput:
-    """Forward hook guarding "auto"'s class-sharded logits: the output must still be tagged."""
-
-    def __init__(self, layer: str) -> None:
-        self.layer = layer
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if isinstance(output, Tensor) and get_parallel_dim(output) not in (-1, 1):
-            raise RuntimeError(
-                f"tp_plan 'auto' made the final Linear '{self.layer}' column-parallel "
-                f"(class-sharded logits, tagged -1), but {type(module).__name__} returned an "
-                f"untagged tensor: an op after '{self.layer}' dropped the tag and got only this "
-                f"rank's classes. Give a dict plan with '{self.layer}': 'replicate', or end "
-                f"the model with the Linear and use ParallelCrossEntropyLoss")
-
-
-def _is_elementwise(module: nn.Module) -> bool:
-    if isinstance(module, RegisterParallelDim):
-        return module.dim in (-1, 1)
-    return isinstance(module, _ELEMENTWISE)
-
-
-# the model's layers ---------------------------------------------------------------------------
-
-class _Layers:
-    """Names, parents and sharing of every module inside `root` (registration order)."""
-
-    def __init__(self, root: nn.Module) -> None:
-        self.names: list[str] = []
-        self.by_name: dict[str, nn.Module] = {}
-        names_of: dict[int, list[str]] = {}
-        for name, m in root.named_modules(remove_duplicate=False):
-            if name:
-                self.names.append(name)
-                self.by_name[name] = m
-                names_of.setdefault(id(m), []).append(name)
-        self.names_of = names_of
-        owners: dict[int, list[str]] = {}
-        for name in self.names:
-            for pname, p in self.by_name[name].named_parameters(recurse=False):
-                owners.setdefault(id(p), []).append(f"{name}.{pname}")
-        self.owners = owners
-        mha = [n for n in self.names if isinstance(self.by_name[n], nn.MultiheadAttention)]
-        self.in_mha = {n for n in self.names if any(n.startswith(f"{a}.") for a in mha)}
-
-    def describe(self, name: str) -> str:
-        m = self.by_name[name]
-        if isinstance(m, nn.Linear):
-            return f"Linear {m.in_features}->{m.out_features}"
-        if isinstance(m, nn.Embedding):
-            return f"Embedding {m.num_embeddings}x{m.embedding_dim}"
-        return type(m).__name__
-
-    def unshardable(self, name: str) -> str | None:
-        """Why the layer `name` cannot be replaced by a sharded one (None: it can)."""
-        m = self.by_name[name]
-        if name in self.in_mha:
-            return ("it is inside an nn.MultiheadAttention (which reads its weights directly, "
-                    "not through the layer)")
-        if len(self.names_of[id(m)]) > 1:
-            return f"the same module is registered under {self.names_of[id(m)]}"
-        for pname, p in m.named_parameters(recurse=False):
-            if isinstance(p, nn.parameter.UninitializedParameter):
-                return "it has uninitialized (lazy) parameters; run a forward first"
-            tied = [o for o in self.owners[id(p)] if o != f"{name}.{pname}"]
-            if tied:
-                return f"its {pname} is tied to {tied}"
-        return None
 
 
 def _indivisible(m: nn.Module, style: str, tp: int) -> str | None:
@@ -192,7 +101,7 @@ def _indivisible(m: nn.Module, style: str, tp: int) -> str | None:
 
 # resolving a plan into {layer name: style} ----------------------------------------------------
 
-def _resolve_dict(plan: Mapping[str, Any], layers: _Layers) -> dict[str, str]:
+def _resolve_dict(plan: Mapping[str, Any], layers: Layers) -> dict[str, str]:
     from_glob: dict[str, tuple[str, str]] = {}
     exact: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -233,7 +142,7 @@ def _resolve_dict(plan: Mapping[str, Any], layers: _Layers) -> dict[str, str]:
     return styles
 
 
-def _resolve_auto(root: nn.Module, layers: _Layers, tp: int
+def _resolve_auto(root: nn.Module, layers: Layers, tp: int
                   ) -> tuple[dict[str, str], dict[str, str]]:
     styles: dict[str, str] = {}
     notes: dict[str, str] = {}
@@ -260,7 +169,7 @@ def _resolve_auto(root: nn.Module, layers: _Layers, tp: int
         while i < len(kids):
             a_name, a = kids[i]
             j = i + 1
-            while j < len(kids) and _is_elementwise(kids[j][1]):
+            while j < len(kids) and is_elementwise(kids[j][1]):
                 j += 1
             if type(a) is nn.Linear and j < len(kids) and type(kids[j][1]) is nn.Linear and \
                     j - i - 1 >= gap and kids[j][1].in_features == a.out_features and \
@@ -315,7 +224,7 @@ def _convert(old: nn.Module, style: str, group: ProcessGroup) -> nn.Module:
     new = ParallelLinear.convert_parallel_linear(old, -1 if style == "column" else 0,
                                                  group=group)
     if style == "row":
-        new.register_forward_pre_hook(_TagShardedInput())
+        new.register_forward_pre_hook(TagShardedInput())
     return new
 
 
@@ -340,8 +249,8 @@ def _retag_between(root: nn.Module, group: ProcessGroup) -> list[str]:
                     new.train(m.training)
                     setattr(parent, key, new)
                     m = new
-                if not any(isinstance(h, _KeepTag) for h in m._forward_hooks.values()):
-                    m.register_forward_hook(_KeepTag())
+                if not any(isinstance(h, KeepTag) for h in m._forward_hooks.values()):
+                    m.register_forward_hook(KeepTag())
                 hooked.append(f"{parent_name}.{key}" if parent_name else key)
     return hooked
 
@@ -365,7 +274,7 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
         raise ValueError(f"tp_plan must be None, 'auto' or a dict {{'name pattern': style, "
                          f"'parameter name': (slices per dimension)}}, got {plan!r}; "
                          f"{_STYLE_HELP}")
-    layers = _Layers(module)
+    layers = Layers(module)
     explicit = isinstance(plan, Mapping)
     strategies: dict[str, Sequence[int]] = {}
     styles: dict[str, str] = {}
@@ -378,7 +287,6 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
     logger = log if log is not None else _log
     prepared = None
     if strategies:  # parameter name -> slices per dimension: hybridpar.shard's strategies
-        from hybridpar.tensor_parallel.strategy import prepare_strategies  # (it imports us)
 
         prepared = prepare_strategies(module, strategies, None, tp)
         for layer in prepared.given:
@@ -415,16 +323,15 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
     lines: dict[str, str] = {}
     extra: list[str] = []
     if prepared is not None:
-        from hybridpar.tensor_parallel.strategy import apply_strategies
 
         new, lines, extra = apply_strategies(module, prepared, group)
         module = cast(_M, new)
     hooked = _retag_between(module, group)
     for name in [n for n in styles if notes.get(n) == _LOGITS_NOTE]:  # guard "auto" logits
-        module.register_forward_hook(_ExpectShardedOutput(name))
+        module.register_forward_hook(ExpectShardedOutput(name))
         if "." in name:
             module.get_submodule(name.split(".")[0]).register_forward_hook(
-                _ExpectShardedOutput(name))
+                ExpectShardedOutput(name))
 
     decisions = [lines[""]] if "" in lines else []
     for name in layers.names:
@@ -440,7 +347,7 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
     if hooked:
         decisions.append(f"re-tag the shard between column and row layers: {', '.join(hooked)}")
     decisions.extend(extra)
-    setattr(module, _DECISIONS_ATTR, decisions)
+    setattr(module, DECISIONS_ATTR, decisions)
     if not dist.is_initialized() or dist.get_rank() == 0:
         label = "'auto'" if not explicit else "dict"
         logger.info("tp_plan %s (tp=%d):\n  %s", label, tp, "\n  ".join(decisions))
@@ -449,4 +356,4 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
 
 def plan_decisions(module: nn.Module) -> list[str]:
     """What `apply_tp_plan` did to `module`, one line per layer ([] if nothing was applied)."""
-    return list(getattr(module, _DECISIONS_ATTR, []))
+    return list(getattr(module, DECISIONS_ATTR, []))

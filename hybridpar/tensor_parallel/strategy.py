@@ -46,15 +46,15 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.tensor_parallel.layer_graph import (
+    DECISIONS_ATTR,
+    ELEMENTWISE,
+    KeepTag,
+    Layers,
+    TagShardedInput,
+)
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.mappings import gather_from_group, group_size
-from hybridpar.tensor_parallel.plan import (
-    _DECISIONS_ATTR,
-    _ELEMENTWISE,
-    _KeepTag,
-    _Layers,
-    _TagShardedInput,
-)
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.tensor_parallel.state import shard_of
 from hybridpar.topology import default_tp_group
@@ -183,7 +183,7 @@ def prepare_strategies(module: nn.Module, parameter_plan: Mapping[str, Any] | No
     plan = dict(parameter_plan or {})
     _check_nested(module, plan)
     params = dict(module.named_parameters(remove_duplicate=False))
-    layers = _Layers(module)
+    layers = Layers(module)
     out = StrategyPlan()
     weights: dict[str, tuple[str, str | None]] = {}   # layer -> (weight's name, kind)
     for name, strategy in plan.items():
@@ -307,7 +307,7 @@ def _convert(old: Any, kind: str, group: ProcessGroup) -> nn.Module:
         if new.bias is not None:
             new.bias.requires_grad_(old.bias.requires_grad)
         if kind == "row":
-            new.register_forward_pre_hook(_TagShardedInput())
+            new.register_forward_pre_hook(TagShardedInput())
     else:
         new = ParallelEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx,
                                 old.max_norm, old.norm_type, old.scale_grad_by_freq, old.sparse,
@@ -333,7 +333,7 @@ def _chain(parent: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
 
 
 def _passes_shard(m: nn.Module) -> bool:
-    return isinstance(m, (*_ELEMENTWISE, RegisterParallelDim))
+    return isinstance(m, (*ELEMENTWISE, RegisterParallelDim))
 
 
 def _link(root: nn.Module, ours: set[int], group: ProcessGroup) -> list[str]:
@@ -366,9 +366,9 @@ def _link(root: nn.Module, ours: set[int], group: ProcessGroup) -> list[str]:
                 if isinstance(m, ParallelDropout) and m.group is None:
                     m.group = group     # it now sees shards of this group
                 hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
-                if not any(isinstance(h, _TagNarrowInput | _KeepTag) for h in hooks):
+                if not any(isinstance(h, _TagNarrowInput | KeepTag) for h in hooks):
                     m.register_forward_pre_hook(_TagNarrowInput(width))
-                    m.register_forward_hook(_KeepTag())
+                    m.register_forward_hook(KeepTag())
             between = ", ".join(k for k, _ in chain[i + 1:j])
             notes.append(f"{a_name} -> {b_name}: the shard flows on"
                          + (f", re-tagged by {between}" if between else ""))
@@ -444,7 +444,7 @@ def shard(module: nn.Module, *, parameter_plan: Mapping[str, Strategy] | None = 
     plan = prepare_strategies(module, parameter_plan, in_strategy, tp)
     module, lines, notes = apply_strategies(module, plan, group)
     decisions = list(lines.values()) + notes
-    setattr(module, _DECISIONS_ATTR, decisions)
+    setattr(module, DECISIONS_ATTR, decisions)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _log.debug("shard (tp=%d):\n  %s", tp, "\n  ".join(decisions))
     return module
