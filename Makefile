@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 install: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python examples/hybrid_mlp.py
+	$(BIN)/hybridpar run configs/quickstart.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

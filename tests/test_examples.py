@@ -24,3 +24,25 @@ def test_balance_example_prints_the_stage_table_and_trains_with_it():
     assert balance and sum(map(int, balance.groups())) == 7  # gpt with 4 blocks: 7 layers
     first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", out).groups())
     assert last < first
+
+
+def test_resume_reshard_example_continues_under_another_layout_with_the_same_losses():
+    out = subprocess.run([sys.executable, "examples/resume_reshard.py", "--steps", "6"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "saved checkpoints/step-3" in out, out
+    rows = re.findall(r"^\s*(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\S+$", out, re.MULTILINE)
+    assert [int(step) for step, _, _ in rows] == [4, 5, 6], out   # resumed after step 3
+    for _, original, resharded in rows:
+        assert abs(float(original) - float(resharded)) < 1e-4, out
+    assert "within fp32 noise: True" in out
+
+
+def test_export_example_samples_the_pipelines_text_from_the_plain_model():
+    out = subprocess.run([sys.executable, "examples/export_plain.py", "--steps", "4",
+                          "--tokens", "20"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", out).groups())
+    assert last < first, out
+    assert re.search(r"exported step-4: \d+ tensors, [\d,]+ values", out), out
+    assert "plain model sample:\n" in out
+    assert "same text as the pipeline's sample: True" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,7 +37,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
     if not keys:
         raise ValueError(f"{checkpoint} holds no model tensors; is it a hybridpar checkpoint?")
     state = allocate_like(metadata, keys)
-    dcp.load(state, checkpoint_id=str(checkpoint), planner=ShardLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: we ask it to
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=str(checkpoint), planner=ShardLoadPlanner(), no_dist=True)
     plain = {k.removeprefix("model/"): v for k, v in state.items()}
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
