@@ -70,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
     return launch(args.config, run_dir=args.run_dir, overrides=args.overrides,
                   max_restarts=args.max_restarts, nnodes=args.nnodes,
                   node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                  init_from=args.init_from)
+                  init_from=args.init_from, trace=args.trace, trace_step=args.trace_step)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -10,19 +10,24 @@ then the payloads on another, so a header posted early never meets a payload:
 With a tp group of n > 1 and a replicated (untagged) tensor, each tp rank sends only its
 1/n of the flattened tensor and the receivers all-gather it (Megatron's scatter-gather): the
 boundary costs n times fewer P2P bytes, for an all-gather inside the tp group.
+
+Every transfer is counted (`comm_stats`, kinds ``p2p_send``, ``p2p_recv``, ``p2p_header``; the
+all-gather counts itself) and, while `hybridpar.trace` records, timed: `send` is one span,
+`PostedRecv.wait` a ``recv`` span around two ``wait`` spans (blocked until the header came,
+then until the payloads came).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from hybridpar import trace
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 from hybridpar.tensor_parallel.mappings import (
     all_gather_along,
@@ -41,36 +46,10 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _NO_TAG = 9
 
 
-@dataclass
-class CommStats:
-    """Bytes and calls per operation kind since the last reset."""
-
-    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind]}
-                for kind in sorted(self.calls)}
-
-
-_STATS = CommStats()
-
-
-def record(kind: str, nbytes: int) -> None:
-    """Count one call of `kind` moving `nbytes` bytes."""
-    _STATS.bytes[kind] += nbytes
-    _STATS.calls[kind] += 1
-
-
-def comm_stats() -> dict[str, dict[str, int]]:
-    """``{kind: {"bytes": ..., "calls": ...}}`` counted on this rank since the last reset."""
-    return _STATS.snapshot()
-
-
-def reset_comm_stats() -> None:
-    """Zero the counters of `comm_stats`."""
-    _STATS.bytes.clear()
-    _STATS.calls.clear()
+CommStats = trace.CommStats
+comm_stats = trace.comm_stats
+reset_comm_stats = trace.reset_comm_stats
+record = trace.count  # count one call of a kind moving some bytes
 
 
 def _nbytes(t: Tensor) -> int:
@@ -137,14 +116,19 @@ def send(tensors: tuple[Tensor, ...], dst: int, *, channel: int,
     """
     tp = group_size(tp_group)
     header = _encode(tensors, tp, grads=grads, single=single)
-    works = [dist.isend(header, dst, tag=channel * 2)]
-    record("p2p_header", _nbytes(header))
+    payloads = []
     for t in tensors:
         payload = t.detach().contiguous()
         if _scatters(t, tp):
             payload = _local_slice(payload.view(-1), tp_group).contiguous()
-        works.append(dist.isend(payload, dst, tag=channel * 2 + 1))
-        record("p2p_send", _nbytes(payload))
+        payloads.append(payload)
+    with trace.span("send", peer=dst, channel=channel,
+                    nbytes=sum(_nbytes(p) for p in payloads)):
+        works = [dist.isend(header, dst, tag=channel * 2)]
+        record("p2p_header", _nbytes(header))
+        for payload in payloads:
+            works.append(dist.isend(payload, dst, tag=channel * 2 + 1))
+            record("p2p_send", _nbytes(payload))
     return works
 
 
@@ -160,7 +144,13 @@ class PostedRecv:
 
     def wait(self, timeout: datetime.timedelta | None = None) -> tuple[Tensor, ...]:
         """Wait for the message and return its tensors (tags restored, full size)."""
-        _wait(self.work, timeout)
+        with trace.span("recv", peer=self.src, channel=self.channel) as span:
+            return self._take(timeout, span)
+
+    def _take(self, timeout: datetime.timedelta | None, span: trace.Span
+              ) -> tuple[Tensor, ...]:
+        with trace.span("wait", peer=self.src, channel=self.channel):
+            _wait(self.work, timeout)
         metas = _decode(self.header)
         self.single = bool(self.header[1])
         buffers, works = [], []
@@ -170,14 +160,15 @@ class PostedRecv:
             recv_buf = torch.empty_like(target) if meta.scattered else target
             works.append(dist.irecv(recv_buf, self.src, tag=self.channel * 2 + 1))
             record("p2p_recv", _nbytes(recv_buf))
+            span.add_bytes(_nbytes(recv_buf))
             buffers.append((meta, full, recv_buf))
-        for work in works:
-            _wait(work, timeout)
+        with trace.span("wait", peer=self.src, channel=self.channel):
+            for work in works:  # gloo moves a payload once its receive is posted
+                _wait(work, timeout)
         out = []
         for meta, full, recv_buf in buffers:
             if meta.scattered:  # every tp rank got its slice: re-assemble the whole
                 whole = all_gather_along(recv_buf, 0, self.tp_group, length=full.numel())
-                record("all_gather", _nbytes(whole))
                 full.view(-1).copy_(whole)
             if meta.tag is not None:
                 register_parallel_dim(full, meta.tag)

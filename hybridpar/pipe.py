@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridpar import trace as tracing
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
@@ -27,6 +30,9 @@ from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.mappings import all_gather_along
 from hybridpar.tensor_parallel.state import gather_full, shard_of
 from hybridpar.topology import Topology, current_topology
+
+if TYPE_CHECKING:
+    from hybridpar.pipeline.trace_report import TraceReport
 
 __all__ = ["HybridPipe"]
 
@@ -80,6 +86,10 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
     return list(choice[0])
 
 
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _rows(x: TensorOrTensors) -> int:
     return (x[0] if isinstance(x, tuple) else x).shape[0]
 
@@ -89,13 +99,17 @@ class HybridPipe(nn.Module):
 
     Every rank builds the same `nn.Sequential` (same seed, or on the `meta` device); each keeps
     only the layers of its stage, under their original names (``"3.fc1.weight"``).
+
+    ``trace=True`` (or setting ``pipe.trace = True`` between steps) records the timeline of
+    every `train_step`, `eval_step` and forward, keeping the last one; `write_trace` then
+    writes it for all ranks (Chrome trace, Gantt chart, bubble table). Off, it costs nothing.
     """
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int] | str, *, chunks: int = 1,
                  topology: Topology | None = None, schedule: str = "gpipe",
                  checkpoint: str = "except_last", loss_fn: Callable[..., Tensor] | None = None,
                  tp_plan: Any = None, deferred_batch_norm: bool = False,
-                 balance_sample: TensorOrTensors | None = None) -> None:
+                 balance_sample: TensorOrTensors | None = None, trace: bool = False) -> None:
         super().__init__()
         check_sequential(module)
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
@@ -119,6 +133,7 @@ class HybridPipe(nn.Module):
         self.topology, self.balance, self.chunks = topo, counts, chunks
         self.stage, self.num_stages = topo.pp_rank, topo.pp
         self.checkpoint, self.schedule, self.loss_fn = checkpoint, schedule, loss_fn
+        self.trace = trace
         self._state_keys = list(module.state_dict().keys())
         stages = split(module, counts)
         local = stages[self.stage]
@@ -154,12 +169,13 @@ class HybridPipe(nn.Module):
         """
         inputs, targets, weights = self._microbatches(input, target)
         actions = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
-        result = self._executor.run(actions, inputs=inputs, targets=targets,
-                                    loss_fn=self.loss_fn, weights=weights, train=True)
-        commit_deferred_batch_norms(self)
-        if self.topology.dp > 1:
-            self._average_over_dp()
-        return self._share_loss(result.loss)
+        with self._recording("train_step", len(inputs)):
+            result = self._executor.run(actions, inputs=inputs, targets=targets,
+                                        loss_fn=self.loss_fn, weights=weights, train=True)
+            commit_deferred_batch_norms(self)
+            if self.topology.dp > 1:
+                self._average_over_dp()
+            return self._share_loss(result.loss)
 
     @torch.no_grad()
     def eval_step(self, input: TensorOrTensors, target: Any) -> Tensor:
@@ -171,9 +187,31 @@ class HybridPipe(nn.Module):
         inputs, targets, weights = self._microbatches(input, target)
         schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
         actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
-        result = self._executor.run(actions, inputs=inputs, targets=targets,
-                                    loss_fn=self.loss_fn, weights=weights, train=False)
-        return self._share_loss(result.loss)
+        with self._recording("eval_step", len(inputs)):
+            result = self._executor.run(actions, inputs=inputs, targets=targets,
+                                        loss_fn=self.loss_fn, weights=weights, train=False)
+            return self._share_loss(result.loss)
+
+    def _recording(self, what: str, microbatches: int) -> contextlib.AbstractContextManager[None]:
+        """Record this step's timeline when `trace` is on (replacing the previous one)."""
+        if not self.trace:
+            return contextlib.nullcontext()
+        return tracing.RECORDER.recording(what=what, microbatches=microbatches,
+                                          schedule=self.schedule, checkpoint=self.checkpoint)
+
+    def write_trace(self, folder: str | os.PathLike[str], *,
+                    show: bool = True) -> TraceReport | None:
+        """Write the last traced step of every rank to `folder`; call it on every rank.
+
+        Rank 0 writes ``trace.json`` (Chrome trace: open in https://ui.perfetto.dev, a track
+        per rank, arrows from each send to its receive), ``gantt.png`` (when matplotlib is
+        installed) and ``table.txt`` (per stage: busy, bubble and wait against the analytic
+        bubble), prints the table when `show`, and returns a `TraceReport`; other ranks
+        return None. Raises `ValueError` on every rank when nothing was traced.
+        """
+        from hybridpar.pipeline.trace_report import write_trace
+
+        return write_trace(self, folder, show=show)
 
     def _microbatches(self, input: TensorOrTensors, target: Any
                       ) -> tuple[list[Any], list[Any], list[float]]:
@@ -194,9 +232,11 @@ class HybridPipe(nn.Module):
         loss = local.detach().clone() if local is not None else torch.zeros(())
         loss = loss.to(self.device, torch.float32)
         if self.num_stages > 1:
-            dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
+            with tracing.collective("broadcast", _nbytes(loss)):
+                dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
         if self.topology.dp > 1:
-            dist.all_reduce(loss, group=self.topology.dp_group)
+            with tracing.collective("all_reduce", _nbytes(loss)):
+                dist.all_reduce(loss, group=self.topology.dp_group)
             loss /= self.topology.dp
         return loss
 
@@ -206,7 +246,8 @@ class HybridPipe(nn.Module):
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.topology.dp_group)
+        with tracing.collective("all_reduce", _nbytes(flat)):
+            dist.all_reduce(flat, group=self.topology.dp_group)
         flat /= self.topology.dp
         offset = 0
         for g in grads:
@@ -219,8 +260,9 @@ class HybridPipe(nn.Module):
         inputs = _split_batch(input, self.chunks, "input")
         schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
         actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
-        result = self._executor.run(actions, inputs=inputs, targets=None, loss_fn=None,
-                                    weights=[1.0] * len(inputs), train=False)
+        with self._recording("forward", len(inputs)):
+            result = self._executor.run(actions, inputs=inputs, targets=None, loss_fn=None,
+                                        weights=[1.0] * len(inputs), train=False)
         box: list[Any] = [None]
         if self.stage == self.num_stages - 1:
             box[0] = self._gather_outputs(result.outputs)
@@ -292,9 +334,11 @@ class HybridPipe(nn.Module):
             sharded = get_parallel_dim(p) is not None
             total += square if sharded or tp == 1 else square / tp
         if tp > 1:
-            dist.all_reduce(total, group=self.topology.tp_group)
+            with tracing.collective("all_reduce", _nbytes(total)):
+                dist.all_reduce(total, group=self.topology.tp_group)
         if self.num_stages > 1:
-            dist.all_reduce(total, group=self.topology.pp_group)
+            with tracing.collective("all_reduce", _nbytes(total)):
+                dist.all_reduce(total, group=self.topology.pp_group)
         norm = total.sqrt().to(torch.float32)
         scale = max_norm / (norm + 1e-6)
         if scale < 1:

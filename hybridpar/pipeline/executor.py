@@ -11,6 +11,16 @@ pair of ranks (each a tag pair in `comm`):
 
 Every floating tensor that crosses a boundary in training gets a gradient back (zeros when
 the receiver did not use it), so sender and receiver agree on the messages without asking.
+
+Timeline events (`hybridpar.trace`, while it records) per action; each is tagged with the
+stage and the action's micro-batch, so the collectives and transfers inside inherit them:
+
+    action    events
+    RECV_F/B  none (posting a receive is free); its message is taken by the F / B that needs it
+    F i       recv FWD (+ SKIP), then forward (loss included on the last stage)
+    B i       recompute (checkpointed i), recv BWD (+ SKIPG), then backward
+    SEND_F/B  send FWD (+ SKIP) / send BWD (+ SKIPG)
+    the end   wait (for the posted sends), all inside one step span
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from torch.distributed import ProcessGroup
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import use_skip_tracker
 
-from hybridpar import comm
+from hybridpar import comm, trace
 from hybridpar.pipeline.checkpoint import RNGReplay, is_checkpointed
 from hybridpar.pipeline.schedule import Action
 from hybridpar.pipeline.skip import SkipRoute, StageSkipTracker
@@ -146,18 +156,24 @@ class StageExecutor:
         self.outputs: list[TensorOrTensors] = []
         handlers = {"RECV_F": self._recv_f, "F": self._forward, "SEND_F": self._send_f,
                     "RECV_B": self._recv_b, "B": self._backward, "SEND_B": self._send_b}
-        for action in actions:
-            try:
-                handlers[action.kind](action.microbatch)
-            except PipelineError:
-                raise
-            except Exception as e:
-                raise PipelineError(
-                    f"stage {self.spec.stage} (rank {dist.get_rank()}) failed at "
-                    f"{action.kind}({action.microbatch}): {type(e).__name__}: {e}"
-                ) from e
-        for work, what in self.sends:
-            self._wait(work, what)
+        recorder = trace.RECORDER
+        recorder.stage, recorder.microbatch = self.spec.stage, -1
+        with trace.span("step"):
+            for action in actions:
+                recorder.microbatch = action.microbatch  # tags the events of this action
+                try:
+                    handlers[action.kind](action.microbatch)
+                except PipelineError:
+                    raise
+                except Exception as e:
+                    raise PipelineError(
+                        f"stage {self.spec.stage} (rank {dist.get_rank()}) failed at "
+                        f"{action.kind}({action.microbatch}): {type(e).__name__}: {e}"
+                    ) from e
+            recorder.microbatch = -1
+            with trace.span("wait"):
+                for work, what in self.sends:
+                    self._wait(work, what)
         self.mbs = []
         return StepResult(self.loss_sum, self.outputs)
 
@@ -208,15 +224,16 @@ class StageExecutor:
             tensors = self._recv(mb.recv_skip.pop(src), f"the skips of micro-batch {i}")
             mb.skips_in.update((r.key, t) for r, t in zip(routes, tensors))
         checkpointed = self.train and is_checkpointed(self.spec.checkpoint, i, self.m)
-        if checkpointed:
-            with self.spec.replay.first_forward() as state:
-                mb.rng = state
+        with trace.span("forward"):
+            if checkpointed:
+                with self.spec.replay.first_forward() as state:
+                    mb.rng = state
+                    self._compute(mb, i)
+            elif self.train:
                 self._compute(mb, i)
-        elif self.train:
-            self._compute(mb, i)
-        else:
-            with torch.no_grad():
-                self._compute(mb, i)
+            else:
+                with torch.no_grad():
+                    self._compute(mb, i)
         if self.last:
             if self.train:
                 assert mb.loss is not None
@@ -272,7 +289,7 @@ class StageExecutor:
     def _backward(self, i: int) -> None:
         mb = self.mbs[i]
         if mb.rng is not None:  # checkpointed: recompute the forward with the replayed RNG
-            with self.spec.replay.recompute(mb.rng):
+            with trace.span("recompute"), self.spec.replay.recompute(mb.rng):
                 self._compute(mb, i)
         tensors: list[Tensor] = []
         grads: list[Tensor | None] = []
@@ -290,8 +307,9 @@ class StageExecutor:
             tensors += [mb.skips_out[r.key] for r in routes]
             grads += received
         pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        with trace.span("backward"):
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if not self.first:
             assert mb.inputs is not None
             mb.input_grads = tuple(_grad_or_zeros(t) for t in _floating(_as_tuple(mb.inputs)))

@@ -13,6 +13,10 @@ one-rank group communicates nothing:
 
 Slices may be uneven (a vocabulary of 10 over 4 ranks is 3, 3, 2, 2): `shard_sizes` says how
 a length is split, the first ``length % n`` ranks taking one more, as `torch.tensor_split`.
+
+Each collective is counted in `hybridpar.comm_stats` (all_reduce: the tensor's bytes;
+all_gather: the gathered result's; reduce_scatter: the whole tensor's) and timed while
+`hybridpar.trace` records.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from hybridpar.trace import collective
 
 __all__ = [
     "all_gather_along",
@@ -64,6 +70,16 @@ def shard_range(length: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + sizes[index]
 
 
+def _nbytes(x: Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _all_reduce(x: Tensor, group: ProcessGroup | None) -> None:
+    """Sum `x` in place over `group`, counted."""
+    with collective("all_reduce", _nbytes(x)):
+        dist.all_reduce(x, group=group)
+
+
 def split_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
                 length: int | None = None) -> Tensor:
     """This rank's slice of `x` along `dim` (a view; no communication)."""
@@ -89,7 +105,9 @@ def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
         pad_shape[dim] = widest - local.shape[dim]
         local = torch.cat([local, local.new_zeros(pad_shape)], dim=dim)
     parts = [torch.empty_like(local) for _ in range(n)]
-    dist.all_gather(parts, local, group=group)
+    full = local.numel() // max(local.shape[dim], 1) * sum(sizes) * local.element_size()
+    with collective("all_gather", full):
+        dist.all_gather(parts, local, group=group)
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
 
 
@@ -100,7 +118,8 @@ def reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Ten
         return x
     # gloo has no reduce_scatter: an all-reduce then a slice gives the same numbers.
     total = x.contiguous().clone()
-    dist.all_reduce(total, group=group)
+    with collective("reduce_scatter", _nbytes(total)):
+        dist.all_reduce(total, group=group)
     return split_along(total, dim, group).contiguous()
 
 
@@ -116,7 +135,7 @@ class _CopyToGroup(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         if group_size(ctx.group) > 1:
             grad = grad.contiguous().clone()
-            dist.all_reduce(grad, group=ctx.group)
+            _all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -128,7 +147,7 @@ class _ReduceFromGroup(torch.autograd.Function):
         if group_size(group) == 1:
             return x
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        _all_reduce(x, group)
         return x
 
     @staticmethod

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-__all__ = ["add_run_options", "default_run_dir", "main"]
+__all__ = ["add_run_options", "check_trace_step", "default_run_dir", "main"]
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +27,19 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         dest="overrides", help="override a config value (repeatable)")
     parser.add_argument("--init-from", metavar="FILE.pt", help="start from a plain state dict "
                         "(hybridpar export's output) when the run dir has no checkpoint")
+    parser.add_argument("--trace", action="store_true", help="trace one training step (the "
+                        "last, or --trace-step) into RUN_DIR/trace: trace.json (Perfetto), "
+                        "gantt.png, table.txt (bubble per stage, also printed)")
+    parser.add_argument("--trace-step", type=int, metavar="N", help="the step to trace "
+                        "(1-based; implies --trace; default: the last step)")
+
+
+def check_trace_step(step: int | None, steps: int) -> str | None:
+    """Why `--trace-step` cannot be traced in a run of `steps` steps (None: it can)."""
+    if step is not None and not 1 <= step <= steps:
+        return f"--trace-step {step} is not a step of this run (train.steps = {steps}); " \
+               f"give 1..{steps}, or --trace for the last step"
+    return None
 
 
 def default_run_dir(config_path: str) -> Path:
@@ -58,16 +71,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hybridpar.train: error: {e}", file=sys.stderr)
         return 2
+    problem = check_trace_step(args.trace_step, config.train.steps)
+    if problem:
+        print(f"hybridpar.train: error: {problem}", file=sys.stderr)
+        return 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     par = config.parallel
     dims = ParallelDims.for_world(world, pp=par.pp, tp=par.tp, dp=par.dp)
     _configure_logging(rank, rank == dims.rank(0, dims.pp - 1, 0))
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
+    request = None
+    if args.trace or args.trace_step is not None:
+        from hybridpar.pipeline.trace_report import request_trace
+
+        request = request_trace(run_dir / "trace", step=args.trace_step)
     try:
         train(config, run_dir, init_from=args.init_from)
     finally:
         shutdown()
+    if request is not None and not request.done and rank == 0:
+        logging.warning("nothing traced: step %d was not run here (the run resumed after it)",
+                        request.step or config.train.steps)
     return 0
 
 

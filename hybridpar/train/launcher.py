@@ -30,13 +30,18 @@ log = logging.getLogger(__name__)
 
 
 def worker_args(config_path: str, *, run_dir: Path, overrides: Sequence[str],
-                init_from: str | None) -> list[str]:
+                init_from: str | None, trace: bool = False,
+                trace_step: int | None = None) -> list[str]:
     """The command-line arguments of each worker after ``python``."""
     args = ["-u", "-m", "hybridpar.train", config_path, "--run-dir", str(run_dir)]
     for text in overrides:
         args += ["--set", text]
     if init_from is not None:
         args += ["--init-from", init_from]
+    if trace:
+        args.append("--trace")
+    if trace_step is not None:
+        args += ["--trace-step", str(trace_step)]
     return args
 
 
@@ -61,16 +66,18 @@ def _check_nodes(world: int, nnodes: int, node_rank: int, endpoint: str | None) 
 def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
            overrides: Sequence[str] = (), max_restarts: int = 0, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None,
-           init_from: str | None = None) -> int:
+           init_from: str | None = None, trace: bool = False,
+           trace_step: int | None = None) -> int:
     """Run a config to the end on this node's workers; the exit status (0: success).
 
     The config is loaded and checked here first, so a bad one fails in one line before any
-    worker starts (raises `ConfigError`).
+    worker starts (raises `ConfigError`). `trace` / `trace_step`: trace the last / that step
+    into RUN_DIR/trace (`hybridpar.pipeline.trace_report`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hybridpar.train.__main__ import default_run_dir
+    from hybridpar.train.__main__ import check_trace_step, default_run_dir
 
     config = load_config(config_path, overrides)
     world = _world_size(config)
@@ -79,6 +86,9 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
     if init_from is not None and not Path(init_from).is_file():
         raise ConfigError(f"--init-from {init_from}: no such file")
+    problem = check_trace_step(trace_step, config.train.steps)
+    if problem:
+        raise ConfigError(problem)
     folder = Path(run_dir) if run_dir is not None else default_run_dir(config_path)
     if node_rank == 0:
         write_resolved(config, folder)
@@ -93,7 +103,8 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
         rdzv_configs={"is_host": node_rank == 0, "rank": node_rank},
         max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
         local_addr="127.0.0.1" if single or endpoint.startswith("127.") else None)
-    args = worker_args(config_path, run_dir=folder, overrides=overrides, init_from=init_from)
+    args = worker_args(config_path, run_dir=folder, overrides=overrides, init_from=init_from,
+                       trace=trace, trace_step=trace_step)
     log.info("starting %d workers (%s) in %s", world // nnodes, config.name, folder)
     try:
         elastic_launch(launch_config, sys.executable)(*args)

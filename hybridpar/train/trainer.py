@@ -29,12 +29,14 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from hybridpar.agreement import fail_together
 from hybridpar.models import build_model, generate, loss_fn
 from hybridpar.pipe import HybridPipe
+from hybridpar.pipeline.trace_report import traced_step
 from hybridpar.tensor_parallel.random import (
     get_rng_state_all,
     model_parallel_manual_seed,
     set_rng_state_all,
 )
 from hybridpar.topology import Topology, current_topology, init
+from hybridpar.trace import comm_stats, reset_comm_stats
 from hybridpar.train.checkpoint import (
     CheckpointError,
     allocate_like,
@@ -288,7 +290,8 @@ def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
         group["lr"] = lr
     x, y = run.batches.next_batch()
     run.optimizer.zero_grad(set_to_none=True)
-    with autocast:
+    reset_comm_stats()
+    with traced_step(run.pipe, step=run.step + 1, last=cfg.steps), autocast:
         loss = float(run.pipe.train_step(x, y))
     if not math.isfinite(loss):
         raise FloatingPointError(f"the loss is {loss} at step {run.step + 1}; lower train.lr, "
@@ -297,6 +300,7 @@ def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
     if cfg.grad_clip:
         record["grad_norm"] = float(run.pipe.clip_grad_norm_(cfg.grad_clip))
     run.optimizer.step()
+    record["comm"] = comm_stats()   # this step's bytes and calls per kind, on this rank
     run.step += 1
     return record
 

@@ -1,0 +1,185 @@
+"""Instrumentation of one process: a timeline recorder (off by default) and traffic counters.
+
+Two independent tools, both leaves that import nothing else of hybridpar:
+
+- **Counters**, always on: bytes and calls per operation kind since the last reset
+  (`comm_stats`, `reset_comm_stats`; also exported as ``hybridpar.comm_stats``):
+
+      kind            bytes counted                                        calls
+      p2p_send        payload sent (the 1/tp slice under scatter-gather)   one per tensor
+      p2p_recv        payload received (the same slice)                    one per tensor
+      p2p_header      the 1 KiB shape header, sending and receiving side   one per message
+      all_reduce      the tensor reduced                                   one per collective
+      all_gather      the gathered result (full, unpadded)                 one per collective
+      reduce_scatter  the whole tensor before the scatter                  one per collective
+      broadcast       the tensor broadcast                                 one per collective
+
+  Counted where they happen: `comm` (P2P), `tensor_parallel.mappings` (tp collectives) and
+  `HybridPipe` (loss broadcast, dp and grad-norm all-reduces). Collectives called directly
+  elsewhere (the vocab-parallel loss's all-reduces of b·s scalars, object collectives) are not.
+
+- **Timeline**, while `RECORDER.enabled`: spans with wall-clock ends (``time.time_ns``, so
+  ranks of one host share a clock), each tagged with the stage and micro-batch the executor
+  is at (`Recorder.stage`, `Recorder.microbatch`):
+
+      kind        span of                                       nested in
+      step        one schedule run on this rank                 -
+      forward     a stage's forward of micro-batch i (+ loss)   step
+      backward    its autograd backward                         step
+      recompute   the forward again, for a checkpointed i       step
+      send        posting a message to `peer` on `channel`      step
+      recv        taking a message: waiting, payload, gather    step
+      wait        blocked on a peer: header, payload; sends     recv, step
+      collective  one collective `op` (all_reduce, ...)         forward, backward, recv, -
+
+  Disabled, `span` costs one attribute check and returns a shared no-op context (~0.2 us).
+  `HybridPipe(trace=True)` records its steps; `HybridPipe.write_trace` (in
+  `hybridpar.pipeline.trace_report`) turns the events of all ranks into files.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["COLUMNS", "KINDS", "OPS", "RECORDER", "CommStats", "Recorder", "Span", "collective",
+           "comm_stats", "count", "reset_comm_stats", "span"]
+
+# counters ------------------------------------------------------------------------------------
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per operation kind since the last reset."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind]}
+                for kind in sorted(self.calls)}
+
+
+_STATS = CommStats()
+
+
+def count(kind: str, nbytes: int) -> None:
+    """Count one call of `kind` moving `nbytes` bytes."""
+    _STATS.bytes[kind] += nbytes
+    _STATS.calls[kind] += 1
+
+
+def comm_stats() -> dict[str, dict[str, int]]:
+    """``{kind: {"bytes": ..., "calls": ...}}`` counted on this rank since the last reset."""
+    return _STATS.snapshot()
+
+
+def reset_comm_stats() -> None:
+    """Zero the counters of `comm_stats`."""
+    _STATS.bytes.clear()
+    _STATS.calls.clear()
+
+
+# timeline ------------------------------------------------------------------------------------
+
+KINDS = ("step", "forward", "backward", "recompute", "send", "recv", "wait", "collective")
+OPS = ("", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "other")
+# One event is one row of int64s, so that rank 0 can gather them as a tensor:
+COLUMNS = ("kind", "op", "stage", "microbatch", "peer", "channel", "nbytes", "start", "end")
+_KIND_ID = {k: i for i, k in enumerate(KINDS)}
+_OP_ID = {k: i for i, k in enumerate(OPS)}
+
+
+class Span:
+    """A context manager timing one event; this base is the no-op one used while not recording."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Span:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_bytes(self, nbytes: int) -> None:
+        """Bytes learned inside the span (a receive knows its size after the header)."""
+
+
+class _Timed(Span):
+    """One open span; appended to the recorder's events when it closes."""
+
+    __slots__ = ("channel", "kind", "nbytes", "op", "peer", "recorder", "start")
+
+    def __init__(self, recorder: Recorder, kind: int, op: int, peer: int, channel: int,
+                 nbytes: int) -> None:
+        self.recorder, self.kind, self.op = recorder, kind, op
+        self.peer, self.channel, self.nbytes = peer, channel, nbytes
+        self.start = 0
+
+    def __enter__(self) -> _Timed:
+        self.start = time.time_ns()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        r = self.recorder
+        r.events.append((self.kind, self.op, r.stage, r.microbatch, self.peer, self.channel,
+                         self.nbytes, self.start, time.time_ns()))
+
+    def add_bytes(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+
+
+_NULL = Span()
+
+
+class Recorder:
+    """The timeline of this process: rows of `COLUMNS`, recorded while `enabled`."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.stage = -1                    # where the executor is: every span is tagged
+        self.microbatch = -1               # with these (-1: none)
+        self.events: list[tuple[int, ...]] = []
+        self.meta: dict[str, Any] = {}
+
+    def span(self, kind: str, *, op: str = "", peer: int = -1, channel: int = -1,
+             nbytes: int = 0) -> Span:
+        """A context manager timing one `kind` of `KINDS` (a no-op while disabled)."""
+        if not self.enabled:
+            return _NULL
+        return _Timed(self, _KIND_ID[kind], _OP_ID.get(op, _OP_ID["other"]), peer, channel,
+                     nbytes)
+
+    @contextmanager
+    def recording(self, **meta: Any) -> Iterator[None]:
+        """Forget the previous events, record those inside; `meta` describes the run."""
+        self.events, self.meta = [], dict(meta)
+        self.enabled = True
+        try:
+            yield
+        finally:
+            self.enabled = False
+            self.microbatch = -1
+
+
+RECORDER = Recorder()
+
+
+def span(kind: str, *, op: str = "", peer: int = -1, channel: int = -1,
+         nbytes: int = 0) -> Span:
+    """`RECORDER.span`: time one `kind` of `KINDS` while recording."""
+    if not RECORDER.enabled:
+        return _NULL
+    return RECORDER.span(kind, op=op, peer=peer, channel=channel, nbytes=nbytes)
+
+
+def collective(op: str, nbytes: int) -> Span:
+    """Count one collective `op` of `nbytes` bytes, and time it while recording."""
+    count(op, nbytes)
+    if not RECORDER.enabled:
+        return _NULL
+    return RECORDER.span("collective", op=op, nbytes=nbytes)
