@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
-from hybridpar.tensor_parallel.mappings import all_gather_along, group_size
+from hybridpar.tensor_parallel.mappings import all_gather_along, copy_to_group, group_size
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.topology import default_tp_group
 
@@ -121,11 +121,23 @@ class CausalSelfAttention(nn.Module):
         att = self.attn_drop(att)
         return att.permute(0, 3, 1, 2)                          # (B, h, T, T)
 
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, T, C / tp): column-parallel, sharing one copy of the input.
+
+        Each column-parallel layer would all-reduce its input gradient in backward; one copy
+        for the three makes that a single all-reduce of their summed gradient (Megatron's
+        fused qkv), with the same numbers.
+        """
+        if not self.sharded:
+            return self.q(x), self.k(x), self.v(x)
+        group = self.q.group if self.q.group is not None else default_tp_group()
+        x = copy_to_group(x, group)                             # backward: one all-reduce
+        q, k, v = (F.linear(x, m.weight, m.bias) for m in (self.q, self.k, self.v))
+        return q, k, v
+
     def forward(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self._heads(self.q(x), B, T)                        # (B, h, T, hd), h = H / tp
-        k = self._heads(self.k(x), B, T)
-        v = self._heads(self.v(x), B, T)
+        q, k, v = (self._heads(t, B, T) for t in self._qkv(x))  # (B, h, T, hd), h = H / tp
         if self.training and self.attn_drop.p > 0:
             # explicit: scaled_dot_product_attention's dropout cannot reproduce the masks
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, h, T, T)

@@ -15,6 +15,7 @@ from torch.nn import _reduction
 from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.mappings import group_rank, group_size
 from hybridpar.topology import default_tp_group
+from hybridpar.trace import collective
 
 __all__ = ["ParallelCrossEntropyLoss", "parallel_cross_entropy"]
 
@@ -72,7 +73,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             head[:rows] = float("-inf")
         head[rows + rank] = width
         if n > 1:
-            dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
+            with collective("all_reduce", head.numel() * head.element_size()):
+                dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
         row_max = head[:rows]                                        # (R,)
         widths = [int(w) for w in head[rows:].tolist()]
         classes, start = sum(widths), sum(widths[:rank])
@@ -111,7 +113,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             columns.append(weighted.sum(dim=-1))
         stats = torch.stack(columns, dim=-1)                         # (R, 2 or 3)
         if n > 1:
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+            with collective("all_reduce", stats.numel() * stats.element_size()):
+                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
         log_sum = stats[:, 0].log()                                  # (R,)
 
         # 4. the loss of each row, then the reduction.
