@@ -1,16 +1,19 @@
-"""What `apply_tp_plan` and `shard` share: a model's layers, elementwise modules, re-tag hooks."""
+"""What `apply_tp_plan` and `shard` share: a model's layers, elementwise modules, re-tag hooks,
+and the conversion of an Embedding."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
-from hybridpar.tensor_parallel.layers import ParallelLinear, RegisterParallelDim
+from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
+from hybridpar.tensor_parallel.state import shard_of
 
 __all__ = ["DECISIONS_ATTR", "ELEMENTWISE", "ExpectShardedOutput", "KeepTag", "Layers",
-           "TagShardedInput", "is_elementwise"]
+           "TagShardedInput", "is_elementwise", "to_parallel_embedding"]
 
 ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.ELU,
                 nn.SELU, nn.CELU, nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish,
@@ -111,3 +114,18 @@ class Layers:
             if tied:
                 return f"its {pname} is tied to {tied}"
         return None
+
+
+def to_parallel_embedding(old: nn.Embedding, group: ProcessGroup, *,
+                          dim: int = 0) -> ParallelEmbedding:
+    """A `ParallelEmbedding` (dim 0: vocab, -1: features) holding this rank's slice of `old`."""
+    w = old.weight
+    new = ParallelEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx,
+                            old.max_norm, old.norm_type, old.scale_grad_by_freq, old.sparse,
+                            dim=dim, group=group, device="meta", dtype=w.dtype)
+    if not w.is_meta:  # no random number is drawn: the slice of the old values
+        new.to_empty(device=w.device)
+        new.weight.data.copy_(shard_of(w.detach(), new.weight, group))
+    new.weight.requires_grad_(w.requires_grad)
+    new.train(old.training)
+    return new

@@ -70,11 +70,11 @@ from hybridpar.tensor_parallel.layer_graph import (
     Layers,
     TagShardedInput,
     is_elementwise,
+    to_parallel_embedding,
 )
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
 from hybridpar.tensor_parallel.mappings import group_size
 from hybridpar.tensor_parallel.random import ParallelDropout
-from hybridpar.tensor_parallel.state import shard_of
 from hybridpar.tensor_parallel.strategy import apply_strategies, prepare_strategies
 from hybridpar.topology import default_tp_group
 
@@ -204,23 +204,10 @@ def _resolve_auto(root: nn.Module, layers: Layers, tp: int
 
 # converting -------------------------------------------------------------------------------------
 
-def _to_embedding(old: nn.Embedding, group: ProcessGroup) -> ParallelEmbedding:
-    w = old.weight
-    new = ParallelEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx,
-                            old.max_norm, old.norm_type, old.scale_grad_by_freq, old.sparse,
-                            dim=0, group=group, device="meta", dtype=w.dtype)
-    if not w.is_meta:
-        new.to_empty(device=w.device)
-        new.weight.data.copy_(shard_of(w.detach(), new.weight, group))
-    new.weight.requires_grad_(w.requires_grad)
-    new.train(old.training)
-    return new
-
-
 def _convert(old: nn.Module, style: str, group: ProcessGroup) -> nn.Module:
     if style == "vocab":
         assert isinstance(old, nn.Embedding)
-        return _to_embedding(old, group)
+        return to_parallel_embedding(old, group)
     new = ParallelLinear.convert_parallel_linear(old, -1 if style == "column" else 0,
                                                  group=group)
     if style == "row":

@@ -52,11 +52,11 @@ from hybridpar.tensor_parallel.layer_graph import (
     KeepTag,
     Layers,
     TagShardedInput,
+    to_parallel_embedding,
 )
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.mappings import gather_from_group, group_size
 from hybridpar.tensor_parallel.random import ParallelDropout
-from hybridpar.tensor_parallel.state import shard_of
 from hybridpar.topology import default_tp_group
 
 __all__ = ["Strategy", "StrategyPlan", "apply_strategies", "prepare_strategies", "shard",
@@ -295,27 +295,19 @@ class _ShardedInputs:
 
 def _convert(old: Any, kind: str, group: ProcessGroup) -> nn.Module:
     """The parallel layer holding this rank's slice of the Linear / Embedding `old` (no RNG)."""
+    if kind not in ("column", "row"):
+        return to_parallel_embedding(old, group, dim=0 if kind == "vocab" else -1)
     w = old.weight
-    new: ParallelLinear | ParallelEmbedding
-    if kind in ("column", "row"):
-        new = ParallelLinear(old.in_features, old.out_features, old.bias is not None,
-                             -1 if kind == "column" else 0, group=group, device="meta",
-                             dtype=w.dtype)
-        if not w.is_meta:
-            new.to_empty(device=w.device)
-            new._load_full(w, old.bias)
-        if new.bias is not None:
-            new.bias.requires_grad_(old.bias.requires_grad)
-        if kind == "row":
-            new.register_forward_pre_hook(TagShardedInput())
-    else:
-        new = ParallelEmbedding(old.num_embeddings, old.embedding_dim, old.padding_idx,
-                                old.max_norm, old.norm_type, old.scale_grad_by_freq, old.sparse,
-                                dim=0 if kind == "vocab" else -1, group=group, device="meta",
-                                dtype=w.dtype)
-        if not w.is_meta:
-            new.to_empty(device=w.device)
-            new.weight.data.copy_(shard_of(w.detach(), new.weight, group))
+    new = ParallelLinear(old.in_features, old.out_features, old.bias is not None,
+                         -1 if kind == "column" else 0, group=group, device="meta",
+                         dtype=w.dtype)
+    if not w.is_meta:
+        new.to_empty(device=w.device)
+        new._load_full(w, old.bias)
+    if new.bias is not None:
+        new.bias.requires_grad_(old.bias.requires_grad)
+    if kind == "row":
+        new.register_forward_pre_hook(TagShardedInput())
     new.weight.requires_grad_(w.requires_grad)
     new.train(old.training)
     return new
