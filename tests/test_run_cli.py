@@ -19,33 +19,7 @@ from hybridpar.models import build_model
 from hybridpar.train import load_config
 from hybridpar.train.launcher import worker_pids
 
-TINY = """# a tiny GPT on 2 stages: every run here starts 2 workers
-[model]
-name = "gpt"
-n_layer = 2
-n_head = 2
-n_embd = 16
-block_size = 16
-
-[data]
-source = "corpus"
-
-[parallel]
-pp = 2
-chunks = 2
-schedule = "1f1b"
-
-[train]
-steps = 8
-batch_size = 4
-lr = 3e-3
-log_every = 1
-sample_tokens = 16
-
-[checkpoint]
-every = 2
-keep = 2
-"""
+TINY = Path(__file__).parent / "data" / "tiny_gpt.toml"   # 2 workers, 8 steps
 
 HYBRIDPAR = [sys.executable, "-m", "hybridpar.cli"]
 
@@ -53,7 +27,7 @@ HYBRIDPAR = [sys.executable, "-m", "hybridpar.cli"]
 @pytest.fixture
 def tiny(tmp_path: Path) -> Path:
     path = tmp_path / "tiny.toml"
-    path.write_text(TINY)
+    path.write_text(TINY.read_text())
     return path
 
 

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,37 +253,15 @@ def test_without_matplotlib_the_gantt_chart_is_skipped_with_a_warning(tmp_path, 
     assert not (tmp_path / "gantt.png").exists()
 
 
-TINY = """[model]
-name = "gpt"
-n_layer = 2
-n_head = 2
-n_embd = 16
-block_size = 16
-
-[data]
-source = "corpus"
-
-[parallel]
-pp = 2
-chunks = 2
-schedule = "1f1b"
-
-[train]
-steps = 3
-batch_size = 4
-log_every = 1
-sample_tokens = 0
-
-[checkpoint]
-every = 0
-"""
+TINY = Path(__file__).parent / "data" / "tiny_gpt.toml"   # shared with test_run_cli
 
 
 def test_hybridpar_run_trace_writes_one_step_and_logs_comm_per_step(tmp_path):
-    (tmp_path / "tiny.toml").write_text(TINY)
+    (tmp_path / "tiny.toml").write_text(TINY.read_text())
     done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "run", "tiny.toml",
-                           "--trace-step", "2"], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+                           "--trace-step", "2", "--set", "train.steps=3", "--set",
+                           "train.sample_tokens=0", "--set", "checkpoint.every=0"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     folder = tmp_path / "runs" / "tiny" / "trace"
     assert sorted(p.name for p in folder.iterdir()) == ["gantt.png", "table.txt", "trace.json"]
@@ -303,10 +282,10 @@ def test_a_trace_step_outside_the_run_fails_before_any_worker(tmp_path, capsys, 
     from hybridpar.cli import main
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny.toml").write_text(TINY)
-    assert main(["run", "tiny.toml", "--trace-step", "4"]) == 2
+    (tmp_path / "tiny.toml").write_text(TINY.read_text())
+    assert main(["run", "tiny.toml", "--trace-step", "9"]) == 2     # the run has 8 steps
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--trace-step 4 is not a step of this run" in err[0]
+    assert len(err) == 1 and "--trace-step 9 is not a step of this run" in err[0]
     assert not (tmp_path / "runs").exists()
 
 
