@@ -62,7 +62,8 @@ def _run(config: Path, run_dir: Path, *, kill: bool, seed: int) -> dict[str, Any
     cmd = [sys.executable, "-m", "hybridpar.cli", "run", str(config), "--run-dir",
            str(run_dir), "--max-restarts", "1"]
     began = time.monotonic()
-    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = open(run_dir.with_suffix(".log"), "w+")   # a file: a full pipe would block the run
+    agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     killed = None
     if kill:
         rng = random.Random(seed)
@@ -74,7 +75,10 @@ def _run(config: Path, run_dir: Path, *, kill: bool, seed: int) -> dict[str, Any
         if workers and agent.poll() is None:
             killed = rng.choice(workers)
             os.kill(killed, signal.SIGKILL)
-    output = agent.communicate(timeout=600)[0]
+    agent.wait(timeout=600)
+    log.seek(0)
+    output = log.read()
+    log.close()
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {"rc": agent.returncode, "output": output, "killed": killed,
             "seconds": time.monotonic() - began,

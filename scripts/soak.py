@@ -71,9 +71,9 @@ def main() -> None:
         config, run_dir = Path(tmp) / "soak.toml", Path(tmp) / "run"
         config.write_text(CONFIG.format(steps=args.steps))
         began = time.monotonic()
+        log = open(Path(tmp) / "run.log", "w+")   # a file: a full pipe would block the run
         agent = subprocess.Popen([sys.executable, "-m", "hybridpar.cli", "run", str(config),
-                                  "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True)
+                                  "--run-dir", str(run_dir)], stdout=log, stderr=log, text=True)
         samples: list[tuple[int, dict[int, int]]] = []   # (last logged step, {pid: KiB})
         metrics = run_dir / "metrics.jsonl"
         while agent.poll() is None:
@@ -83,9 +83,11 @@ def main() -> None:
             rss = {pid: kib for pid in worker_pids(run_dir) if (kib := _rss_kib(pid))}
             if rss:
                 samples.append((step, rss))
-        stderr = agent.stderr.read() if agent.stderr else ""
+        log.seek(0)
+        output = log.read()
+        log.close()
         if agent.returncode != 0:
-            sys.exit(f"the soak run failed:\n{stderr[-3000:]}")
+            sys.exit(f"the soak run failed:\n{output[-3000:]}")
         records = [json.loads(x) for x in metrics.read_text().splitlines()]
     wall = time.monotonic() - began
     warm = [s for s in samples if s[0] >= args.steps // 10]
