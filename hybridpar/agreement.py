@@ -7,7 +7,8 @@ failed, with two small collectives and no pickles:
 
     step                          every rank
     1. all-reduce MIN             the lowest rank that failed (world size: none failed)
-    2. broadcast from it          its message as UTF-8 bytes (length first, then the bytes)
+    2. broadcast from it          its message as UTF-8 bytes (length and type first, then the
+                                  bytes)
     3. raise                      the failing rank re-raises its own error; the others raise
                                   the same type with its message and rank
 """
@@ -31,20 +32,23 @@ def _device(group: ProcessGroup | None) -> torch.device:
 
 
 @contextmanager
-def fail_together(error_type: type[Exception], *,
+def fail_together(error_type: type[Exception] | tuple[type[Exception], ...], *,
                   group: ProcessGroup | None = None) -> Iterator[None]:
     """Run the block; if it raises `error_type` on any rank of `group`, raise on every rank.
 
-    Outside an initialized process group the block runs as is. Other exceptions pass through
-    untouched (and may leave peers waiting, as before).
+    `error_type` may be a tuple of types: the other ranks raise the same type as the failing
+    rank did (the first of the tuple that it is an instance of). Outside an initialized process
+    group the block runs as is. Other exceptions pass through untouched (and may leave peers
+    waiting, as before).
     """
     if not dist.is_initialized():
         yield
         return
+    types = error_type if isinstance(error_type, tuple) else (error_type,)
     error: Exception | None = None
     try:
         yield
-    except error_type as e:
+    except types as e:
         error = e
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = _device(group)
@@ -54,13 +58,17 @@ def fail_together(error_type: type[Exception], *,
     if src == world:
         return
     message = str(error).encode() if rank == src else b""
-    length = torch.tensor([len(message)], device=device)
+    kind = next(i for i, t in enumerate(types) if isinstance(error, t)) \
+        if rank == src else 0
+    header = torch.tensor([len(message), kind], device=device)
     src_global = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast(length, src_global, group=group)
+    dist.broadcast(header, src_global, group=group)
+    length, kind = (int(v) for v in header.tolist())
     data = torch.frombuffer(bytearray(message), dtype=torch.uint8).to(device) if message \
-        else torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src_global, group=group)
+        else torch.zeros(length, dtype=torch.uint8, device=device)
+    if length:
+        dist.broadcast(data, src_global, group=group)
     if error is not None and rank == src:
         raise error
     text = bytes(data.cpu().tolist()).decode(errors="replace")
-    raise error_type(f"{text} (raised on rank {src_global})")
+    raise types[kind](f"{text} (raised on rank {src_global})")

@@ -65,8 +65,16 @@ def _add_export(commands: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hybridpar.train import ConfigError
+    from hybridpar.train.__main__ import default_run_dir
     from hybridpar.train.launcher import launch
 
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file; give a folder (new or a run's, to "
+                          "resume it)")
     return launch(args.config, run_dir=args.run_dir, overrides=args.overrides,
                   max_restarts=args.max_restarts, nnodes=args.nnodes,
                   node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
@@ -108,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return handlers[args.command](args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:
         print(f"hybridpar {args.command}: error: {e}", file=sys.stderr)
         return 2
 

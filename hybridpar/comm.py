@@ -7,6 +7,13 @@ then the payloads on another, so a header posted early never meets a payload:
     tag = channel * 2 + 0     headers, in message order
     tag = channel * 2 + 1     payloads, in message order
 
+A rank that fails sends an *abort* header instead of the messages its peers still wait for:
+count -1, the rank and stage that failed first, and the first ~1000 bytes of its error as
+UTF-8. The receiver raises `PeerFailed` at once instead of waiting out the timeout.
+
+    slot   0      1            2             3        4 ...
+    abort  -1     origin rank  origin stage  n bytes  the message, 8 bytes per slot
+
 With a tp group of n > 1 and a replicated (untagged) tensor, each tp rank sends only its
 1/n of the flattened tensor and the receivers all-gather it (Megatron's scatter-gather): the
 boundary costs n times fewer P2P bytes, for an all-gather inside the tp group.
@@ -15,11 +22,17 @@ Every transfer is counted (`comm_stats`, kinds ``p2p_send``, ``p2p_recv``, ``p2p
 all-gather counts itself) and, while `hybridpar.trace` records, timed: `send` is one span,
 `PostedRecv.wait` a ``recv`` span around two ``wait`` spans (blocked until the header came,
 then until the payloads came).
+
+`broadcast_tensors` sends tensors from one rank to a group the same way, without pickles (an
+int64 header of dtypes and shapes, then one flat payload per dtype); the source may broadcast
+an exception instead, which is raised on every rank.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +49,16 @@ from hybridpar.tensor_parallel.mappings import (
     shard_range,
 )
 
-__all__ = ["HEADER_LEN", "CommStats", "PostedRecv", "comm_stats", "post_recv", "record",
-           "reset_comm_stats", "send"]
+__all__ = ["HEADER_LEN", "CommStats", "PeerFailed", "PostedRecv", "broadcast_tensors",
+           "comm_stats", "post_recv", "record", "reset_comm_stats", "send", "send_abort"]
 
 HEADER_LEN = 128
 _MAX_NDIM = 8
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _NO_TAG = 9
+_ABORT = -1
+_ABORT_TEXT = (HEADER_LEN - 4) * 8   # message bytes an abort header carries
 
 
 CommStats = trace.CommStats
@@ -65,7 +80,9 @@ def _encode(tensors: tuple[Tensor, ...], tp: int, *, grads: bool, single: bool) 
     header = [len(tensors), int(single)]
     for t in tensors:
         if t.dtype not in _DTYPES:
-            raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages")
+            raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages; stage "
+                            f"outputs must have one of {', '.join(str(d) for d in _DTYPES)} "
+                            "(for complex tensors: torch.view_as_real)")
         if t.dim() > _MAX_NDIM:
             raise ValueError(f"cannot send a {t.dim()}-d tensor between stages "
                              f"(at most {_MAX_NDIM} dims)")
@@ -151,6 +168,8 @@ class PostedRecv:
               ) -> tuple[Tensor, ...]:
         with trace.span("wait", peer=self.src, channel=self.channel):
             _wait(self.work, timeout)
+        if int(self.header[0]) == _ABORT:
+            raise _decode_abort(self.src, self.header)
         metas = _decode(self.header)
         self.single = bool(self.header[1])
         buffers, works = [], []
@@ -178,6 +197,38 @@ class PostedRecv:
         return tuple(out)
 
 
+class PeerFailed(RuntimeError):
+    """A peer sent an abort instead of the message: rank `origin_rank` failed first."""
+
+    def __init__(self, src: int, origin_rank: int, origin_stage: int, message: str) -> None:
+        super().__init__(message)
+        self.src, self.origin_rank, self.origin_stage = src, origin_rank, origin_stage
+        self.message = message
+
+
+def send_abort(dst: int, *, channel: int, origin_rank: int, origin_stage: int,
+               message: str) -> dist.Work | None:
+    """Post an abort header to `dst` on `channel` (in place of the next message it waits for).
+
+    Like any gloo send, it completes once `dst` receives it: wait on the returned work (with
+    a timeout) before the process exits, or the message is lost.
+    """
+    data = message.encode()[:_ABORT_TEXT]
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[:4] = torch.tensor([_ABORT, origin_rank, origin_stage, len(data)])
+    padded = data + b"\0" * (-len(data) % 8)
+    if padded:
+        header[4:4 + len(padded) // 8] = torch.frombuffer(bytearray(padded), dtype=torch.int64)
+    record("p2p_header", _nbytes(header))
+    return dist.isend(header, dst, tag=channel * 2)
+
+
+def _decode_abort(src: int, header: Tensor) -> PeerFailed:
+    _, origin_rank, origin_stage, length = header[:4].tolist()
+    text = header[4:].numpy().tobytes()[:length].decode(errors="ignore")
+    return PeerFailed(src, origin_rank, origin_stage, text)
+
+
 def post_recv(src: int, *, channel: int, tp_group: ProcessGroup | None = None) -> PostedRecv:
     """Post the receive of a message from global rank `src` on `channel`."""
     return PostedRecv(src, channel, tp_group)
@@ -190,3 +241,108 @@ def _wait(work: dist.Work | None, timeout: datetime.timedelta | None) -> None:
         work.wait()
     else:
         work.wait(timeout)
+
+
+# broadcast ---------------------------------------------------------------------------------
+_ERRORS: tuple[type[Exception], ...] = (RuntimeError, TypeError, ValueError)
+
+
+def _broadcast(t: Tensor, src: int, group: ProcessGroup | None) -> None:
+    with trace.collective("broadcast", _nbytes(t)):
+        dist.broadcast(t, src, group=group)
+
+
+def broadcast_tensors(tensors: Sequence[Tensor] | Exception | None, src: int, *,
+                      group: ProcessGroup | None = None,
+                      device: torch.device | str = "cpu") -> tuple[Tensor, ...]:
+    """Broadcast `tensors` from global rank `src` to `group`; every rank returns them.
+
+    No pickles: an int64 header travels first, then one flat payload per dtype:
+
+        1. [n, kind]                  n: header length; kind 0: tensors follow, else src
+                                      failed: n message bytes follow, kind names its type
+        2. [count, (dtype, ndim, *shape) per tensor]
+        3. the tensors of each dtype, flattened and concatenated, in order of first use
+
+    On `src` pass the tensors (other ranks pass None), or an exception (a RuntimeError,
+    TypeError or ValueError) to raise it on `src` and one of the same type with its message
+    everywhere else. Tensors arrive on `device`.
+    """
+    me = dist.get_rank()
+    if me == src:
+        if isinstance(tensors, Exception):
+            error: Exception | None = tensors
+        else:
+            assert tensors is not None, "the source rank must pass the tensors"
+            try:
+                header = _broadcast_header(tensors)
+                error = None
+            except (TypeError, ValueError) as e:
+                error = e
+        if error is not None:
+            kind = next((i + 1 for i, t in enumerate(_ERRORS) if isinstance(error, t)), 1)
+            data = str(error).encode()
+            _broadcast(torch.tensor([len(data), kind], device=device), src, group)
+            if data:
+                _broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device),
+                           src, group)
+            raise error
+        assert not isinstance(tensors, Exception) and tensors is not None
+        _broadcast(torch.tensor([header.numel(), 0], device=device), src, group)
+        _broadcast(header.to(device), src, group)
+        groups = _by_dtype([t.dtype for t in tensors])
+        for dtype, members in groups.items():
+            flat = torch.cat([tensors[i].detach().reshape(-1).to(device, _wire(dtype))
+                              for i in members])
+            _broadcast(flat, src, group)
+        return tuple(tensors)
+    size = torch.zeros(2, dtype=torch.int64, device=device)
+    _broadcast(size, src, group)
+    n, kind = size.tolist()
+    if kind:
+        text = torch.zeros(n, dtype=torch.uint8, device=device)
+        if n:
+            _broadcast(text, src, group)
+        raise _ERRORS[kind - 1](bytes(text.cpu().tolist()).decode(errors="replace"))
+    header = torch.zeros(n, dtype=torch.int64, device=device)
+    _broadcast(header, src, group)
+    values, pos = header.tolist(), 1
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[torch.dtype] = []
+    for _ in range(values[0]):
+        dtypes.append(_DTYPES[values[pos]])
+        ndim = values[pos + 1]
+        shapes.append(tuple(values[pos + 2:pos + 2 + ndim]))
+        pos += 2 + ndim
+    out: list[Tensor | None] = [None] * len(shapes)
+    for dtype, members in _by_dtype(dtypes).items():
+        sizes = [math.prod(shapes[i]) for i in members]
+        flat = torch.empty(sum(sizes), dtype=_wire(dtype), device=device)
+        _broadcast(flat, src, group)
+        for i, part in zip(members, flat.split(sizes)):
+            out[i] = part.view(shapes[i]).to(dtype).clone()
+    return tuple(t for t in out if t is not None)
+
+
+def _broadcast_header(tensors: Sequence[Tensor]) -> Tensor:
+    header = [len(tensors)]
+    for t in tensors:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"can only broadcast Tensors, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot broadcast a tensor of dtype {t.dtype}; use one of "
+                            f"{', '.join(str(d) for d in _DTYPES)}")
+        header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(header, dtype=torch.int64)
+
+
+def _by_dtype(dtypes: Sequence[torch.dtype]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        groups.setdefault(dtype, []).append(i)
+    return groups
+
+
+def _wire(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a payload travels as (bool as uint8: not every backend reduces bools)."""
+    return torch.uint8 if dtype == torch.bool else dtype

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridpar import comm
 from hybridpar import trace as tracing
+from hybridpar.agreement import fail_together
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
@@ -77,13 +79,18 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
     options: dict[str, Any] = {"tp": topo.tp} if name in ("time", "size") else {}
     if name == "size":
         options["chunks"] = chunks
-    choice: list[Any] = [None]
-    if topo.rank == 0 or (sharded and name in ("time", "size")):
-        choice[0] = balance_by(name, topo.pp, module, sample, **options)
-    dist.broadcast_object_list(choice, src=0)
+    choice: list[int] = []
+    with fail_together((ValueError, TypeError, RuntimeError)):  # profiling may fail on one rank
+        if topo.rank == 0 or (sharded and name in ("time", "size")):
+            choice = list(balance_by(name, topo.pp, module, sample, **options))
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    (counts,) = comm.broadcast_tensors(
+        (torch.tensor(choice, dtype=torch.int64),) if topo.rank == 0 else None, 0,
+        device=device)
     if topo.rank == 0:
-        log.info("balance=%r chose %s for %d stages", name, choice[0], topo.pp)
-    return list(choice[0])
+        log.info("balance=%r chose %s for %d stages", name, choice, topo.pp)
+    return [int(c) for c in counts.tolist()]
 
 
 def _nbytes(t: Tensor) -> int:
@@ -126,7 +133,12 @@ class HybridPipe(nn.Module):
         if isinstance(balance, str):
             balance = _choose_balance(module, balance, topo, balance_sample, chunks)
         counts = check_balance(module, balance, topo.pp)
-        routes = skip_routes(module, counts)
+        try:
+            routes = skip_routes(module, counts)
+        except TypeError as e:   # torchgpipe's verify_skippables says what, not how to fix
+            raise TypeError(f"{e}\nEvery stash('name') needs one pop('name') in a later layer "
+                            "and every pop a stash before it; a skippable layer used twice needs "
+                            "its own namespace: layer.isolate(Namespace())") from None
         if deferred_batch_norm:
             module = convert_deferred_batch_norm(module, chunks)
 
@@ -136,12 +148,14 @@ class HybridPipe(nn.Module):
         self.trace = trace
         self._state_keys = list(module.state_dict().keys())
         stages = split(module, counts)
+        self._stage_keys = [list(stage.state_dict().keys()) for stage in stages]
         local = stages[self.stage]
         free_layers(stages, keep=self.stage)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
-        materialize(local, self.device)
-        local.to(self.device)
+        with fail_together((TypeError, ValueError, RuntimeError, NotImplementedError)):
+            materialize(local, self.device)   # a stage of its own: may fail on this rank only
+            local.to(self.device)
         for name, layer in local.named_children():
             self.add_module(name, layer)
         self._executor = StageExecutor(StageSpec(
@@ -171,7 +185,8 @@ class HybridPipe(nn.Module):
         actions = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
         with self._recording("train_step", len(inputs)):
             result = self._executor.run(actions, inputs=inputs, targets=targets,
-                                        loss_fn=self.loss_fn, weights=weights, train=True)
+                                        loss_fn=self.loss_fn, weights=weights, train=True,
+                                        what="train_step")
             commit_deferred_batch_norms(self)
             if self.topology.dp > 1:
                 self._average_over_dp()
@@ -189,7 +204,8 @@ class HybridPipe(nn.Module):
         actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
         with self._recording("eval_step", len(inputs)):
             result = self._executor.run(actions, inputs=inputs, targets=targets,
-                                        loss_fn=self.loss_fn, weights=weights, train=False)
+                                        loss_fn=self.loss_fn, weights=weights, train=False,
+                                        what="eval_step")
             return self._share_loss(result.loss)
 
     def _recording(self, what: str, microbatches: int) -> contextlib.AbstractContextManager[None]:
@@ -232,13 +248,19 @@ class HybridPipe(nn.Module):
         loss = local.detach().clone() if local is not None else torch.zeros(())
         loss = loss.to(self.device, torch.float32)
         if self.num_stages > 1:
-            with tracing.collective("broadcast", _nbytes(loss)):
+            with tracing.collective("broadcast", _nbytes(loss)), self._guard(
+                    "the broadcast of the loss from the last stage", self.topology.pp_group):
                 dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
         if self.topology.dp > 1:
-            with tracing.collective("all_reduce", _nbytes(loss)):
+            with tracing.collective("all_reduce", _nbytes(loss)), self._guard(
+                    "the all-reduce of the loss over dp", self.topology.dp_group):
                 dist.all_reduce(loss, group=self.topology.dp_group)
             loss /= self.topology.dp
         return loss
+
+    def _guard(self, operation: str, group: Any) -> contextlib.AbstractContextManager[None]:
+        """A collective outside the schedule: a timeout becomes a `PipelineError` block."""
+        return self._executor.guard(operation, dist.get_process_group_ranks(group))
 
     def _average_over_dp(self) -> None:
         """Average the gradients over the dp group in one flat all-reduce."""
@@ -246,7 +268,8 @@ class HybridPipe(nn.Module):
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        with tracing.collective("all_reduce", _nbytes(flat)):
+        with tracing.collective("all_reduce", _nbytes(flat)), self._guard(
+                "the all-reduce of the gradients over dp", self.topology.dp_group):
             dist.all_reduce(flat, group=self.topology.dp_group)
         flat /= self.topology.dp
         offset = 0
@@ -256,22 +279,49 @@ class HybridPipe(nn.Module):
 
     # inference ---------------------------------------------------------------------------
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
-        """Inference over the pipeline (no grad); the full output on every rank."""
+        """Inference over the pipeline (no grad); the full output on every rank.
+
+        The last stage must return a Tensor or a tuple of Tensors (else a `TypeError` on every
+        rank); its output reaches the other stages as tensors with a shape header (no pickles).
+        """
         inputs = _split_batch(input, self.chunks, "input")
         schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
         actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
         with self._recording("forward", len(inputs)):
             result = self._executor.run(actions, inputs=inputs, targets=None, loss_fn=None,
-                                        weights=[1.0] * len(inputs), train=False)
-        box: list[Any] = [None]
+                                        weights=[1.0] * len(inputs), train=False,
+                                        what="forward")
+        output: TensorOrTensors | TypeError | None = None
         if self.stage == self.num_stages - 1:
-            box[0] = self._gather_outputs(result.outputs)
-        if self.num_stages > 1:
-            dist.broadcast_object_list(box, self._last_rank(), group=self.topology.pp_group)
-        return box[0]
+            try:
+                output = self._gather_outputs(result.outputs)
+            except TypeError as e:
+                if self.num_stages == 1:
+                    raise
+                output = e
+        if self.num_stages == 1:
+            assert isinstance(output, (Tensor, tuple))
+            return output
+        payload: tuple[Tensor, ...] | TypeError | None = output \
+            if isinstance(output, TypeError) else None
+        if isinstance(output, (Tensor, tuple)):   # a flag first: a bare Tensor or a tuple
+            single = torch.tensor([int(isinstance(output, Tensor))], dtype=torch.int64)
+            payload = (single, output) if isinstance(output, Tensor) else (single, *output)
+        with self._guard("the broadcast of the output from the last stage",
+                         self.topology.pp_group):
+            tensors = comm.broadcast_tensors(payload, self._last_rank(),
+                                             group=self.topology.pp_group, device=self.device)
+        return tensors[1] if int(tensors[0]) else tuple(tensors[1:])
 
     def _gather_outputs(self, outputs: list[TensorOrTensors]) -> TensorOrTensors:
         """Concatenate the micro-batch outputs; all-gather class-sharded ones over tp."""
+        kinds = {type(o).__name__ for o in outputs}
+        if not all(isinstance(o, Tensor) or (isinstance(o, tuple) and o and all(
+                isinstance(t, Tensor) for t in o)) for o in outputs) or len(kinds) != 1:
+            raise TypeError(f"the last stage returned {' / '.join(sorted(kinds))}; "
+                            "HybridPipe's forward returns a Tensor or a tuple of Tensors (make "
+                            "the last layer return one, or use train_step / eval_step with a "
+                            "loss_fn that reads this output)")
 
         def full(parts: list[Tensor]) -> Tensor:
             whole = torch.cat(parts)  # cat drops the tag: read it from a part
@@ -286,7 +336,10 @@ class HybridPipe(nn.Module):
 
     # state -------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, Tensor]:
-        """The unsharded model's full state dict (same keys and shapes), on every rank."""
+        """The unsharded model's full state dict (same keys and shapes), on every rank.
+
+        Each stage's tensors reach the others by `comm.broadcast_tensors` (no pickles).
+        """
         group = self.topology.tp_group if self.topology.tp > 1 else None
         tensors = dict(self.named_parameters())
         local = {}
@@ -294,14 +347,15 @@ class HybridPipe(nn.Module):
             param = tensors.get(key)
             local[key] = gather_full(value, param, group) if param is not None else value
             local[key] = local[key].detach().cpu().clone()
-        parts: list[Any] = [None] * self.num_stages
-        if self.num_stages > 1:
-            dist.all_gather_object(parts, local, group=self.topology.pp_group)
-        else:
-            parts = [local]
-        merged: dict[str, Tensor] = {}
-        for part in parts:
-            merged.update(part)
+        merged: dict[str, Tensor] = dict(local)
+        for stage in range(self.num_stages):
+            if self.num_stages == 1:
+                break
+            keys = self._stage_keys[stage]
+            mine = [local[k] for k in keys] if stage == self.stage else None
+            received = comm.broadcast_tensors(mine, self.topology.stage_rank(stage),
+                                              group=self.topology.pp_group, device=self.device)
+            merged.update((k, v.cpu()) for k, v in zip(keys, received))
         return {key: merged[key] for key in self._state_keys}
 
     def load_consolidated_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
@@ -311,7 +365,9 @@ class HybridPipe(nn.Module):
         unexpected = [k for k in state_dict if k not in known]
         if missing or unexpected:
             raise KeyError(f"state dict does not match the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+                           f"unexpected {unexpected[:5]}; give the full state dict of this "
+                           "nn.Sequential (its state_dict(), consolidated_state_dict(), or "
+                           "the file hybridpar export writes)")
         group = self.topology.tp_group if self.topology.tp > 1 else None
         tensors = dict(self.named_parameters())
         local = {}
@@ -324,7 +380,8 @@ class HybridPipe(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the global norm over all stages and tp shards (replicated params once)."""
         if norm_type != 2.0:
-            raise ValueError("clip_grad_norm_ supports the 2-norm only")
+            raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type="
+                             f"{norm_type}; leave norm_type at 2.0")
         tp = self.topology.tp
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.parameters():
@@ -334,10 +391,12 @@ class HybridPipe(nn.Module):
             sharded = get_parallel_dim(p) is not None
             total += square if sharded or tp == 1 else square / tp
         if tp > 1:
-            with tracing.collective("all_reduce", _nbytes(total)):
+            with tracing.collective("all_reduce", _nbytes(total)), self._guard(
+                    "the all-reduce of the gradient norm over tp", self.topology.tp_group):
                 dist.all_reduce(total, group=self.topology.tp_group)
         if self.num_stages > 1:
-            with tracing.collective("all_reduce", _nbytes(total)):
+            with tracing.collective("all_reduce", _nbytes(total)), self._guard(
+                    "the all-reduce of the gradient norm over pp", self.topology.pp_group):
                 dist.all_reduce(total, group=self.topology.pp_group)
         norm = total.sqrt().to(torch.float32)
         scale = max_norm / (norm + 1e-6)

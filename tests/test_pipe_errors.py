@@ -1,5 +1,7 @@
 """Bad input to HybridPipe: a clear error on every rank, never a hang."""
 
+import copy
+import re
 import time
 
 import pytest
@@ -8,6 +10,7 @@ from torch import nn
 from torchgpipe.skip import pop, skippable
 
 import hybridpar
+from hybridpar.pipeline.schedule import get_schedule
 
 from pipe_harness import mlp
 
@@ -131,8 +134,168 @@ def _stage_zero_stalls():
 def test_a_wait_past_the_topology_timeout_names_the_stage_microbatch_and_peer():
     _, (waited, message) = hybridpar.spawn(_stage_zero_stalls, 2, timeout=60)
     assert waited < 5
-    assert ("stage 1 (rank 1) gave up waiting for the activation of micro-batch 0 from rank 0"
-            in message)
+    assert message.startswith(
+        "stage 1 (rank 1) gave up at F(0) of train_step after 0:00:02 waiting to receive the "
+        "activation of micro-batch 0 from stage 0 (rank 0)"), message
+    assert "  last completed: RECV_F(0)" in message
+    assert "parallel.timeout" in message            # how to fix it, if the peer is only slow
+
+
+# timeouts and failures on 4 stages: every other rank reports one block -------------------
+
+TIMEOUT = 2
+
+
+def _four_stages(mode, schedule):
+    """pp=4, 2 micro-batches; `mode` breaks stage 1: it sleeps (stuck but alive), skips its
+    SEND_F(1), or raises in F(0). Each rank returns (seconds until it stopped, message)."""
+    topo = hybridpar.init(pp=4, timeout=TIMEOUT)
+    torch.manual_seed(0)
+    pipe = hybridpar.HybridPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]),
+                                [1, 1, 1, 1], chunks=2, topology=topo, schedule=schedule,
+                                loss_fn=lambda out, y: out.pow(2).mean())
+    x, y = torch.randn(4, 4), torch.zeros(4)
+    if topo.pp_rank == 1:
+        if mode == "sleep":
+            time.sleep(TIMEOUT + 1.5)
+            return [0.0, "slept"]
+        if mode == "skip send":
+            real = pipe._executor._send_f
+            pipe._executor._send_f = lambda i: None if i == 1 else real(i)
+        if mode == "raise":
+            pipe.partition[0].register_forward_hook(lambda *_: {"not": "a tensor"})
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y)
+    except hybridpar.PipelineError as e:
+        return [time.monotonic() - start, str(e)]
+    return [time.monotonic() - start, "no error"]
+
+
+def _block(message):
+    """The message's headline and its `key: value` lines."""
+    head, *rest = message.splitlines()
+    pairs = (line.split(":", 1) for line in rest if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in pairs}
+    return head, fields
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_stuck_stage_makes_every_other_rank_report_where_it_waits(schedule):
+    start = time.monotonic()
+    results = hybridpar.spawn(_four_stages, 4, args=("sleep", schedule), timeout=60)
+    assert time.monotonic() - start < TIMEOUT + 6           # spawn returned promptly
+    for rank in (0, 2, 3):
+        waited, message = results[rank]
+        _, fields = _block(message)
+        assert waited < TIMEOUT + 3, (rank, waited)
+        assert fields["stage"] == f"{rank} of 4 (rank {rank})", message
+        assert re.fullmatch(r"[A-Z_]+\(\d\), micro-batch \d \(action \d+ of \d+ of this "
+                            r"train_step\)", fields["action"]), message
+        assert "last completed" in fields, message
+    # the neighbours of the stuck stage time out on it
+    head0, f0 = _block(results[0][1])
+    assert head0.startswith("stage 0 (rank 0) gave up at B(")
+    assert f0["waiting for"].startswith("receive the gradient of micro-batch ")
+    assert f0["waiting for"].endswith("from stage 1 (rank 1)")
+    head2, f2 = _block(results[2][1])
+    assert head2.startswith("stage 2 (rank 2) gave up at F(0) of train_step after 0:00:02")
+    assert f2["waiting for"] == "receive the activation of micro-batch 0 from stage 1 (rank 1)"
+    assert f2["last completed"] == previous(schedule, 2, "F0")
+    assert "Timed out" in f2["cause"]
+    # stage 3 waits on stage 2: its own timeout or stage 2's abort, whichever comes first
+    head3, f3 = _block(results[3][1])
+    assert head3.startswith(("stage 3 (rank 3) gave up at F(0)", "stage 3 (rank 3) stopped at "
+                             "F(0) of train_step; a peer failed first: stage 2 (rank 2) gave up "
+                             "at F(0)")), head3
+    assert f3["waiting for"].startswith("receive the activation of micro-batch 0 from stage 2")
+
+
+def previous(schedule, stage, action):
+    """The action before `action` in `stage`'s list (its last completed one when it waits)."""
+    actions = [str(a) for a in get_schedule(schedule)(4, 2)[stage]]
+    before = actions[actions.index(action) - 1]
+    return re.sub(r"(\D+)(\d+)", r"\1(\2)", before)
+
+
+def test_a_skipped_send_is_reported_by_both_ends_with_the_last_completed_action():
+    results = hybridpar.spawn(_four_stages, 4, args=("skip send", "gpipe"), timeout=60)
+    head2, f2 = _block(results[2][1])
+    assert head2.startswith("stage 2 (rank 2) gave up at F(1) of train_step"), head2
+    assert f2["waiting for"] == "receive the activation of micro-batch 1 from stage 1 (rank 1)"
+    assert f2["last completed"] == previous("gpipe", 2, "F1")
+    head1, f1 = _block(results[1][1])          # stage 1 itself waits for a gradient
+    assert head1.startswith("stage 1 (rank 1) gave up at B(1)"), head1
+    assert f1["waiting for"].endswith("from stage 2 (rank 2)")
+    assert all(waited < TIMEOUT + 4 for waited, _ in results), results
+
+
+def test_an_exception_on_one_stage_stops_every_stage_promptly_with_that_error():
+    results = hybridpar.spawn(_four_stages, 4, args=("raise", "1f1b"), timeout=60)
+    original = "stage 1 (rank 1) failed at F(0) of train_step: TypeError: stage 1 returned dict"
+    assert results[1][1].startswith(original), results[1][1]
+    for rank in (0, 2, 3):
+        waited, message = results[rank]
+        assert waited < TIMEOUT, (rank, waited)          # an abort, not the timeout
+        head, fields = _block(message)
+        assert head.startswith(f"stage {rank} (rank {rank}) stopped at "), head
+        assert f"; a peer failed first: {original}" in head, head
+        assert "which sent an abort instead" in fields["waiting for"]
+
+
+def _dp_replica_stalls():
+    topo = hybridpar.init(dp=2, timeout=TIMEOUT)
+    pipe = hybridpar.HybridPipe(nn.Sequential(nn.Linear(2, 2)), [1], topology=topo,
+                                loss_fn=lambda out, y: out.sum())
+    if topo.dp_rank == 1:
+        time.sleep(TIMEOUT + 1.5)
+        return "slept"
+    try:
+        pipe.train_step(torch.randn(2, 2), torch.zeros(2))
+    except hybridpar.PipelineError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_collective_after_the_schedule_reports_its_group_on_timeout():
+    message, _ = hybridpar.spawn(_dp_replica_stalls, 2, timeout=60)
+    head, fields = _block(message)
+    assert head.startswith("stage 0 (rank 0) gave up in the all-reduce of the gradients over dp "
+                           "(ranks [0, 1]) after its schedule of train_step ran"), message
+    assert fields["last completed"] == "B(0)"
+    assert "stuck, died, or failed first" in fields["hint"]
+
+
+# few rows: fewer micro-batches than stages, a batch smaller than chunks -------------------
+
+def _small_batches(rows, chunks, schedule):
+    topo = hybridpar.init(pp=4, timeout=30)
+    model = mlp()
+    plain = copy.deepcopy(model)
+    pipe = hybridpar.HybridPipe(model, [1, 1, 1, 1], chunks=chunks, topology=topo,
+                                schedule=schedule, loss_fn=nn.functional.cross_entropy)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
+    loss = pipe.train_step(x, y)
+    expected = nn.functional.cross_entropy(plain(x), y)
+    expected.backward()
+    grads = {n: p.grad for n, p in pipe.named_parameters()}
+    plain_grads = dict(plain.named_parameters())
+    worst = max((grads[n] - plain_grads[n].grad).abs().max().item() for n in grads)
+    with torch.no_grad():
+        out_err = (pipe(x) - plain(x)).abs().max().item()
+    return {"loss": (loss - expected).abs().item(), "grad": worst, "out": out_err}
+
+
+@pytest.mark.parametrize("rows,chunks,schedule", [
+    (1, 4, "gpipe"),      # one micro-batch on four stages
+    (1, 4, "1f1b"),
+    (3, 4, "1f1b"),       # fewer rows than chunks: three micro-batches of one row
+    (5, 4, "gpipe"),      # torch.chunk: 2 + 2 + 1 rows
+])
+def test_fewer_rows_than_chunks_or_stages_train_like_one_device(rows, chunks, schedule):
+    for result in hybridpar.spawn(_small_batches, 4, args=(rows, chunks, schedule), timeout=60):
+        assert max(result.values()) < 1e-6, result
 
 
 def _named_balance(name, with_sample):

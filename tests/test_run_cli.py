@@ -132,7 +132,7 @@ def test_torchrun_runs_the_worker_module(tiny: Path, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: Path) -> None:
-    sets = ["--set", "train.steps=12", "--set", "model.dropout=0.1",
+    sets = ["--set", "train.steps=60", "--set", "model.dropout=0.1",   # long enough to kill
             "--set", "train.sample_tokens=0", "--set", "checkpoint.every=3"]
     run_dir = str(tmp_path / "killed")
     agent = subprocess.Popen([*HYBRIDPAR, "run", str(tiny), "--run-dir", run_dir,

@@ -43,8 +43,13 @@ def run(args: argparse.Namespace) -> int:
     from hybridpar.train import load_config
 
     cfg = load_config(args.config, args.set)
-    partitions = args.partitions or cfg.parallel.pp
-    tp = args.tp or cfg.parallel.tp
+    partitions = args.partitions if args.partitions is not None else cfg.parallel.pp
+    tp = args.tp if args.tp is not None else cfg.parallel.tp
+    if tp < 1:
+        raise ValueError(f"--tp {tp} must be a positive integer (the tensor-parallel size whose "
+                         "shards are costed)")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout {args.timeout} must be positive (seconds of profiling)")
     if args.write and partitions != cfg.parallel.pp:
         raise ValueError(f"--write stores a balance for parallel.pp = {cfg.parallel.pp} stages; "
                          f"drop --partitions {partitions}, or also --set parallel.pp={partitions}")

@@ -21,6 +21,10 @@ stage and the action's micro-batch, so the collectives and transfers inside inhe
     B i       recompute (checkpointed i), recv BWD (+ SKIPG), then backward
     SEND_F/B  send FWD (+ SKIP) / send BWD (+ SKIPG)
     the end   wait (for the posted sends), all inside one step span
+
+Failures (`failure.py`): whatever stops a stage raises one `PipelineError` block per rank
+(stage, action, micro-batch, the peer and operation waited for, the last completed action),
+after sending aborts to the peers still owed a message this step, so they stop at once.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import use_skip_tracker
 
 from hybridpar import comm, trace
+from hybridpar.pipeline import failure
 from hybridpar.pipeline.checkpoint import RNGReplay, is_checkpointed
+from hybridpar.pipeline.failure import Aborted, PipelineError, WaitFailed
 from hybridpar.pipeline.schedule import Action
 from hybridpar.pipeline.skip import SkipRoute, StageSkipTracker
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
@@ -51,10 +57,6 @@ FWD, BWD, SKIP, SKIPG = 0, 1, 2, 3
 
 TensorOrTensors = Tensor | tuple[Tensor, ...]
 SkipKey = tuple[Namespace, str]
-
-
-class PipelineError(RuntimeError):
-    """An action of the schedule failed; the message names the stage, action and micro-batch."""
 
 
 _local = threading.local()
@@ -145,62 +147,119 @@ class StageExecutor:
     # one step ----------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], *, inputs: Sequence[TensorOrTensors] | None,
             targets: Sequence[Any] | None, loss_fn: Callable[..., Tensor] | None,
-            weights: Sequence[float], train: bool) -> StepResult:
-        """Run `actions`; `inputs` on the first stage, `targets` and `loss_fn` on the last."""
+            weights: Sequence[float], train: bool, what: str = "step") -> StepResult:
+        """Run `actions`; `inputs` on the first stage, `targets` and `loss_fn` on the last.
+
+        `what` names the step in error messages ("train_step", "eval_step", "forward").
+        """
         self.train, self.inputs, self.targets = train, inputs, targets
         self.loss_fn, self.weights = loss_fn, weights
         self.m = len(weights)
         self.mbs = [_MicroBatch(key=torch.empty(0)) for _ in range(self.m)]
-        self.sends: list[tuple[Any, str]] = []
+        self.sends: list[tuple[Any, str, int]] = []
         self.loss_sum: Tensor | None = None
         self.outputs: list[TensorOrTensors] = []
+        self.what, self.actions, self.last_done = what, list(actions), None
         handlers = {"RECV_F": self._recv_f, "F": self._forward, "SEND_F": self._send_f,
                     "RECV_B": self._recv_b, "B": self._backward, "SEND_B": self._send_b}
         recorder = trace.RECORDER
         recorder.stage, recorder.microbatch = self.spec.stage, -1
         with trace.span("step"):
-            for action in actions:
+            for index, action in enumerate(self.actions):
                 recorder.microbatch = action.microbatch  # tags the events of this action
                 try:
                     handlers[action.kind](action.microbatch)
-                except PipelineError:
-                    raise
                 except Exception as e:
-                    raise PipelineError(
-                        f"stage {self.spec.stage} (rank {dist.get_rank()}) failed at "
-                        f"{action.kind}({action.microbatch}): {type(e).__name__}: {e}"
-                    ) from e
+                    raise self._fail(e, index) from e
+                self.last_done = action
             recorder.microbatch = -1
             with trace.span("wait"):
-                for work, what in self.sends:
-                    self._wait(work, what)
+                try:
+                    for work, what_, stage in self.sends:
+                        self._wait(work, what_, stage)
+                except Exception as e:
+                    raise self._fail(e, len(self.actions)) from e
         self.mbs = []
         return StepResult(self.loss_sum, self.outputs)
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, stage: int) -> None:
         try:
             work.wait(self.spec.timeout)
         except RuntimeError as e:
-            raise PipelineError(f"stage {self.spec.stage} (rank {dist.get_rank()}) gave up "
-                                f"{what} after {self.spec.timeout}: {e}") from e
+            raise WaitFailed(f"send {what} to", stage, self._rank(stage), e) from e
 
     def _rank(self, stage: int) -> int:
         return self.spec.rank_of_stage(stage)
 
-    def _recv(self, posted: comm.PostedRecv | None, what: str) -> tuple[Tensor, ...]:
+    def _recv(self, posted: comm.PostedRecv | None, what: str, stage: int) -> tuple[Tensor, ...]:
         assert posted is not None, f"schedule error: {what} was never posted"
         try:
             return posted.wait(self.spec.timeout)
+        except comm.PeerFailed as e:
+            raise Aborted(f"receive {what} from", stage, posted.src, e) from e
         except RuntimeError as e:
-            raise PipelineError(f"stage {self.spec.stage} (rank {dist.get_rank()}) gave up "
-                                f"waiting for {what} from rank {posted.src} after "
-                                f"{self.spec.timeout}: {e}") from e
+            raise WaitFailed(f"receive {what} from", stage, posted.src, e) from e
 
     def _send(self, tensors: Sequence[Tensor], stage: int, channel: int, what: str,
               *, grads: bool, single: bool = False) -> None:
         works = comm.send(tuple(tensors), self._rank(stage), channel=channel,
                           tp_group=self.spec.tp_group, grads=grads, single=single)
-        self.sends.extend((w, f"sending {what} to stage {stage}") for w in works)
+        self.sends.extend((w, what, stage) for w in works)
+
+    # failures ----------------------------------------------------------------------------
+    def _place(self, index: int = 0) -> failure.StepPlace:
+        return failure.StepPlace(self.spec.stage, self.spec.num_stages, dist.get_rank(),
+                                 getattr(self, "what", "step"), self.spec.timeout,
+                                 getattr(self, "actions", ()), index,
+                                 getattr(self, "last_done", None))
+
+    @contextmanager
+    def guard(self, operation: str, ranks: Sequence[int]) -> Iterator[None]:
+        """Run a collective of the step outside the schedule (loss, dp gradients, norm);
+        its failure (a timeout, a peer gone) becomes a `PipelineError` block."""
+        try:
+            yield
+        except PipelineError:
+            raise
+        except RuntimeError as e:
+            raise failure.collective_error(operation, ranks, self._place(), e) from e
+
+    def _fail(self, error: Exception, index: int) -> PipelineError:
+        """The error block of a failure at action `index`, after telling the peers (aborts)."""
+        if isinstance(error, PipelineError):
+            return error
+        place = self._place(index)
+        hint = "" if isinstance(error, WaitFailed) else self._hint(error, place.action)
+        report = failure.describe(error, place, hint=hint)
+        failure.send_aborts(self._owed(index), report, self.spec.timeout)
+        return PipelineError(report.message)
+
+    def _owed(self, index: int) -> list[tuple[int, int]]:
+        """(rank, channel) of every message this stage still owes a peer from action `index`."""
+        targets: list[tuple[int, int]] = []
+        for action in self.actions[index:]:
+            if action.kind == "SEND_F":
+                targets += [(self._rank(self.spec.stage + 1), FWD)]
+                targets += [(self._rank(dst), SKIP) for dst in self.skip_out]
+            elif action.kind == "SEND_B":
+                targets += [(self._rank(self.spec.stage - 1), BWD)]
+                targets += [(self._rank(src), SKIPG) for src in self.skip_in]
+        return targets
+
+    def _hint(self, error: Exception, action: Action | None) -> str:
+        """How to fix a failure inside this stage's own computation (empty: no advice)."""
+        if "Timed out" in str(error):
+            return ("a collective inside the stage timed out: a tensor-parallel peer of this "
+                    "stage is stuck or failed (see its error)")
+        if action is None or action.kind != "F" or self.first or not isinstance(
+                error, (RuntimeError, ValueError)):
+            return ""
+        mb = self.mbs[action.microbatch]
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in _as_tuple(mb.inputs)) \
+            if isinstance(mb.inputs, (Tensor, tuple)) else "?"
+        return (f"stage {self.spec.stage}'s input came from stage {self.spec.stage - 1} as "
+                f"{shapes}; check that the layers on both sides of the stage boundary fit (run "
+                "the model on one device: model(x) must work)")
 
     # forward -----------------------------------------------------------------------------
     def _recv_f(self, i: int) -> None:
@@ -218,10 +277,11 @@ class StageExecutor:
             mb.inputs = self.inputs[i]
         else:
             posted, mb.recv_f = mb.recv_f, None
-            received = self._recv(posted, f"the activation of micro-batch {i}")
+            received = self._recv(posted, f"the activation of micro-batch {i}",
+                                  self.spec.stage - 1)
             mb.inputs = received[0] if posted is not None and posted.single else received
         for src, routes in self.skip_in.items():
-            tensors = self._recv(mb.recv_skip.pop(src), f"the skips of micro-batch {i}")
+            tensors = self._recv(mb.recv_skip.pop(src), f"the skips of micro-batch {i}", src)
             mb.skips_in.update((r.key, t) for r, t in zip(routes, tensors))
         checkpointed = self.train and is_checkpointed(self.spec.checkpoint, i, self.m)
         with trace.span("forward"):
@@ -244,7 +304,8 @@ class StageExecutor:
             elif self.loss_fn is not None and self.targets is not None:  # evaluation
                 assert mb.outputs is not None
                 with torch.no_grad():
-                    value = self.loss_fn(mb.outputs, self.targets[i]) * self.weights[i]
+                    value = _scalar_loss(self.loss_fn(mb.outputs, self.targets[i])) \
+                        * self.weights[i]
                 self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
                 mb.outputs = None
             else:
@@ -263,7 +324,7 @@ class StageExecutor:
         mb.outputs, mb.skips_out = out, tracker.outgoing
         if self.last and self.train:
             assert self.loss_fn is not None and self.targets is not None
-            mb.loss = self.loss_fn(out, self.targets[i]) * self.weights[i]
+            mb.loss = _scalar_loss(self.loss_fn(out, self.targets[i])) * self.weights[i]
 
     def _send_f(self, i: int) -> None:
         mb = self.mbs[i]
@@ -298,12 +359,13 @@ class StageExecutor:
             tensors, grads = [mb.loss], [None]
         else:
             assert mb.outputs is not None
-            received = self._recv(mb.recv_b, f"the gradient of micro-batch {i}")
+            received = self._recv(mb.recv_b, f"the gradient of micro-batch {i}",
+                                  self.spec.stage + 1)
             tensors += _floating(_as_tuple(mb.outputs))
             grads += received
         for dst, routes in self.skip_out.items():
             received = self._recv(mb.recv_skip_grad.pop(dst),
-                                  f"the skip gradients of micro-batch {i}")
+                                  f"the skip gradients of micro-batch {i}", dst)
             tensors += [mb.skips_out[r.key] for r in routes]
             grads += received
         pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
@@ -325,6 +387,17 @@ class StageExecutor:
         for src, grads in mb.skip_grads.items():
             self._send(grads, src, SKIPG, f"the skip gradients of micro-batch {i}", grads=False)
         mb.input_grads, mb.skip_grads = (), {}
+
+
+def _scalar_loss(loss: Any) -> Tensor:
+    """`loss_fn`'s value as a 0-d tensor, or a `TypeError` that says what it must return."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        got = (f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+               if isinstance(loss, Tensor) else type(loss).__name__)
+        raise TypeError(f"loss_fn returned {got}; it must return the mean loss of the "
+                        "micro-batch as a floating scalar tensor (e.g. F.cross_entropy(out, y) "
+                        "with reduction='mean')")
+    return loss.reshape(())
 
 
 def _grad_or_zeros(t: Tensor) -> Tensor:

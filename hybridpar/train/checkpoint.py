@@ -10,6 +10,12 @@ A save writes into ``.step-N.partial`` and global rank 0 renames it to ``step-N`
 closing collective, so a crash at any point leaves the previous checkpoint as the latest.
 A folder named ``step-N`` without ``.metadata`` (a copy cut short) is skipped with a warning.
 After a save, rank 0 deletes partial folders and all but the newest `keep` complete ones.
+
+Before a load, every ``.distcp`` file the index names must exist and be as long as the index
+says (a missing or truncated file is a `CheckpointError` naming it, on every rank); whatever
+else DCP fails on (a `CheckpointException`, which is not an `Exception`) becomes a
+`CheckpointError` too. Tensors are read with ``torch.load(weights_only=True)``; the
+``.metadata`` index itself is a pickle DCP writes and reads: load only checkpoints you trust.
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybridpar.agreement import fail_together
 from hybridpar.train.shards import Entry, ShardLoadPlanner, ShardSavePlanner
 
-__all__ = ["CheckpointError", "checkpoint_steps", "latest_checkpoint", "load_checkpoint",
-           "prune_checkpoints", "read_metadata", "save_checkpoint"]
+__all__ = ["CheckpointError", "check_files", "checkpoint_steps", "dcp_failure",
+           "latest_checkpoint", "load_checkpoint", "prune_checkpoints", "read_metadata",
+           "save_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +107,14 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, state: Mapping[str,
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    dcp.save(dict(state), checkpoint_id=partial, planner=ShardSavePlanner())
+    try:
+        dcp.save(dict(state), checkpoint_id=partial, planner=ShardSavePlanner())
+    except CheckpointException as e:   # raised on every rank alike: remove what was written
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"saving checkpoint step-{step} in {folder} failed: "
+                              f"{dcp_failure(e)}; nothing was kept (the previous checkpoint "
+                              "stays the latest): check the disk space and permissions") from None
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # a stale copy of this step
         os.replace(partial, final)
@@ -121,14 +136,46 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     """DCP's index of a checkpoint folder (a pickle DCP writes: load only trusted folders)."""
     folder = Path(path)
     if not folder.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint folder")
+        raise CheckpointError(f"{path}: no such checkpoint folder; give a complete one, "
+                              "RUN_DIR/checkpoints/step-N")
     if not _is_complete(folder):
         raise CheckpointError(f"{path}: incomplete checkpoint (no .metadata); it was cut short "
                               "while saving: use an earlier step-N folder")
     try:
         return FileSystemReader(str(folder)).read_metadata()
     except Exception as e:
-        raise CheckpointError(f"{path}: unreadable checkpoint index .metadata ({e})") from None
+        raise CheckpointError(f"{path}: unreadable checkpoint index .metadata ({type(e).__name__}"
+                              f": {e}); the folder is damaged: restore it, or delete it to use "
+                              "an earlier step-N") from None
+
+
+def check_files(path: str | os.PathLike[str], metadata: Metadata) -> None:
+    """Raise `CheckpointError` if a data file the index names is missing or cut short."""
+    needed: dict[str, int] = {}
+    storage = getattr(metadata, "storage_data", None) or {}
+    for info in storage.values():
+        name = str(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[name] = max(needed.get(name, 0), end)
+    for name, length in sorted(needed.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            raise CheckpointError(f"{path} is damaged: its data file {name} is missing; restore "
+                                  "it, or delete the folder to use an earlier step-N")
+        size = file.stat().st_size
+        if size < length:
+            raise CheckpointError(f"{path} is damaged: its data file {name} is truncated "
+                                  f"({size} bytes, the index needs {length}); restore it, or "
+                                  "delete the folder to use an earlier step-N")
+
+
+def dcp_failure(error: CheckpointException) -> str:
+    """A one-line summary of DCP's per-rank failures."""
+    parts = []
+    for rank, (exc, _) in sorted(error.failures.items()):
+        text = str(exc).strip().splitlines()
+        parts.append(f"rank {rank}: {type(exc).__name__}" + (f": {text[0]}" if text else ""))
+    return "; ".join(parts) or "unknown failure"
 
 
 def saved_entries(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMetadata]:
@@ -168,6 +215,7 @@ def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Entry]) ->
     """
     with fail_together(CheckpointError):   # each rank checks its own keys: agree first
         metadata = read_metadata(path)
+        check_files(path, metadata)
         check_compatible(path, metadata, state, prefix="model/")
         check_compatible(path, metadata, state, prefix="optim/")
         missing = [k for k in state if k not in metadata.state_dict_metadata]
@@ -177,7 +225,12 @@ def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Entry]) ->
         if missing:
             raise CheckpointError(f"{path} lacks {', '.join(missing[:5])}; it was not written "
                                   "by this version of hybridpar's trainer")
-    dcp.load(dict(state), checkpoint_id=str(path), planner=ShardLoadPlanner())
+    try:
+        dcp.load(dict(state), checkpoint_id=str(path), planner=ShardLoadPlanner())
+    except CheckpointException as e:   # DCP gathers every rank's failure: raised on all
+        raise CheckpointError(f"{path} cannot be read ({dcp_failure(e)}); its files are damaged: "
+                              "restore them, or delete the folder to use an earlier "
+                              "step-N") from None
 
 
 def allocate_like(metadata: Metadata, keys: list[str]) -> dict[str, Tensor]:

@@ -3,7 +3,8 @@
     [model]       name = "gpt" and the model's keyword options as flat keys (n_layer = 4, ...)
     [data]        source, path, seq_len, val_fraction, seed
     [parallel]    pp, tp, dp, chunks, schedule, checkpoint, balance, tp_plan, deferred_batch_norm
-    [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...
+    [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
+                  nonfinite
     [checkpoint]  every, keep
 
 Every key has a default. A value is checked against its field's type (``--set`` values are
@@ -103,6 +104,7 @@ class TrainConfig:
     eval_batches: int = 4         # batches per eval loss
     precision: str = "fp32"       # "fp32" | "bf16" (autocast)
     sample_tokens: int = 200      # gpt: tokens sampled at the end; 0: none
+    nonfinite: str = "stop"       # a NaN / inf loss or grad norm: "stop" (raise) | "skip" the step
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ _CLASSES: dict[str, type] = {"data": DataConfig, "parallel": ParallelConfig,
 _CHOICES: dict[str, Sequence[str]] = {
     "data.source": ("synthetic", "text", "corpus"), "parallel.schedule": tuple(SCHEDULES),
     "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
-    "parallel.tp_plan": ("auto",), "train.precision": ("fp32", "bf16")}
+    "parallel.tp_plan": ("auto",), "train.precision": ("fp32", "bf16"),
+    "train.nonfinite": ("stop", "skip")}
 _POSITIVE = {"data.seq_len", "parallel.pp", "parallel.tp", "parallel.dp", "parallel.chunks",
              "parallel.timeout", "train.steps", "train.batch_size", "train.lr", "train.log_every",
              "train.eval_batches", "checkpoint.keep"}
@@ -349,7 +352,8 @@ def _check_layout(cfg: Config, where: _Where) -> Config:
                           f"parallel.dp={par.dp}; each replica takes batch_size / dp samples",
                           "train.batch_size", "parallel.dp")
     if train.min_lr > train.lr:
-        raise where.error(f"train.min_lr={train.min_lr} is above train.lr={train.lr}",
+        raise where.error(f"train.min_lr={train.min_lr} is above train.lr={train.lr}; the "
+                          "learning rate decays from lr to min_lr: set min_lr <= lr",
                           "train.min_lr", "train.lr")
     return dataclasses.replace(cfg, data=_check_data(model, data, where))
 

@@ -10,8 +10,15 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
-from hybridpar.train.checkpoint import allocate_like, read_metadata
+from hybridpar.train.checkpoint import (
+    CheckpointError,
+    allocate_like,
+    check_files,
+    dcp_failure,
+    read_metadata,
+)
 from hybridpar.train.shards import ShardLoadPlanner
 
 __all__ = ["export_checkpoint", "load_exported"]
@@ -31,22 +38,33 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
     weights_only=True))`` works on the plain model. Runs in one process (no process group).
     Written to a temporary file first, so `out` is either the old file or the whole new one.
     """
+    target = Path(out)
+    if target.is_dir():
+        raise ValueError(f"{out} is a folder; give the path of the .pt file to write")
     metadata = read_metadata(checkpoint)
     keys = sorted((k for k in metadata.state_dict_metadata if k.startswith("model/")),
                   key=lambda k: _layer_order(k.removeprefix("model/")))
     if not keys:
-        raise ValueError(f"{checkpoint} holds no model tensors; is it a hybridpar checkpoint?")
+        raise CheckpointError(f"{checkpoint} holds no model tensors; is it a hybridpar "
+                              "checkpoint (RUN_DIR/checkpoints/step-N)?")
+    check_files(checkpoint, metadata)
     state = allocate_like(metadata, keys)
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group: we ask it to
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, checkpoint_id=str(checkpoint), planner=ShardLoadPlanner(), no_dist=True)
+    try:
+        with warnings.catch_warnings():  # DCP warns that it runs without a process group: asked
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(state, checkpoint_id=str(checkpoint), planner=ShardLoadPlanner(),
+                     no_dist=True)
+    except CheckpointException as e:
+        raise CheckpointError(f"{checkpoint} cannot be read ({dcp_failure(e)}); its files are "
+                              "damaged: restore them or export an earlier step-N") from None
     plain = {k.removeprefix("model/"): v for k, v in state.items()}
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)   # only once the checkpoint read
         torch.save(plain, tmp)
         os.replace(tmp, target)
+    except OSError as e:
+        raise ValueError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
         tmp.unlink(missing_ok=True)
     return plain

@@ -2,6 +2,7 @@
 
     resume (latest complete checkpoint) | init-from (a plain state dict) | fresh (the seed)
     per step:  lr_at(step) -> data -> HybridPipe.train_step -> global grad clip -> AdamW
+               (a NaN / inf loss or gradient norm: stop, or skip the update: train.nonfinite)
     then:      metrics.jsonl and the progress bar (the rank holding the loss),
                eval loss every eval_every, a checkpoint every `every`, a text sample at the end
 
@@ -282,8 +283,14 @@ class _Reporter:
 
 
 def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
-    """One optimizer step: lr, batch, forward and backward, clip, update; its record."""
+    """One optimizer step: lr, batch, forward and backward, clip, update; its record.
+
+    A non-finite loss or gradient norm (the same value on every rank: the loss is broadcast
+    and the norm all-reduced) stops the run with `FloatingPointError` naming the step, or,
+    with ``train.nonfinite = "skip"``, drops the step's update: ``"skipped": true``.
+    """
     cfg = run.config.train
+    step = run.step + 1
     lr = lr_at(run.step, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
                min_lr=cfg.min_lr)
     for group in run.optimizer.param_groups:
@@ -291,15 +298,28 @@ def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
     x, y = run.batches.next_batch()
     run.optimizer.zero_grad(set_to_none=True)
     reset_comm_stats()
-    with traced_step(run.pipe, step=run.step + 1, last=cfg.steps), autocast:
+    with traced_step(run.pipe, step=step, last=cfg.steps), autocast:
         loss = float(run.pipe.train_step(x, y))
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"the loss is {loss} at step {run.step + 1}; lower train.lr, "
-                                 "set train.grad_clip, or use precision = 'fp32'")
-    record: dict[str, Any] = {"step": run.step + 1, "loss": loss, "lr": lr}
-    if cfg.grad_clip:
-        record["grad_norm"] = float(run.pipe.clip_grad_norm_(cfg.grad_clip))
-    run.optimizer.step()
+    record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr}
+    problem = None if math.isfinite(loss) else f"the loss is {loss}"
+    if problem is None:   # the norm is checked even without clipping: a NaN gradient is no update
+        norm = float(run.pipe.clip_grad_norm_(cfg.grad_clip or math.inf))
+        if cfg.grad_clip:
+            record["grad_norm"] = norm
+        if not math.isfinite(norm):
+            problem = f"the gradient norm is {norm} (loss {loss:.6g})"
+    if problem is None:
+        run.optimizer.step()
+    elif cfg.nonfinite == "skip":
+        run.optimizer.zero_grad(set_to_none=True)
+        record["skipped"] = True
+        if run.reporter:
+            log.warning("skipped step %d: %s (train.nonfinite = 'skip': no update, gradients "
+                        "dropped)", step, problem)
+    else:
+        raise FloatingPointError(
+            f"{problem} at step {step}; lower train.lr, set train.grad_clip, or use precision = "
+            "'fp32' (or set train.nonfinite = 'skip' to drop such steps' updates and go on)")
     record["comm"] = comm_stats()   # this step's bytes and calls per kind, on this rank
     run.step += 1
     return record
@@ -343,7 +363,8 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
             if cfg.eval_every and run.step % cfg.eval_every == 0:
                 evals[run.step] = record["eval_loss"] = _evaluate(run)
             reporter.step(record, elapsed, log=run.step % cfg.log_every == 0
-                          or run.step == cfg.steps or "eval_loss" in record)
+                          or run.step == cfg.steps or "eval_loss" in record
+                          or "skipped" in record)
             if every and (run.step % every == 0 or run.step == cfg.steps):
                 run.save()
         reporter.close()

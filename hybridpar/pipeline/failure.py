@@ -1,0 +1,197 @@
+"""How a pipeline stage stops: one `PipelineError` block per rank, and aborts to its peers.
+
+Every wait is bounded by the topology's timeout. Whatever stops a stage, it raises one
+`PipelineError` whose message is a block (stage, action, micro-batch, the peer and the
+operation it waited for, the last action it completed), and first tells the peers that still
+expect messages from it, so they stop at once instead of waiting out the timeout:
+
+    what stopped this stage          headline                       aborts sent to
+    an exception in its own action   "failed at F(3): TypeError: …" every peer still owed a
+    a wait past the timeout          "gave up at F(3) after …"      message this step,
+    a peer's process that ended      "lost stage 1 (rank 1) at …"   except the one it
+    an abort from a peer             "stopped at F(3); a peer       waited for and the
+                                      failed first: stage 0 …"      rank that failed first
+
+An abort carries the headline (and hint) of the rank that failed first, so every peer's error
+quotes it. Sends of aborts are awaited within the timeout (a gloo send completes when it is
+received). A stage stopped by a peer's abort raises `PEER_GRACE` seconds later, so a launcher
+that reports the first failure by time shows the original error. After a `PipelineError` the
+P2P channels hold unmatched messages: end the job (launchers restart it from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from hybridpar import comm
+from hybridpar.pipeline.schedule import Action
+
+__all__ = ["PEER_GRACE", "Aborted", "PipelineError", "Report", "StepPlace", "WaitFailed",
+           "action_name", "collective_error", "describe", "send_aborts"]
+
+PEER_GRACE = 0.5  # seconds a stage stopped by a peer's abort waits before raising
+
+
+class PipelineError(RuntimeError):
+    """A stage stopped: the message names the stage, action, micro-batch, the peer and
+    operation it waited for, and the last action it completed (one block per rank)."""
+
+
+class WaitFailed(Exception):
+    """A wait on a peer that ended without the message (timeout, or the peer's process died)."""
+
+    def __init__(self, op: str, peer_stage: int, peer_rank: int, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.op, self.peer_stage, self.peer_rank, self.cause = op, peer_stage, peer_rank, cause
+
+
+class Aborted(WaitFailed):
+    """The peer waited for sent an abort: `cause` is the `comm.PeerFailed` it carried."""
+
+    cause: comm.PeerFailed
+
+
+def action_name(action: Action) -> str:
+    return f"{action.kind}({action.microbatch})"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+@dataclass
+class StepPlace:
+    """Where a stage is in its step when it stops."""
+
+    stage: int
+    num_stages: int
+    rank: int
+    what: str                         # "train_step", "eval_step", "forward"
+    timeout: datetime.timedelta
+    actions: Sequence[Action] = ()
+    index: int = 0                    # the action that failed; len(actions): the final wait
+    last_done: Action | None = None
+
+    @property
+    def who(self) -> str:
+        return f"stage {self.stage} (rank {self.rank})"
+
+    @property
+    def action(self) -> Action | None:
+        return self.actions[self.index] if self.index < len(self.actions) else None
+
+
+@dataclass
+class Report:
+    """A failure described: the message, what peers are told, whom not to tell."""
+
+    message: str
+    origin: tuple[int, int, str]       # (rank, stage, text) of the rank that failed first
+    skip: set[int] = field(default_factory=set)
+    by_peer: bool = False              # stopped by a peer's abort
+
+
+def _block(headline: str, place: StepPlace, details: list[tuple[str, str]],
+           doing: str = "") -> str:
+    action = place.action
+    if doing:
+        pass
+    elif action is not None:
+        doing = (f"{action_name(action)}, micro-batch {action.microbatch} (action "
+                 f"{place.index + 1} of {len(place.actions)} of this {place.what})")
+    else:
+        doing = f"none: every action of this {place.what} ran; waiting for its sends to arrive"
+    last = action_name(place.last_done) if place.last_done else \
+        f"none (the first action of this {place.what})"
+    rows = [("stage", f"{place.stage} of {place.num_stages} (rank {place.rank})"),
+            ("action", doing)]
+    waiting = [d for d in details if d[0] == "waiting for"]
+    rows += waiting + [("last completed", last)] + [d for d in details if d not in waiting]
+    return "\n".join([headline, *(f"  {key + ':':<15} {value}" for key, value in rows)])
+
+
+def describe(error: Exception, place: StepPlace, *, hint: str = "") -> Report:
+    """The report of `error` stopping the stage at `place` (`hint`: how to fix own errors)."""
+    action = place.action
+    at = f"{action_name(action)} of {place.what}" if action else f"the end of {place.what}"
+    details: list[tuple[str, str]] = []
+    if isinstance(error, Aborted):
+        first = error.cause
+        peer_head, _, peer_hint = first.message.partition("\n")
+        headline = f"{place.who} stopped at {at}; a peer failed first: {peer_head}"
+        details.append(("waiting for", f"{error.op} stage {error.peer_stage} (rank "
+                                       f"{error.peer_rank}), which sent an abort instead"))
+        if peer_hint:
+            details.append(("peer's hint", peer_hint))
+        return Report(_block(headline, place, details),
+                      (first.origin_rank, first.origin_stage, first.message),
+                      {error.peer_rank, first.origin_rank}, by_peer=True)
+    skip: set[int] = set()
+    if isinstance(error, WaitFailed):
+        skip.add(error.peer_rank)
+        peer = f"stage {error.peer_stage} (rank {error.peer_rank})"
+        cause = str(error.cause).lower()
+        if "closed" in cause or "reset" in cause:
+            headline = (f"{place.who} lost {peer} at {at}: its process ended while this stage "
+                        f"waited to {error.op} it")
+            hint = f"{peer} crashed, was killed, or failed first: see its own error"
+        else:
+            headline = (f"{place.who} gave up at {at} after {place.timeout} waiting to "
+                        f"{error.op} {peer}")
+            hint = (f"{peer} is stuck, died, or failed before this message (see its own "
+                    "error); if it is only slow, raise the topology timeout "
+                    "(hybridpar.init(timeout=...), parallel.timeout)")
+        details += [("waiting for", f"{error.op} {peer}"),
+                    ("cause", _first_line(error.cause))]
+    else:
+        headline = f"{place.who} failed at {at}: {type(error).__name__}: {error}"
+    if hint:
+        details.append(("hint", hint))
+    told = f"{headline}\n{hint}" if hint else headline   # what the peers' errors quote
+    return Report(_block(headline, place, details), (place.rank, place.stage, told), skip)
+
+
+def collective_error(operation: str, ranks: Sequence[int], place: StepPlace,
+                     cause: BaseException) -> PipelineError:
+    """A collective after the schedule (loss, dp gradients, norm) that failed or timed out."""
+    headline = (f"{place.who} gave up in {operation} (ranks {list(ranks)}) after its schedule "
+                f"of {place.what} ran, within {place.timeout}")
+    details = [("waiting for", f"ranks {list(ranks)} to join {operation}"),
+               ("cause", _first_line(cause)),
+               ("hint", "a rank of that group is stuck, died, or failed first (see its error); "
+                        "if it is only slow, raise the topology timeout")]
+    doing = f"{operation}, after every action of this {place.what}"
+    return PipelineError(_block(headline, place, details, doing))
+
+
+def send_aborts(targets: Iterable[tuple[int, int]], report: Report,
+                timeout: datetime.timedelta) -> None:
+    """Send `report`'s origin as an abort to each (rank, channel) not skipped; await them.
+
+    A stage stopped by a peer then waits `PEER_GRACE` seconds, so the first failure is
+    reported first.
+    """
+    rank, stage, text = report.origin
+    works = []
+    for dst, channel in dict.fromkeys(targets):
+        if dst in report.skip:
+            continue
+        try:
+            works.append(comm.send_abort(dst, channel=channel, origin_rank=rank,
+                                         origin_stage=stage, message=text))
+        except RuntimeError:  # the peer is gone: nothing to tell
+            pass
+    deadline = time.monotonic() + timeout.total_seconds()
+    for work in works:
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            if work is not None:
+                work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError:  # not received in time, or the peer's process ended
+            pass
+    if report.by_peer:
+        time.sleep(PEER_GRACE)
