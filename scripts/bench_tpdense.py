@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench.common import cpu_name  # scripts/ is on sys.path when run as a script
 
 import hybridpar
 from hybridpar.nn import TPDense
@@ -130,16 +131,6 @@ def _worker(tp: int, args: dict, backend: str) -> list[dict]:
     return rows if rank == 0 else []
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _table(rows: list[dict]) -> str:
     head = (f"{'backend':7} {'tp':>2} {'mode':7} {'sync ms':>8} {'async ms':>8} "
             f"{'comp ms':>8} {'comm ms':>8} {'sync/async':>10} {'overlap':>7}")
@@ -180,7 +171,7 @@ def main() -> None:
                                        timeout=600)
             rows.extend(per_rank[0])
     print(_table(rows))
-    machine = {"platform": platform.platform(), "processor": _cpu_name(),
+    machine = {"platform": platform.platform(), "processor": cpu_name(),
                "cpus": os.cpu_count(), "torch": torch.__version__,
                "load_average_1m": [load_before, os.getloadavg()[0]],  # before, after
                "gpus": [torch.cuda.get_device_name(i)
