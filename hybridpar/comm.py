@@ -7,6 +7,20 @@ then the payloads on another, so a header posted early never meets a payload:
     tag = channel * 2 + 0     headers, in message order
     tag = channel * 2 + 1     payloads, in message order
 
+The payload receives are posted early when the header can be predicted: both ends keep a
+`History` of the headers of the last step of the same kind, by position on each channel. A
+receive whose position had a message last time posts the payload receives of that header
+together with the header's own, so the payload moves as soon as it is sent instead of a round
+trip after the header arrived (gloo moves a payload only once its receive is posted). The
+sender predicts the same header and says in the header's last slot what it did:
+
+    route            when                           payloads on tag
+    0 unpredicted    no message here last step      channel * 2 + 1
+    1 predicted      the header equals last step's  channel * 2 + 1 (into the early receives)
+    2 mispredicted   the header changed             channel * 2 + 1: empty dummies of the
+                                                    predicted sizes; FALLBACK + channel: the
+                                                    payloads, received once the header came
+
 A rank that fails sends an *abort* header instead of the messages its peers still wait for:
 count -1, the rank and stage that failed first, and the first ~1000 bytes of its error as
 UTF-8. The receiver raises `PeerFailed` at once instead of waiting out the timeout.
@@ -49,8 +63,21 @@ from hybridpar.tensor_parallel.mappings import (
     shard_range,
 )
 
-__all__ = ["HEADER_LEN", "CommStats", "PeerFailed", "PostedRecv", "broadcast_tensors",
-           "comm_stats", "post_recv", "record", "reset_comm_stats", "send", "send_abort"]
+__all__ = [
+    "FALLBACK",
+    "HEADER_LEN",
+    "CommStats",
+    "History",
+    "PeerFailed",
+    "PostedRecv",
+    "broadcast_tensors",
+    "comm_stats",
+    "post_recv",
+    "record",
+    "reset_comm_stats",
+    "send",
+    "send_abort",
+]
 
 HEADER_LEN = 128
 _MAX_NDIM = 8
@@ -59,6 +86,45 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _NO_TAG = 9
 _ABORT = -1
 _ABORT_TEXT = (HEADER_LEN - 4) * 8   # message bytes an abort header carries
+_ROUTE = HEADER_LEN - 1              # header slot: how the payloads travel (table above)
+_UNPREDICTED, _PREDICTED, _MISPREDICTED = 0, 1, 2
+FALLBACK = 1 << 12                   # tag of the payloads of a mispredicted header (+ channel)
+
+
+class History:
+    """The headers of the last step of each kind, by position on each channel: predictions.
+
+    Each stage executor owns one; both ends of a channel see the same messages in the same
+    order, so the sender's and the receiver's predictions agree as long as every step either
+    completes or is followed by `clear` (a failed step: its messages are not all exchanged).
+    """
+
+    def __init__(self) -> None:
+        self._kind = "step"
+        # (kind, "send" | "recv", peer, channel) -> (headers of the last step, of this step)
+        self._book: dict[tuple[str, str, int, int], tuple[list[Tensor], list[Tensor]]] = {}
+
+    def new_step(self, kind: str) -> None:
+        """Start a step of `kind` ("train_step", "forward", ...): the last one of that kind
+        predicts its messages."""
+        self._kind = kind
+        for key, (_, this) in list(self._book.items()):
+            if key[0] == kind and this:
+                self._book[key] = (this, [])
+
+    def clear(self) -> None:
+        """Forget everything (after a failed step): the next messages are not predicted."""
+        self._book.clear()
+
+    def predict(self, direction: str, peer: int, channel: int) -> Tensor | None:
+        """The header the next message on the channel had in the last step of this kind
+        (None: that step had no message at this position)."""
+        last, this = self._book.setdefault((self._kind, direction, peer, channel), ([], []))
+        return last[len(this)] if len(this) < len(last) else None
+
+    def record(self, direction: str, peer: int, channel: int, header: Tensor) -> None:
+        """Remember `header` as this step's next message on the channel."""
+        self._book[self._kind, direction, peer, channel][1].append(header)
 
 
 CommStats = trace.CommStats
@@ -76,7 +142,7 @@ def _scatters(t: Tensor, tp: int) -> bool:
     return tp > 1 and get_parallel_dim(t) is None and t.is_floating_point() and t.numel() >= tp
 
 
-def _encode(tensors: tuple[Tensor, ...], tp: int, *, grads: bool, single: bool) -> Tensor:
+def _encode(tensors: tuple[Tensor, ...], tp: int, *, grads: bool, single: bool) -> list[int]:
     header = [len(tensors), int(single)]
     for t in tensors:
         if t.dtype not in _DTYPES:
@@ -90,11 +156,11 @@ def _encode(tensors: tuple[Tensor, ...], tp: int, *, grads: bool, single: bool) 
         header += [_DTYPES.index(t.dtype), _NO_TAG if tag is None else tag,
                    int(grads and t.is_floating_point()), int(_scatters(t, tp)), t.dim(),
                    *t.shape]
-    if len(header) > HEADER_LEN:
+    if len(header) > _ROUTE:
         raise ValueError(f"a stage boundary of {len(tensors)} tensors does not fit the "
                          f"{HEADER_LEN}-slot header; pass fewer tensors between stages")
     header += [0] * (HEADER_LEN - len(header))
-    return torch.tensor(header, dtype=torch.int64)
+    return header
 
 
 @dataclass
@@ -125,14 +191,28 @@ def _local_slice(flat: Tensor, tp_group: ProcessGroup | None) -> Tensor:
 
 def send(tensors: tuple[Tensor, ...], dst: int, *, channel: int,
          tp_group: ProcessGroup | None = None, grads: bool = False,
-         single: bool = False) -> list[dist.Work | None]:
+         single: bool = False, history: History | None = None) -> list[dist.Work | None]:
     """Post the sends of a message to global rank `dst`; returns the works to wait on.
 
     `grads`: the receiver makes the floating tensors leaves that require grad (it will send
     their gradients back). `single`: the message is one bare Tensor, not a tuple.
+    `history`: predict the header as the receiver does (the same `History` role on both ends).
     """
     tp = group_size(tp_group)
-    header = _encode(tensors, tp, grads=grads, single=single)
+    values = _encode(tensors, tp, grads=grads, single=single)
+    predicted = history.predict("send", dst, channel) if history is not None else None
+    dummies: list[Tensor] = []
+    if predicted is None:
+        header = torch.tensor(values, dtype=torch.int64)
+    elif predicted[:_ROUTE].tolist() == values[:_ROUTE]:
+        # the usual case: the header sent last step, reused (no new tensor on the hot path)
+        header = predicted if int(predicted[_ROUTE]) == _PREDICTED else torch.tensor(
+            [*values[:_ROUTE], _PREDICTED], dtype=torch.int64)
+    else:  # fill the receives posted early for the predicted header, then go around them
+        header = torch.tensor([*values[:_ROUTE], _MISPREDICTED], dtype=torch.int64)
+        dummies = [torch.empty_like(buf) for _, _, buf in _buffers(predicted, tp_group)]
+    if history is not None:
+        history.record("send", dst, channel, header)
     payloads = []
     for t in tensors:
         payload = t.detach().contiguous()
@@ -143,21 +223,45 @@ def send(tensors: tuple[Tensor, ...], dst: int, *, channel: int,
                     nbytes=sum(_nbytes(p) for p in payloads)):
         works = [dist.isend(header, dst, tag=channel * 2)]
         record("p2p_header", _nbytes(header))
+        for dummy in dummies:
+            works.append(dist.isend(dummy, dst, tag=channel * 2 + 1))
+            record("p2p_mispredicted", _nbytes(dummy))
+        tag = FALLBACK + channel if dummies else channel * 2 + 1
         for payload in payloads:
-            works.append(dist.isend(payload, dst, tag=channel * 2 + 1))
+            works.append(dist.isend(payload, dst, tag=tag))
             record("p2p_send", _nbytes(payload))
     return works
+
+
+def _buffers(header: Tensor, tp_group: ProcessGroup | None
+             ) -> list[tuple[_Meta, Tensor, Tensor]]:
+    """(meta, full tensor, receive buffer) of each tensor a header describes."""
+    out = []
+    for meta in _decode(header):
+        full = torch.empty(meta.shape, dtype=meta.dtype)
+        target = _local_slice(full.view(-1), tp_group) if meta.scattered else full
+        recv_buf = torch.empty_like(target) if meta.scattered else target
+        out.append((meta, full, recv_buf))
+    return out
 
 
 class PostedRecv:
     """A message being received: the header is in flight; `wait` receives the payloads."""
 
-    def __init__(self, src: int, channel: int, tp_group: ProcessGroup | None) -> None:
+    def __init__(self, src: int, channel: int, tp_group: ProcessGroup | None,
+                 history: History | None = None) -> None:
         self.src, self.channel, self.tp_group = src, channel, tp_group
         self.header = torch.empty(HEADER_LEN, dtype=torch.int64)
         self.work = dist.irecv(self.header, src, tag=channel * 2)
         self.single = False
         record("p2p_header", _nbytes(self.header))
+        # a predicted header: its payload receives go out now, with the header's
+        self.predicted = history.predict("recv", src, channel) if history is not None else None
+        if history is not None:
+            history.record("recv", src, channel, self.header)  # filled in when it arrives
+        self.early = [] if self.predicted is None else _buffers(self.predicted, tp_group)
+        self.early_works = [dist.irecv(buf, src, tag=channel * 2 + 1)
+                            for _, _, buf in self.early]
 
     def wait(self, timeout: datetime.timedelta | None = None) -> tuple[Tensor, ...]:
         """Wait for the message and return its tensors (tags restored, full size)."""
@@ -170,17 +274,20 @@ class PostedRecv:
             _wait(self.work, timeout)
         if int(self.header[0]) == _ABORT:
             raise _decode_abort(self.src, self.header)
-        metas = _decode(self.header)
         self.single = bool(self.header[1])
-        buffers, works = [], []
-        for meta in metas:
-            full = torch.empty(meta.shape, dtype=meta.dtype)
-            target = _local_slice(full.view(-1), self.tp_group) if meta.scattered else full
-            recv_buf = torch.empty_like(target) if meta.scattered else target
-            works.append(dist.irecv(recv_buf, self.src, tag=self.channel * 2 + 1))
+        route = self._check_route()
+        if route == _PREDICTED:  # the payloads are on their way into the early receives
+            buffers, works = self.early, self.early_works
+        else:
+            with trace.span("wait", peer=self.src, channel=self.channel):
+                for work in self.early_works:       # the dummies of a mispredicted header
+                    _wait(work, timeout)
+            tag = FALLBACK + self.channel if route == _MISPREDICTED else self.channel * 2 + 1
+            buffers = _buffers(self.header, self.tp_group)
+            works = [dist.irecv(buf, self.src, tag=tag) for _, _, buf in buffers]
+        for _, _, recv_buf in buffers:
             record("p2p_recv", _nbytes(recv_buf))
             span.add_bytes(_nbytes(recv_buf))
-            buffers.append((meta, full, recv_buf))
         with trace.span("wait", peer=self.src, channel=self.channel):
             for work in works:  # gloo moves a payload once its receive is posted
                 _wait(work, timeout)
@@ -195,6 +302,18 @@ class PostedRecv:
                 full.requires_grad_()
             out.append(full)
         return tuple(out)
+
+    def _check_route(self) -> int:
+        """The header's route, after checking that both ends predicted the same header."""
+        route = int(self.header[_ROUTE])
+        agree = (route == _UNPREDICTED) == (self.predicted is None) and (
+            route != _PREDICTED or self.predicted is None
+            or torch.equal(self.header[:_ROUTE], self.predicted[:_ROUTE]))
+        if not agree:
+            raise RuntimeError(
+                f"the P2P header predictions of this rank and rank {self.src} (channel "
+                f"{self.channel}) disagree; this is a bug in hybridpar, please report it")
+        return route
 
 
 class PeerFailed(RuntimeError):
@@ -229,9 +348,11 @@ def _decode_abort(src: int, header: Tensor) -> PeerFailed:
     return PeerFailed(src, origin_rank, origin_stage, text)
 
 
-def post_recv(src: int, *, channel: int, tp_group: ProcessGroup | None = None) -> PostedRecv:
-    """Post the receive of a message from global rank `src` on `channel`."""
-    return PostedRecv(src, channel, tp_group)
+def post_recv(src: int, *, channel: int, tp_group: ProcessGroup | None = None,
+              history: History | None = None) -> PostedRecv:
+    """Post the receive of a message from global rank `src` on `channel` (`history`: post the
+    payload receives of the predicted header now too)."""
+    return PostedRecv(src, channel, tp_group, history)
 
 
 def _wait(work: dist.Work | None, timeout: datetime.timedelta | None) -> None:

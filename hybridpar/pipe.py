@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from hybridpar import comm
 from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
-from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
+from hybridpar.pipeline.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
 from hybridpar.pipeline.partition import (
@@ -41,6 +41,7 @@ __all__ = ["HybridPipe"]
 log = logging.getLogger(__name__)
 
 TensorOrTensors = Tensor | tuple[Tensor, ...]
+_LOSS_TAG = 1 << 13   # P2P tag of the loss, last stage -> the other stages of its pipeline
 
 
 def _split_batch(x: Any, chunks: int, what: str) -> list[Any]:
@@ -158,6 +159,8 @@ class HybridPipe(nn.Module):
             local.to(self.device)
         for name, layer in local.named_children():
             self.add_module(name, layer)
+        # committed after every step: found once, not by walking every module each step
+        self._deferred_bns = [m for m in local.modules() if isinstance(m, DeferredBatchNorm)]
         self._executor = StageExecutor(StageSpec(
             stage=self.stage, num_stages=self.num_stages, partition=local, routes=routes,
             rank_of_stage=topo.stage_rank, tp_group=topo.tp_group if topo.tp > 1 else None,
@@ -184,13 +187,15 @@ class HybridPipe(nn.Module):
         inputs, targets, weights = self._microbatches(input, target)
         actions = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
         with self._recording("train_step", len(inputs)):
+            posted = self._post_loss_recv()
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=True,
                                         what="train_step")
-            commit_deferred_batch_norms(self)
+            for bn in self._deferred_bns:
+                bn.commit()
             if self.topology.dp > 1:
                 self._average_over_dp()
-            return self._share_loss(result.loss)
+            return self._share_loss(result.loss, posted)
 
     @torch.no_grad()
     def eval_step(self, input: TensorOrTensors, target: Any) -> Tensor:
@@ -203,10 +208,11 @@ class HybridPipe(nn.Module):
         schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
         actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
         with self._recording("eval_step", len(inputs)):
+            posted = self._post_loss_recv()
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=False,
                                         what="eval_step")
-            return self._share_loss(result.loss)
+            return self._share_loss(result.loss, posted)
 
     def _recording(self, what: str, microbatches: int) -> contextlib.AbstractContextManager[None]:
         """Record this step's timeline when `trace` is on (replacing the previous one)."""
@@ -243,14 +249,33 @@ class HybridPipe(nn.Module):
         total = _rows(input)
         return inputs, targets, [_rows(x) / total for x in inputs]
 
-    def _share_loss(self, local: Tensor | None) -> Tensor:
+    def _post_loss_recv(self) -> tuple[Tensor, Any] | None:
+        """Before the schedule: post the receive of this step's loss from the last stage.
+
+        Posted early, the loss arrives while this stage still computes; a broadcast after the
+        schedule cost a round trip at the end of every step (gloo sends a payload only once
+        its receive is posted), on the critical path of the stage that finishes last.
+        """
+        if self.num_stages == 1 or self.stage == self.num_stages - 1:
+            return None
+        box = torch.zeros((), dtype=torch.float32, device=self.device)
+        return box, dist.irecv(box, self._last_rank(), tag=_LOSS_TAG)
+
+    def _share_loss(self, local: Tensor | None, posted: tuple[Tensor, Any] | None) -> Tensor:
         """The last stage's loss on every rank of the pipeline, averaged over dp replicas."""
         loss = local.detach().clone() if local is not None else torch.zeros(())
         loss = loss.to(self.device, torch.float32)
-        if self.num_stages > 1:
+        if self.num_stages > 1:  # counted and traced as the broadcast it replaces
             with tracing.collective("broadcast", _nbytes(loss)), self._guard(
-                    "the broadcast of the loss from the last stage", self.topology.pp_group):
-                dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
+                    "the loss from the last stage", self.topology.pp_group):
+                if posted is not None:
+                    loss, work = posted
+                    work.wait(self.topology.timeout)
+                else:
+                    works = [dist.isend(loss, self.topology.stage_rank(s), tag=_LOSS_TAG)
+                             for s in range(self.num_stages - 1)]
+                    for work in filter(None, works):
+                        work.wait(self.topology.timeout)
         if self.topology.dp > 1:
             with tracing.collective("all_reduce", _nbytes(loss)), self._guard(
                     "the all-reduce of the loss over dp", self.topology.dp_group):

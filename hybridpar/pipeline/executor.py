@@ -134,6 +134,7 @@ class StageExecutor:
 
     def __init__(self, spec: StageSpec) -> None:
         self.spec = spec
+        self.history = comm.History()  # predicts the P2P headers of a step from the last one
         s = spec.stage
         self.first, self.last = s == 0, s == spec.num_stages - 1
         self.skip_in: dict[int, list[SkipRoute]] = {}
@@ -155,6 +156,7 @@ class StageExecutor:
         self.train, self.inputs, self.targets = train, inputs, targets
         self.loss_fn, self.weights = loss_fn, weights
         self.m = len(weights)
+        self.history.new_step(what)  # its P2P headers are predicted from the last such step
         self.mbs = [_MicroBatch(key=torch.empty(0)) for _ in range(self.m)]
         self.sends: list[tuple[Any, str, int]] = []
         self.loss_sum: Tensor | None = None
@@ -200,10 +202,15 @@ class StageExecutor:
         except RuntimeError as e:
             raise WaitFailed(f"receive {what} from", stage, posted.src, e) from e
 
+    def _post(self, stage: int, channel: int) -> comm.PostedRecv:
+        return comm.post_recv(self._rank(stage), channel=channel, tp_group=self.spec.tp_group,
+                              history=self.history)
+
     def _send(self, tensors: Sequence[Tensor], stage: int, channel: int, what: str,
               *, grads: bool, single: bool = False) -> None:
         works = comm.send(tuple(tensors), self._rank(stage), channel=channel,
-                          tp_group=self.spec.tp_group, grads=grads, single=single)
+                          tp_group=self.spec.tp_group, grads=grads, single=single,
+                          history=self.history)
         self.sends.extend((w, what, stage) for w in works)
 
     # failures ----------------------------------------------------------------------------
@@ -222,10 +229,12 @@ class StageExecutor:
         except PipelineError:
             raise
         except RuntimeError as e:
+            self.history.clear()
             raise failure.collective_error(operation, ranks, self._place(), e) from e
 
     def _fail(self, error: Exception, index: int) -> PipelineError:
         """The error block of a failure at action `index`, after telling the peers (aborts)."""
+        self.history.clear()  # this step's messages were not all exchanged
         if isinstance(error, PipelineError):
             return error
         place = self._place(index)
@@ -264,11 +273,9 @@ class StageExecutor:
     # forward -----------------------------------------------------------------------------
     def _recv_f(self, i: int) -> None:
         mb = self.mbs[i]
-        mb.recv_f = comm.post_recv(self._rank(self.spec.stage - 1), channel=FWD,
-                                   tp_group=self.spec.tp_group)
+        mb.recv_f = self._post(self.spec.stage - 1, FWD)
         for src in self.skip_in:
-            mb.recv_skip[src] = comm.post_recv(self._rank(src), channel=SKIP,
-                                               tp_group=self.spec.tp_group)
+            mb.recv_skip[src] = self._post(src, SKIP)
 
     def _forward(self, i: int) -> None:
         mb = self.mbs[i]
@@ -341,11 +348,9 @@ class StageExecutor:
     # backward ----------------------------------------------------------------------------
     def _recv_b(self, i: int) -> None:
         mb = self.mbs[i]
-        mb.recv_b = comm.post_recv(self._rank(self.spec.stage + 1), channel=BWD,
-                                   tp_group=self.spec.tp_group)
+        mb.recv_b = self._post(self.spec.stage + 1, BWD)
         for dst in self.skip_out:
-            mb.recv_skip_grad[dst] = comm.post_recv(self._rank(dst), channel=SKIPG,
-                                                    tp_group=self.spec.tp_group)
+            mb.recv_skip_grad[dst] = self._post(dst, SKIPG)
 
     def _backward(self, i: int) -> None:
         mb = self.mbs[i]
