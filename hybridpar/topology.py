@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hybridpar.loopback import is_loopback, loopback_interface, loopback_store
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Coordinate",
@@ -194,7 +196,8 @@ def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None
     """Initialize `torch.distributed` (if needed) and the (dp, pp, tp) grid; returns the Topology.
 
     Reads the torchrun variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
-    when the default process group is not initialized yet. `backend` defaults to nccl when
+    when the default process group is not initialized yet; with a loopback ``MASTER_ADDR`` (one
+    machine) rank 0's store listens on that address only. `backend` defaults to nccl when
     CUDA is available, else gloo. `timeout` (seconds or timedelta) bounds every wait.
     The topology becomes the default one read by `hybridpar.nn` layers.
     """
@@ -213,13 +216,40 @@ def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None
         ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=pp, tp=tp, dp=dp)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=wait)
+        _init_default_group(backend, wait)
     dims = ParallelDims.for_world(dist.get_world_size(), pp=pp, tp=tp, dp=dp)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (dims.dp, dims.pp, dims.tp),
                             mesh_dim_names=("dp", "pp", "tp"))
     _current = Topology(dims, dist.get_rank(), mesh, timeout=wait)
     return _current
+
+
+def _init_default_group(backend: str, wait: datetime.timedelta) -> None:
+    """`init_process_group` from the torchrun variables; a loopback MASTER_ADDR stays local."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    local = is_loopback(addr)
+    interface = loopback_interface() if local else None
+    if interface is not None:
+        # Every rank is on this machine (none elsewhere could reach a loopback address), so
+        # gloo's own listeners can stay on the loopback interface too, instead of the address
+        # the host name resolves to. A GLOO_SOCKET_IFNAME set by the user wins.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    # torchrun's agent may host the store at MASTER_PORT already (TORCHELASTIC_USE_AGENT_STORE):
+    # then every rank is a client of it, exactly what env:// does, and rank 0 must not bind.
+    # A non-loopback address means ranks on other machines: torch's all-interface store.
+    if not local or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend=backend, timeout=wait)
+        return
+    if not os.environ.get("MASTER_PORT", "").isdigit():
+        raise RuntimeError(f"MASTER_PORT must be a port number, got "
+                           f"{os.environ.get('MASTER_PORT')!r}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torch's env:// store would listen on every interface; this one only at MASTER_ADDR.
+    store = loopback_store(addr, int(os.environ["MASTER_PORT"]), is_server=rank == 0,
+                           world_size=world, timeout=wait)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
+                            timeout=wait)
 
 
 def current_topology() -> Topology:

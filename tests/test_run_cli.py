@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,9 +136,11 @@ def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: 
     sets = ["--set", "train.steps=60", "--set", "model.dropout=0.1",   # long enough to kill
             "--set", "train.sample_tokens=0", "--set", "checkpoint.every=3"]
     run_dir = str(tmp_path / "killed")
-    agent = subprocess.Popen([*HYBRIDPAR, "run", str(tiny), "--run-dir", run_dir,
-                              "--max-restarts", "1", *sets], cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "agent.log"  # a file, not a pipe: nobody reads a pipe while it runs
+    with log.open("w") as sink:
+        agent = subprocess.Popen([*HYBRIDPAR, "run", str(tiny), "--run-dir", run_dir,
+                                  "--max-restarts", "1", *sets], cwd=tmp_path,
+                                 stdout=sink, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 90
     while not (Path(run_dir) / "checkpoints" / "step-3").is_dir():
         assert agent.poll() is None and time.monotonic() < deadline, "no checkpoint came"
@@ -145,9 +148,13 @@ def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: 
     workers = worker_pids(run_dir)
     assert len(workers) == 2
     os.kill(workers[-1], signal.SIGKILL)
-    output = agent.communicate(timeout=120)[0]
+    agent.wait(timeout=120)
+    output = log.read_text()
     assert agent.returncode == 0, output
-    assert "resumed from" in output and "exitcode: -9" in output
+    # The agent names the failure with the earliest timestamp (whole seconds): the killed
+    # worker (SIGKILL, -9) or its peer, torn down (SIGTERM, -15) after its gloo connection
+    # reset, when that error file carries an earlier second.
+    assert "resumed from" in output and re.search(r"exitcode: -(9|15)\b", output), output
 
     whole = _run("run", str(tiny), "--run-dir", "whole", *sets, cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr

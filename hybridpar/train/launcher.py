@@ -10,6 +10,7 @@ so the first failure's traceback is reported by the agent). With ``--max-restart
 agent restarts every worker after a failure, up to N times; each restart resumes from the
 latest complete checkpoint. The rendezvous store is not shared with the workers
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): stale addresses in a shared store broke restarts.
+With no endpoint or a loopback one, the agent's store and the workers' listen on loopback only.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from hybridpar.launch import free_port
+from hybridpar.loopback import bind_host, is_loopback
 from hybridpar.train.config import Config, ConfigError, load_config, write_resolved
 
 __all__ = ["launch", "worker_args", "worker_pids"]
@@ -63,6 +64,23 @@ def _check_nodes(world: int, nnodes: int, node_rank: int, endpoint: str | None) 
         raise ConfigError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT")
 
 
+def _rendezvous(endpoint: str | None, *, single: bool) -> tuple[str, str, str | None]:
+    """The agent's rendezvous backend, its endpoint and the address workers meet at."""
+    # No endpoint (one node): port 0, the store binds a free port itself, with no window for
+    # another process to take it in between (one node has no peer to tell the port to).
+    endpoint = endpoint or "127.0.0.1:0"
+    host = endpoint.rsplit(":", 1)[0]
+    if is_loopback(host):
+        # Every node is on this machine: the agent's store listens on the loopback address
+        # only, and so does the workers' (`hybridpar.init` with a loopback MASTER_ADDR, which
+        # the agent takes from local_addr).
+        from hybridpar.train.rendezvous import register_loopback_backend
+
+        return register_loopback_backend(), endpoint, bind_host(host)
+    # A real network endpoint: torch's c10d rendezvous, its store on every interface.
+    return "c10d", endpoint, "127.0.0.1" if single else None
+
+
 def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
            overrides: Sequence[str] = (), max_restarts: int = 0, nnodes: int = 1,
            node_rank: int = 0, rdzv_endpoint: str | None = None,
@@ -95,14 +113,14 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     single = nnodes == 1
-    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    backend, endpoint, local_addr = _rendezvous(rdzv_endpoint, single=single)
     launch_config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=world // nnodes,
         run_id=f"hybridpar-{config.name}" if not single else f"hybridpar-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        rdzv_backend=backend, rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0, "rank": node_rank},
         max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
-        local_addr="127.0.0.1" if single or endpoint.startswith("127.") else None)
+        local_addr=local_addr)
     args = worker_args(config_path, run_dir=folder, overrides=overrides, init_from=init_from,
                        trace=trace, trace_step=trace_step)
     log.info("starting %d workers (%s) in %s", world // nnodes, config.name, folder)
