@@ -57,6 +57,20 @@ keep = 2
 """
 
 
+def _last_step(metrics: Path) -> int:
+    """The last step logged in `metrics` (0: none yet)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError):  # a line being written
+            continue
+    return 0
+
+
 def _run(config: Path, run_dir: Path, *, kill: bool, seed: int) -> dict[str, Any]:
     """One `hybridpar run`; with `kill`, SIGKILL a random worker at a random time."""
     cmd = [sys.executable, "-m", "hybridpar.cli", "run", str(config), "--run-dir",
@@ -66,11 +80,14 @@ def _run(config: Path, run_dir: Path, *, kill: bool, seed: int) -> dict[str, Any
     agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     killed = None
     if kill:
+        # A random moment after the first checkpoint (step 5) and before the end (step 30):
+        # once the run has logged a random step, then a random part of a step (~70 ms). The
+        # moment is counted in steps, not seconds, so a faster run is still killed mid-way.
         rng = random.Random(seed)
-        first = run_dir / "checkpoints" / "step-5"
-        while not first.is_dir() and agent.poll() is None:
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 3.0))
+        target, metrics = rng.randint(6, 27), run_dir / "metrics.jsonl"
+        while _last_step(metrics) < target and agent.poll() is None:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.07))
         workers = worker_pids(run_dir)
         if workers and agent.poll() is None:
             killed = rng.choice(workers)
