@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from hybridpar import comm
 from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
-from hybridpar.pipeline.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
 from hybridpar.pipeline.partition import (
@@ -159,8 +159,6 @@ class HybridPipe(nn.Module):
             local.to(self.device)
         for name, layer in local.named_children():
             self.add_module(name, layer)
-        # committed after every step: found once, not by walking every module each step
-        self._deferred_bns = [m for m in local.modules() if isinstance(m, DeferredBatchNorm)]
         self._executor = StageExecutor(StageSpec(
             stage=self.stage, num_stages=self.num_stages, partition=local, routes=routes,
             rank_of_stage=topo.stage_rank, tp_group=topo.tp_group if topo.tp > 1 else None,
@@ -191,8 +189,7 @@ class HybridPipe(nn.Module):
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=True,
                                         what="train_step")
-            for bn in self._deferred_bns:
-                bn.commit()
+            commit_deferred_batch_norms(self)
             if self.topology.dp > 1:
                 self._average_over_dp()
             return self._share_loss(result.loss, posted)
@@ -265,7 +262,9 @@ class HybridPipe(nn.Module):
         """The last stage's loss on every rank of the pipeline, averaged over dp replicas."""
         loss = local.detach().clone() if local is not None else torch.zeros(())
         loss = loss.to(self.device, torch.float32)
-        if self.num_stages > 1:  # counted and traced as the broadcast it replaces
+        # A one-to-all of the loss over the pipeline, counted as one broadcast per rank; sent
+        # point to point so that the receive can be posted before the schedule.
+        if self.num_stages > 1:
             with tracing.collective("broadcast", _nbytes(loss)), self._guard(
                     "the loss from the last stage", self.topology.pp_group):
                 if posted is not None:

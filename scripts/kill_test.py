@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from hybridpar.train.launcher import worker_pids
+from hybridpar.train.metrics import read_metrics
 
 CONFIG = """# the kill campaign's model: a small GPT on 2 stages x 2 tp ranks
 [model]
@@ -59,16 +60,8 @@ keep = 2
 
 def _last_step(metrics: Path) -> int:
     """The last step logged in `metrics` (0: none yet)."""
-    try:
-        lines = metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):  # a line being written
-            continue
-    return 0
+    records = read_metrics(metrics)
+    return int(records[-1]["step"]) if records else 0
 
 
 def _run(config: Path, run_dir: Path, *, kill: bool, seed: int) -> dict[str, Any]:
@@ -96,10 +89,10 @@ def _run(config: Path, run_dir: Path, *, kill: bool, seed: int) -> dict[str, Any
     log.seek(0)
     output = log.read()
     log.close()
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = read_metrics(run_dir / "metrics.jsonl")
     return {"rc": agent.returncode, "output": output, "killed": killed,
             "seconds": time.monotonic() - began,
-            "losses": {json.loads(x)["step"]: json.loads(x)["loss"] for x in lines}}
+            "losses": {r["step"]: r["loss"] for r in records}}
 
 
 def _weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:

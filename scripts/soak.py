@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from hybridpar.train.launcher import worker_pids
+from hybridpar.train.metrics import read_metrics
 
 CONFIG = """# the soak model: a small GPT, 2 stages x 2 tp ranks
 [model]
@@ -78,8 +79,8 @@ def main() -> None:
         metrics = run_dir / "metrics.jsonl"
         while agent.poll() is None:
             time.sleep(1.0)
-            lines = metrics.read_text().splitlines() if metrics.is_file() else []
-            step = json.loads(lines[-1])["step"] if lines else 0
+            logged = read_metrics(metrics)   # drops a line still being written
+            step = logged[-1]["step"] if logged else 0
             rss = {pid: kib for pid in worker_pids(run_dir) if (kib := _rss_kib(pid))}
             if rss:
                 samples.append((step, rss))
@@ -88,7 +89,7 @@ def main() -> None:
         log.close()
         if agent.returncode != 0:
             sys.exit(f"the soak run failed:\n{output[-3000:]}")
-        records = [json.loads(x) for x in metrics.read_text().splitlines()]
+        records = read_metrics(metrics)
     wall = time.monotonic() - began
     warm = [s for s in samples if s[0] >= args.steps // 10]
     first, last = warm[0][1], warm[-1][1]
