@@ -1,41 +1,40 @@
-"""Point-to-point transfer of tensors with shape headers, and counters of bytes and calls.
+"""Point-to-point messages between stages, matched by order alone (as NCCL matches them).
 
-A message is a Tensor or a tuple of Tensors. It travels as a fixed-size int64 header (count,
-and per tensor: dtype, parallel-dim tag, requires_grad, scattered, ndim, shape) on one tag,
-then the payloads on another, so a header posted early never meets a payload:
+A message is a Tensor or a tuple of Tensors. Both ends derive the sequence of messages
+between every pair of ranks from the schedule, so the k-th send from a to b meets the k-th
+receive on b from a; no tag carries meaning (`Wire(tags=False)`, the default, puts every op
+on tag 0; ``tags=True`` gives each channel its own tag, a debugging aid that gloo honours
+and NCCL ignores).
 
-    tag = channel * 2 + 0     headers, in message order
-    tag = channel * 2 + 1     payloads, in message order
+What a message looks like (`MessageSpec`: per tensor dtype, shape, parallel-dim tag,
+requires_grad, and whether it travels as a 1/tp slice) is agreed once per *signature* of a
+step (train or not, the shapes and dtypes of its micro-batches) and kept in a `SpecBook`:
 
-The payload receives are posted early when the header can be predicted: both ends keep a
-`History` of the headers of the last step of the same kind, by position on each channel. A
-receive whose position had a message last time posts the payload receives of that header
-together with the header's own, so the payload moves as soon as it is sent instead of a round
-trip after the header arrived (gloo moves a payload only once its receive is posted). The
-sender predicts the same header and says in the header's last slot what it did:
+    step            forward-direction message (FWD, SKIP)     backward-direction (BWD, SKIPG)
+    new signature   a 1 KiB int64 header, then the payloads   payloads alone: the spec is
+                    (the receiver learns the spec)            the forward message's, floating
+    known           payloads alone (the sender checks that    tensors only, no grad
+                    its tensors still fit the spec)
 
-    route            when                           payloads on tag
-    0 unpredicted    no message here last step      channel * 2 + 1
-    1 predicted      the header equals last step's  channel * 2 + 1 (into the early receives)
-    2 mispredicted   the header changed             channel * 2 + 1: empty dummies of the
-                                                    predicted sizes; FALLBACK + channel: the
-                                                    payloads, received once the header came
+Within one group of operations (one `batch_isend_irecv`), a sender puts every header of the
+group before any payload, and the receiver posts the headers first, waits for them, then
+posts the payloads as a second group: the two ends see the same order.
 
-A rank that fails sends an *abort* header instead of the messages its peers still wait for:
-count -1, the rank and stage that failed first, and the first ~1000 bytes of its error as
-UTF-8. The receiver raises `PeerFailed` at once instead of waiting out the timeout.
+With a tp group of n > 1 and a replicated (untagged) floating tensor, each tp rank sends only
+its 1/n of the flattened tensor and the receivers all-gather it (Megatron's scatter-gather).
 
-    slot   0      1            2             3        4 ...
-    abort  -1     origin rank  origin stage  n bytes  the message, 8 bytes per slot
+Aborts need no header either. A rank that fails publishes its error in the process group's
+store under ``hybridpar/abort/<step>/<rank>``, then sends each peer it still owes a message
+a dummy of exactly the size that peer expects, whose first bytes are `MAGIC`. A receiver
+that finds `MAGIC` at the start of a payload reads the store: an entry means `PeerFailed`,
+none means the payload was real data. The receiver checks the first byte only: a peer that
+does not know the size the receiver expects (it failed before learning it) sends one byte,
+which gloo delivers into a larger receive. This check is a CPU read, done on gloo; on NCCL it
+would synchronise the host, so there the receiver relies on the process group's timeout.
 
-With a tp group of n > 1 and a replicated (untagged) tensor, each tp rank sends only its
-1/n of the flattened tensor and the receivers all-gather it (Megatron's scatter-gather): the
-boundary costs n times fewer P2P bytes, for an all-gather inside the tp group.
-
-Every transfer is counted (`comm_stats`, kinds ``p2p_send``, ``p2p_recv``, ``p2p_header``; the
-all-gather counts itself) and, while `hybridpar.trace` records, timed: `send` is one span,
-`PostedRecv.wait` a ``recv`` span around two ``wait`` spans (blocked until the header came,
-then until the payloads came).
+Every transfer is counted (`comm_stats`, kinds ``p2p_send``, ``p2p_recv``, ``p2p_header``;
+the all-gather counts itself) and, while `hybridpar.trace` records, timed. `Wire.log`, when
+set to a list, records every group as issued (`replay.P2POp`s) for the NCCL replay.
 
 `broadcast_tensors` sends tensors from one rank to a group the same way, without pickles (an
 int64 header of dtypes and shapes, then one flat payload per dtype); the source may broadcast
@@ -44,10 +43,14 @@ an exception instead, which is raised on every rank.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import zlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +58,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
+from hybridpar.pipeline.replay import P2POp
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 from hybridpar.tensor_parallel.mappings import (
     all_gather_along,
@@ -64,19 +68,30 @@ from hybridpar.tensor_parallel.mappings import (
 )
 
 __all__ = [
-    "FALLBACK",
     "HEADER_LEN",
+    "MAGIC",
     "CommStats",
-    "History",
+    "Incoming",
+    "MessageSpec",
+    "Op",
     "PeerFailed",
-    "PostedRecv",
+    "SpecBook",
+    "TensorSpec",
+    "Wire",
+    "abort_dummy",
     "broadcast_tensors",
     "comm_stats",
-    "post_recv",
+    "header",
+    "header_dummy",
+    "payloads",
+    "publish_abort",
+    "read_abort",
     "record",
     "reset_comm_stats",
-    "send",
-    "send_abort",
+    "send_message",
+    "signature_hash",
+    "spec_of",
+    "wait",
 ]
 
 HEADER_LEN = 128
@@ -84,48 +99,7 @@ _MAX_NDIM = 8
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _NO_TAG = 9
-_ABORT = -1
-_ABORT_TEXT = (HEADER_LEN - 4) * 8   # message bytes an abort header carries
-_ROUTE = HEADER_LEN - 1              # header slot: how the payloads travel (table above)
-_UNPREDICTED, _PREDICTED, _MISPREDICTED = 0, 1, 2
-FALLBACK = 1 << 12                   # tag of the payloads of a mispredicted header (+ channel)
-
-
-class History:
-    """The headers of the last step of each kind, by position on each channel: predictions.
-
-    Each stage executor owns one; both ends of a channel see the same messages in the same
-    order, so the sender's and the receiver's predictions agree as long as every step either
-    completes or is followed by `clear` (a failed step: its messages are not all exchanged).
-    """
-
-    def __init__(self) -> None:
-        self._kind = "step"
-        # (kind, "send" | "recv", peer, channel) -> (headers of the last step, of this step)
-        self._book: dict[tuple[str, str, int, int], tuple[list[Tensor], list[Tensor]]] = {}
-
-    def new_step(self, kind: str) -> None:
-        """Start a step of `kind` ("train_step", "forward", ...): the last one of that kind
-        predicts its messages."""
-        self._kind = kind
-        for key, (_, this) in list(self._book.items()):
-            if key[0] == kind and this:
-                self._book[key] = (this, [])
-
-    def clear(self) -> None:
-        """Forget everything (after a failed step): the next messages are not predicted."""
-        self._book.clear()
-
-    def predict(self, direction: str, peer: int, channel: int) -> Tensor | None:
-        """The header the next message on the channel had in the last step of this kind
-        (None: that step had no message at this position)."""
-        last, this = self._book.setdefault((self._kind, direction, peer, channel), ([], []))
-        return last[len(this)] if len(this) < len(last) else None
-
-    def record(self, direction: str, peer: int, channel: int, header: Tensor) -> None:
-        """Remember `header` as this step's next message on the channel."""
-        self._book[self._kind, direction, peer, channel][1].append(header)
-
+MAGIC = bytes.fromhex("f47fadbadea1ed5e")  # the first bytes of an abort dummy (a NaN in f64)
 
 CommStats = trace.CommStats
 comm_stats = trace.comm_stats
@@ -137,13 +111,37 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# what a message looks like --------------------------------------------------------------
+class TensorSpec(NamedTuple):
+    """One tensor of a message: what the receiver allocates and how it travels."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    tag: int | None          # parallel-dim tag (None: replicated)
+    requires_grad: bool      # the receiver makes it a leaf that requires grad
+    scattered: bool          # travels as this tp rank's 1/tp slice of the flattened tensor
+
+
+class MessageSpec(NamedTuple):
+    """A message: its tensors, and whether it is one bare Tensor rather than a tuple."""
+
+    tensors: tuple[TensorSpec, ...]
+    single: bool
+
+    def grads(self) -> MessageSpec:
+        """The message that carries this one's gradients back: its floating tensors."""
+        return MessageSpec(tuple(t._replace(requires_grad=False) for t in self.tensors
+                                 if t.dtype.is_floating_point), False)
+
+
 def _scatters(t: Tensor, tp: int) -> bool:
     """Whether `t` travels as 1/tp slices: replicated, floating and at least tp elements."""
     return tp > 1 and get_parallel_dim(t) is None and t.is_floating_point() and t.numel() >= tp
 
 
-def _encode(tensors: tuple[Tensor, ...], tp: int, *, grads: bool, single: bool) -> list[int]:
-    header = [len(tensors), int(single)]
+def spec_of(tensors: Sequence[Tensor], tp: int, *, grads: bool, single: bool) -> MessageSpec:
+    """The spec of a message of `tensors` (`grads`: floating ones will require grad)."""
+    specs = []
     for t in tensors:
         if t.dtype not in _DTYPES:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages; stage "
@@ -152,36 +150,132 @@ def _encode(tensors: tuple[Tensor, ...], tp: int, *, grads: bool, single: bool) 
         if t.dim() > _MAX_NDIM:
             raise ValueError(f"cannot send a {t.dim()}-d tensor between stages "
                              f"(at most {_MAX_NDIM} dims)")
-        tag = get_parallel_dim(t)
-        header += [_DTYPES.index(t.dtype), _NO_TAG if tag is None else tag,
-                   int(grads and t.is_floating_point()), int(_scatters(t, tp)), t.dim(),
-                   *t.shape]
-    if len(header) > _ROUTE:
+        specs.append(TensorSpec(t.dtype, tuple(t.shape), get_parallel_dim(t),
+                                grads and t.is_floating_point(), _scatters(t, tp)))
+    spec = MessageSpec(tuple(specs), single)
+    if len(_encode(spec, 0)) > HEADER_LEN:
         raise ValueError(f"a stage boundary of {len(tensors)} tensors does not fit the "
                          f"{HEADER_LEN}-slot header; pass fewer tensors between stages")
-    header += [0] * (HEADER_LEN - len(header))
-    return header
+    return spec
 
 
-@dataclass
-class _Meta:
-    dtype: torch.dtype
-    tag: int | None
-    requires_grad: bool
-    scattered: bool
-    shape: tuple[int, ...]
+def _encode(spec: MessageSpec, signature: int) -> list[int]:
+    """Header slots: [signature, count, single, (dtype, tag, grad, scattered, ndim, *shape)...]."""
+    values = [signature, len(spec.tensors), int(spec.single)]
+    for t in spec.tensors:
+        values += [_DTYPES.index(t.dtype), _NO_TAG if t.tag is None else t.tag,
+                   int(t.requires_grad), int(t.scattered), len(t.shape), *t.shape]
+    return values
 
 
-def _decode(header: Tensor) -> list[_Meta]:
-    values = header.tolist()
-    metas, pos = [], 2
-    for _ in range(values[0]):
+def header(spec: MessageSpec, signature: int, device: torch.device) -> Tensor:
+    """The 1 KiB int64 header that describes `spec` (sent on a new signature only)."""
+    values = _encode(spec, signature)
+    return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64,
+                        device=device)
+
+
+def _decode(header: Tensor) -> tuple[MessageSpec, int]:
+    """The spec a header describes, and the signature of the sender's step."""
+    values = header.tolist()   # a host read: headers travel only on a new signature
+    signature, count, single = values[:3]
+    specs, pos = [], 3
+    for _ in range(count):
         dtype, tag, grad, scattered, ndim = values[pos:pos + 5]
         shape = tuple(values[pos + 5:pos + 5 + ndim])
         pos += 5 + ndim
-        metas.append(_Meta(_DTYPES[dtype], None if tag == _NO_TAG else tag, bool(grad),
-                           bool(scattered), shape))
-    return metas
+        specs.append(TensorSpec(_DTYPES[dtype], shape, None if tag == _NO_TAG else tag,
+                                bool(grad), bool(scattered)))
+    return MessageSpec(tuple(specs), bool(single)), signature
+
+
+def signature_hash(signature: Hashable) -> int:
+    """A hash of a step signature that is the same in every process (no PYTHONHASHSEED)."""
+    return zlib.crc32(repr(signature).encode())
+
+
+class SpecBook:
+    """The agreed specs of each step signature seen lately: {(channel, peer, mb): spec}.
+
+    Both ends of every channel see the same signatures in the same order and commit a step's
+    specs only when it completes, so their books agree. The `capacity` most recently used
+    signatures are kept (a run whose shapes change every step negotiates every step).
+    """
+
+    def __init__(self, capacity: int = 32) -> None:
+        self.capacity = capacity
+        self._book: OrderedDict[Hashable, dict[tuple[int, int, int], MessageSpec]] = \
+            OrderedDict()
+
+    def get(self, signature: Hashable) -> dict[tuple[int, int, int], MessageSpec] | None:
+        specs = self._book.get(signature)
+        if specs is not None:
+            self._book.move_to_end(signature)
+        return specs
+
+    def commit(self, signature: Hashable, specs: dict[tuple[int, int, int], MessageSpec]
+               ) -> None:
+        self._book[signature] = specs
+        self._book.move_to_end(signature)
+        while len(self._book) > self.capacity:
+            self._book.popitem(last=False)
+
+    def clear(self) -> None:
+        self._book.clear()
+
+
+# issuing groups -------------------------------------------------------------------------
+@dataclass
+class Op:
+    """One queued isend / irecv: `message` names its message, `label` the tensor in it."""
+
+    send: bool
+    tensor: Tensor
+    peer: int
+    channel: int
+    message: str
+    label: str
+    header: bool
+
+
+@dataclass
+class Wire:
+    """How this rank issues P2P: tags, the log for the NCCL replay, groups of operations."""
+
+    tags: bool = False
+    log: list[list[P2POp]] | None = None
+    pending: list[Op] = field(default_factory=list)
+
+    def add(self, send: bool, tensor: Tensor, peer: int, channel: int, message: str,
+            label: str, *, header: bool = False) -> int:
+        """Queue one op for the next `issue`; returns its index in the group."""
+        self.pending.append(Op(send, tensor, peer, channel, message, label, header))
+        return len(self.pending) - 1
+
+    def issue(self) -> list[tuple[Op, list[dist.Work]]]:
+        """Issue the queued ops as one `batch_isend_irecv`; each op with the works to wait on,
+        in the order they were queued.
+
+        gloo returns one work per op; NCCL coalesces a group into one work, which then
+        stands for every op of the group.
+        """
+        queued, self.pending = self.pending, []
+        if not queued:
+            return []
+        # every header of the group before any payload: the receiver posts them first
+        order = sorted(range(len(queued)), key=lambda k: not queued[k].header)
+        ops = [queued[k] for k in order]
+        if self.log is not None:
+            self.log.append([P2POp("send" if op.send else "recv", op.peer, op.tensor.numel(),
+                                   str(op.tensor.dtype), op.label) for op in ops])
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer,
+                       tag=op.channel if self.tags else 0) for op in ops])
+        per_op = [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
+        result: list[list[dist.Work]] = [[] for _ in queued]
+        for position, k in enumerate(order):
+            result[k] = per_op[position]
+        return list(zip(queued, result))
 
 
 def _local_slice(flat: Tensor, tp_group: ProcessGroup | None) -> Tensor:
@@ -189,133 +283,130 @@ def _local_slice(flat: Tensor, tp_group: ProcessGroup | None) -> Tensor:
     return flat[start:stop]
 
 
-def send(tensors: tuple[Tensor, ...], dst: int, *, channel: int,
-         tp_group: ProcessGroup | None = None, grads: bool = False,
-         single: bool = False, history: History | None = None) -> list[dist.Work | None]:
-    """Post the sends of a message to global rank `dst`; returns the works to wait on.
-
-    `grads`: the receiver makes the floating tensors leaves that require grad (it will send
-    their gradients back). `single`: the message is one bare Tensor, not a tuple.
-    `history`: predict the header as the receiver does (the same `History` role on both ends).
-    """
-    tp = group_size(tp_group)
-    values = _encode(tensors, tp, grads=grads, single=single)
-    predicted = history.predict("send", dst, channel) if history is not None else None
-    dummies: list[Tensor] = []
-    if predicted is None:
-        header = torch.tensor(values, dtype=torch.int64)
-    elif predicted[:_ROUTE].tolist() == values[:_ROUTE]:
-        # the usual case: the header sent last step, reused (no new tensor on the hot path)
-        header = predicted if int(predicted[_ROUTE]) == _PREDICTED else torch.tensor(
-            [*values[:_ROUTE], _PREDICTED], dtype=torch.int64)
-    else:  # fill the receives posted early for the predicted header, then go around them
-        header = torch.tensor([*values[:_ROUTE], _MISPREDICTED], dtype=torch.int64)
-        dummies = [torch.empty_like(buf) for _, _, buf in _buffers(predicted, tp_group)]
-    if history is not None:
-        history.record("send", dst, channel, header)
-    payloads = []
-    for t in tensors:
-        payload = t.detach().contiguous()
-        if _scatters(t, tp):
-            payload = _local_slice(payload.view(-1), tp_group).contiguous()
-        payloads.append(payload)
-    with trace.span("send", peer=dst, channel=channel,
-                    nbytes=sum(_nbytes(p) for p in payloads)):
-        works = [dist.isend(header, dst, tag=channel * 2)]
-        record("p2p_header", _nbytes(header))
-        for dummy in dummies:
-            works.append(dist.isend(dummy, dst, tag=channel * 2 + 1))
-            record("p2p_mispredicted", _nbytes(dummy))
-        tag = FALLBACK + channel if dummies else channel * 2 + 1
-        for payload in payloads:
-            works.append(dist.isend(payload, dst, tag=tag))
-            record("p2p_send", _nbytes(payload))
-    return works
-
-
-def _buffers(header: Tensor, tp_group: ProcessGroup | None
-             ) -> list[tuple[_Meta, Tensor, Tensor]]:
-    """(meta, full tensor, receive buffer) of each tensor a header describes."""
+def payloads(tensors: Sequence[Tensor], spec: MessageSpec,
+             tp_group: ProcessGroup | None) -> list[Tensor]:
+    """What travels of each tensor: itself, or its 1/tp slice when scattered."""
     out = []
-    for meta in _decode(header):
-        full = torch.empty(meta.shape, dtype=meta.dtype)
-        target = _local_slice(full.view(-1), tp_group) if meta.scattered else full
-        recv_buf = torch.empty_like(target) if meta.scattered else target
-        out.append((meta, full, recv_buf))
+    for t, s in zip(tensors, spec.tensors):
+        payload = t.detach().contiguous()
+        if s.scattered:
+            payload = _local_slice(payload.view(-1), tp_group).contiguous()
+        out.append(payload)
     return out
 
 
-class PostedRecv:
-    """A message being received: the header is in flight; `wait` receives the payloads."""
+def send_message(wire: Wire, tensors: Sequence[Tensor], spec: MessageSpec, dst: int,
+                 channel: int, label: str, *, tp_group: ProcessGroup | None,
+                 header: Tensor | None = None) -> list[Tensor]:
+    """Queue a message's sends (its header first when given); returns what it sends."""
+    sent = payloads(tensors, spec, tp_group)
+    if header is not None:
+        wire.add(True, header, dst, channel, label, f"{label} header", header=True)
+        record("p2p_header", _nbytes(header))
+    for k, payload in enumerate(sent):
+        wire.add(True, payload, dst, channel, label, f"{label} [{k}]")
+        record("p2p_send", _nbytes(payload))
+    return sent
 
-    def __init__(self, src: int, channel: int, tp_group: ProcessGroup | None,
-                 history: History | None = None) -> None:
-        self.src, self.channel, self.tp_group = src, channel, tp_group
-        self.header = torch.empty(HEADER_LEN, dtype=torch.int64)
-        self.work = dist.irecv(self.header, src, tag=channel * 2)
-        self.single = False
-        record("p2p_header", _nbytes(self.header))
-        # a predicted header: its payload receives go out now, with the header's
-        self.predicted = history.predict("recv", src, channel) if history is not None else None
-        if history is not None:
-            history.record("recv", src, channel, self.header)  # filled in when it arrives
-        self.early = [] if self.predicted is None else _buffers(self.predicted, tp_group)
-        self.early_works = [dist.irecv(buf, src, tag=channel * 2 + 1)
-                            for _, _, buf in self.early]
 
-    def wait(self, timeout: datetime.timedelta | None = None) -> tuple[Tensor, ...]:
-        """Wait for the message and return its tensors (tags restored, full size)."""
-        with trace.span("recv", peer=self.src, channel=self.channel) as span:
-            return self._take(timeout, span)
+class Incoming:
+    """A message being received from global rank `src`: its header (on a new signature) or
+    payloads are queued on the wire; `finish` returns its tensors once they arrived."""
 
-    def _take(self, timeout: datetime.timedelta | None, span: trace.Span
-              ) -> tuple[Tensor, ...]:
-        with trace.span("wait", peer=self.src, channel=self.channel):
-            _wait(self.work, timeout)
-        if int(self.header[0]) == _ABORT:
-            raise _decode_abort(self.src, self.header)
-        self.single = bool(self.header[1])
-        route = self._check_route()
-        if route == _PREDICTED:  # the payloads are on their way into the early receives
-            buffers, works = self.early, self.early_works
+    def __init__(self, wire: Wire, src: int, channel: int, label: str, *,
+                 spec: MessageSpec | None, tp_group: ProcessGroup | None,
+                 device: torch.device, step: int, microbatch: int) -> None:
+        self.wire, self.src, self.channel, self.label = wire, src, channel, label
+        self.microbatch = microbatch
+        self.step = step   # the key of the peer's abort, if it sends one
+        self.spec, self.tp_group, self.device = spec, tp_group, device
+        self.header: Tensor | None = None
+        self.header_works: list[dist.Work] = []
+        self.buffers: list[tuple[TensorSpec, Tensor, Tensor]] = []
+        self.slots: list[int] = []
+        self.works: list[list[dist.Work]] = []
+        if spec is None:
+            self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+            self.header_slot = wire.add(False, self.header, src, channel, label,
+                                        f"{label} header", header=True)
+            record("p2p_header", _nbytes(self.header))
         else:
-            with trace.span("wait", peer=self.src, channel=self.channel):
-                for work in self.early_works:       # the dummies of a mispredicted header
-                    _wait(work, timeout)
-            tag = FALLBACK + self.channel if route == _MISPREDICTED else self.channel * 2 + 1
-            buffers = _buffers(self.header, self.tp_group)
-            works = [dist.irecv(buf, self.src, tag=tag) for _, _, buf in buffers]
-        for _, _, recv_buf in buffers:
-            record("p2p_recv", _nbytes(recv_buf))
-            span.add_bytes(_nbytes(recv_buf))
-        with trace.span("wait", peer=self.src, channel=self.channel):
-            for work in works:  # gloo moves a payload once its receive is posted
-                _wait(work, timeout)
-        out = []
-        for meta, full, recv_buf in buffers:
-            if meta.scattered:  # every tp rank got its slice: re-assemble the whole
-                whole = all_gather_along(recv_buf, 0, self.tp_group, length=full.numel())
-                full.view(-1).copy_(whole)
-            if meta.tag is not None:
-                register_parallel_dim(full, meta.tag)
-            if meta.requires_grad:
-                full.requires_grad_()
-            out.append(full)
-        return tuple(out)
+            self._queue_payloads()
 
-    def _check_route(self) -> int:
-        """The header's route, after checking that both ends predicted the same header."""
-        route = int(self.header[_ROUTE])
-        agree = (route == _UNPREDICTED) == (self.predicted is None) and (
-            route != _PREDICTED or self.predicted is None
-            or torch.equal(self.header[:_ROUTE], self.predicted[:_ROUTE]))
-        if not agree:
-            raise RuntimeError(
-                f"the P2P header predictions of this rank and rank {self.src} (channel "
-                f"{self.channel}) disagree; this is a bug in hybridpar, please report it")
-        return route
+    def _queue_payloads(self) -> None:
+        assert self.spec is not None
+        for k, s in enumerate(self.spec.tensors):
+            full = torch.empty(s.shape, dtype=s.dtype, device=self.device)
+            target = _local_slice(full.view(-1), self.tp_group) if s.scattered else full
+            buf = torch.empty_like(target) if s.scattered else target
+            self.buffers.append((s, full, buf))
+            self.slots.append(self.wire.add(False, buf, self.src, self.channel, self.label,
+                                            f"{self.label} [{k}]"))
+            record("p2p_recv", _nbytes(buf))
+
+    def issued(self, group: list[tuple[Op, list[dist.Work]]]) -> None:
+        """Take this message's works from the group just issued."""
+        if self.header is not None and not self.header_works:
+            self.header_works = group[self.header_slot][1]
+        else:
+            self.works = [group[slot][1] for slot in self.slots]
+
+    def learn(self, timeout: datetime.timedelta | None, expected_signature: int
+              ) -> MessageSpec:
+        """Wait for the header, then queue the payload receives it describes."""
+        assert self.header is not None
+        for work in self.header_works:
+            wait(work, timeout)
+        self._check_abort(self.header)
+        spec, signature = _decode(self.header)
+        if signature != expected_signature:
+            raise ValueError(
+                f"rank {self.src} sent {self.label} for a step of different shapes than this "
+                "rank's; every rank must call train_step / eval_step / forward with input and "
+                "target of the same shapes and dtypes")
+        self.spec = spec
+        self._queue_payloads()
+        return spec
+
+    def _check_abort(self, buf: Tensor) -> None:
+        """Raise `PeerFailed` when `buf` is the abort dummy of a peer that failed."""
+        if buf.device.type == "cpu" and _starts_with_magic(buf):
+            failed = read_abort(self.step, self.src)
+            if failed is not None:
+                raise failed
+
+    def finish(self, timeout: datetime.timedelta | None) -> tuple[Tensor, ...]:
+        """Wait for the payloads; return the tensors (full size, tags, requires_grad)."""
+        with trace.span("recv", peer=self.src, channel=self.channel) as span:
+            out = []
+            for works, (s, full, buf) in zip(self.works, self.buffers):
+                with trace.span("wait", peer=self.src, channel=self.channel):
+                    for work in works:
+                        wait(work, timeout)
+                self._check_abort(buf)
+                span.add_bytes(_nbytes(buf))
+                if s.scattered:  # every tp rank got its slice: re-assemble the whole
+                    whole = all_gather_along(buf, 0, self.tp_group, length=full.numel())
+                    full.view(-1).copy_(whole)
+                if s.tag is not None:
+                    register_parallel_dim(full, s.tag)
+                if s.requires_grad:
+                    full.requires_grad_()
+                out.append(full)
+            return tuple(out)
 
 
+def wait(work: dist.Work | None, timeout: datetime.timedelta | None) -> None:
+    """Wait for `work` (a bounded wait when `timeout` is given: gloo only)."""
+    if work is None:
+        return
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+# aborts ---------------------------------------------------------------------------------
 class PeerFailed(RuntimeError):
     """A peer sent an abort instead of the message: rank `origin_rank` failed first."""
 
@@ -325,43 +416,53 @@ class PeerFailed(RuntimeError):
         self.message = message
 
 
-def send_abort(dst: int, *, channel: int, origin_rank: int, origin_stage: int,
-               message: str) -> dist.Work | None:
-    """Post an abort header to `dst` on `channel` (in place of the next message it waits for).
-
-    Like any gloo send, it completes once `dst` receives it: wait on the returned work (with
-    a timeout) before the process exits, or the message is lost.
-    """
-    data = message.encode()[:_ABORT_TEXT]
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[:4] = torch.tensor([_ABORT, origin_rank, origin_stage, len(data)])
-    padded = data + b"\0" * (-len(data) % 8)
-    if padded:
-        header[4:4 + len(padded) // 8] = torch.frombuffer(bytearray(padded), dtype=torch.int64)
-    record("p2p_header", _nbytes(header))
-    return dist.isend(header, dst, tag=channel * 2)
+def _starts_with_magic(t: Tensor) -> bool:
+    # one byte: an abort of unknown size is a 1-byte dummy (gloo takes a short message into
+    # a larger receive); real data that starts so costs one store lookup
+    return _nbytes(t) > 0 and ctypes.string_at(t.data_ptr(), 1) == MAGIC[:1]
 
 
-def _decode_abort(src: int, header: Tensor) -> PeerFailed:
-    _, origin_rank, origin_stage, length = header[:4].tolist()
-    text = header[4:].numpy().tobytes()[:length].decode(errors="ignore")
-    return PeerFailed(src, origin_rank, origin_stage, text)
+def _abort_key(step: int, rank: int) -> str:
+    return f"hybridpar/abort/{step}/{rank}"
 
 
-def post_recv(src: int, *, channel: int, tp_group: ProcessGroup | None = None,
-              history: History | None = None) -> PostedRecv:
-    """Post the receive of a message from global rank `src` on `channel` (`history`: post the
-    payload receives of the predicted header now too)."""
-    return PostedRecv(src, channel, tp_group, history)
+def publish_abort(step: int, *, origin_rank: int, origin_stage: int, message: str) -> None:
+    """Store this rank's abort of `step` (before sending any dummy): the origin and text."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(_abort_key(step, dist.get_rank()), f"{origin_rank}\n{origin_stage}\n{message}")
 
 
-def _wait(work: dist.Work | None, timeout: datetime.timedelta | None) -> None:
-    if work is None:  # a send to this rank itself never happens between stages
-        return
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
+def read_abort(step: int, src: int) -> PeerFailed | None:
+    """The abort `src` published for `step`, or None when it did not abort."""
+    store = dist.distributed_c10d._get_default_store()
+    key = _abort_key(step, src)
+    if not store.check([key]):
+        return None
+    rank, stage, text = store.get(key).decode(errors="replace").split("\n", 2)
+    return PeerFailed(src, int(rank), int(stage), text)
+
+
+def abort_dummy(spec: TensorSpec | None, tp_group: ProcessGroup | None,
+                device: torch.device) -> Tensor:
+    """A tensor the size of what travels for `spec`, starting with `MAGIC` (None: the size
+    is unknown, one byte that gloo delivers into any receive)."""
+    if spec is None:
+        return torch.tensor(list(MAGIC[:1]), dtype=torch.uint8, device=device)
+    numel = math.prod(spec.shape)
+    if spec.scattered:
+        start, stop = shard_range(numel, group_size(tp_group), group_rank(tp_group))
+        numel = stop - start
+    dummy = torch.zeros(numel, dtype=spec.dtype)
+    raw = dummy.view(torch.uint8)
+    n = min(len(MAGIC), raw.numel())
+    raw[:n] = torch.frombuffer(bytearray(MAGIC[:n]), dtype=torch.uint8)
+    return dummy.to(device)
+
+
+def header_dummy(device: torch.device) -> Tensor:
+    """An abort in place of a header."""
+    return abort_dummy(TensorSpec(torch.int64, (HEADER_LEN,), None, False, False), None,
+                       device)
 
 
 # broadcast ---------------------------------------------------------------------------------

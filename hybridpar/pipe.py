@@ -18,6 +18,7 @@ from hybridpar.agreement import fail_together
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
+from hybridpar.pipeline.lowering import lower
 from hybridpar.pipeline.partition import (
     check_balance,
     check_sequential,
@@ -25,7 +26,8 @@ from hybridpar.pipeline.partition import (
     materialize,
     split,
 )
-from hybridpar.pipeline.schedule import FORWARD, RECV_F, SEND_F, get_schedule
+from hybridpar.pipeline.reduce import GradBuckets
+from hybridpar.pipeline.schedule import FORWARD, get_schedule
 from hybridpar.pipeline.skip import skip_routes
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.tensor_parallel.attrs import get_parallel_dim
@@ -41,7 +43,6 @@ __all__ = ["HybridPipe"]
 log = logging.getLogger(__name__)
 
 TensorOrTensors = Tensor | tuple[Tensor, ...]
-_LOSS_TAG = 1 << 13   # P2P tag of the loss, last stage -> the other stages of its pipeline
 
 
 def _split_batch(x: Any, chunks: int, what: str) -> list[Any]:
@@ -84,11 +85,9 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
     with fail_together((ValueError, TypeError, RuntimeError)):  # profiling may fail on one rank
         if topo.rank == 0 or (sharded and name in ("time", "size")):
             choice = list(balance_by(name, topo.pp, module, sample, **options))
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
     (counts,) = comm.broadcast_tensors(
         (torch.tensor(choice, dtype=torch.int64),) if topo.rank == 0 else None, 0,
-        device=device)
+        device=topo.device)
     if topo.rank == 0:
         log.info("balance=%r chose %s for %d stages", name, choice, topo.pp)
     return [int(c) for c in counts.tolist()]
@@ -96,6 +95,22 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _signature(inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """The shapes and dtypes of a step's input micro-batches: what its messages depend on."""
+    return tuple(tuple((tuple(t.shape), str(t.dtype)) for t in (x if isinstance(x, tuple)
+                                                                   else (x,)))
+                 for x in inputs)
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    """A micro-batch on `device` (a copy that overlaps compute when `x` is pinned)."""
+    if isinstance(x, Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, tuple):
+        return tuple(_to(t, device) for t in x)
+    return x
 
 
 def _rows(x: TensorOrTensors) -> int:
@@ -152,24 +167,51 @@ class HybridPipe(nn.Module):
         self._stage_keys = [list(stage.state_dict().keys()) for stage in stages]
         local = stages[self.stage]
         free_layers(stages, keep=self.stage)
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.device = topo.device
         with fail_together((TypeError, ValueError, RuntimeError, NotImplementedError)):
             materialize(local, self.device)   # a stage of its own: may fail on this rank only
             local.to(self.device)
         for name, layer in local.named_children():
             self.add_module(name, layer)
+        # dp averaging in buckets launched during each step's last backward (no-op at dp=1)
+        self._dp_buckets = GradBuckets(list(self.parameters()),
+                                       topo.dp_group if topo.dp > 1 else None)
+        self._route_pairs = [(r.src, r.dst) for r in routes]
+        self._programs: dict[tuple[int, bool], list[Any]] = {}
         self._executor = StageExecutor(StageSpec(
             stage=self.stage, num_stages=self.num_stages, partition=local, routes=routes,
             rank_of_stage=topo.stage_rank, tp_group=topo.tp_group if topo.tp > 1 else None,
             timeout=topo.timeout, checkpoint=checkpoint,
-            replay=RNGReplay(tp_random.get_rng_state_all, tp_random.set_rng_state_all)))
+            replay=RNGReplay(tp_random.get_rng_state_all, tp_random.set_rng_state_all,
+                             device_type=self.device.type),
+            device=self.device, p2p_tags=topo.p2p_tags))
 
     # the local stage ---------------------------------------------------------------------
     @property
     def partition(self) -> nn.Sequential:
         """This rank's stage as an `nn.Sequential` (original layer names)."""
         return self._executor.spec.partition
+
+    @property
+    def p2p_log(self) -> list[Any] | None:
+        """Set to a list to record every group of P2P operations this rank issues (a list of
+        `hybridpar.pipeline.replay.P2POp` per group) for the NCCL replay; None: off."""
+        return self._executor.wire.log
+
+    @p2p_log.setter
+    def p2p_log(self, log: list[Any] | None) -> None:
+        self._executor.wire.log = log
+
+    def _program(self, microbatches: int, *, train: bool) -> list[Any]:
+        """This stage's actions for a step: the schedule lowered with every message in its
+        slot (`pipeline.lowering.lower`); forward-only steps lower the forwards alone."""
+        key = (microbatches, train)
+        if key not in self._programs:
+            schedule = self.schedule_fn(self.num_stages, microbatches)
+            if not train:
+                schedule = [[a for a in actions if a.kind == FORWARD] for actions in schedule]
+            self._programs[key] = lower(schedule, routes=self._route_pairs)[self.stage]
+        return self._programs[key]
 
     def _last_rank(self) -> int:
         return self.topology.stage_rank(self.num_stages - 1)
@@ -180,19 +222,23 @@ class HybridPipe(nn.Module):
 
         Gradients accumulate into ``.grad`` as `loss_fn(model(input), target).backward()`
         would on one device (micro-batch losses weighted by their share of the batch), then
-        are averaged over the dp group. `loss_fn` must reduce by mean.
+        are averaged over the dp group: in buckets all-reduced as they become ready during
+        the step's last backward (`pipeline.reduce.GradBuckets`). `loss_fn` must reduce by
+        mean.
         """
         inputs, targets, weights = self._microbatches(input, target)
-        actions = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
+        actions = self._program(len(inputs), train=True)
         with self._recording("train_step", len(inputs)):
-            posted = self._post_loss_recv()
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=True,
-                                        what="train_step")
+                                        what="train_step", signature=_signature(inputs),
+                                        before_last_backward=self._dp_buckets.arm)
             commit_deferred_batch_norms(self)
             if self.topology.dp > 1:
-                self._average_over_dp()
-            return self._share_loss(result.loss, posted)
+                with self._guard("the all-reduce of the gradients over dp",
+                                 self.topology.dp_group):
+                    self._dp_buckets.finish()
+            return self._share_loss(result.loss)
 
     @torch.no_grad()
     def eval_step(self, input: TensorOrTensors, target: Any) -> Tensor:
@@ -202,14 +248,12 @@ class HybridPipe(nn.Module):
         call ``.eval()`` first to turn dropout off. Averaged over the dp group.
         """
         inputs, targets, weights = self._microbatches(input, target)
-        schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
-        actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
+        actions = self._program(len(inputs), train=False)
         with self._recording("eval_step", len(inputs)):
-            posted = self._post_loss_recv()
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=False,
-                                        what="eval_step")
-            return self._share_loss(result.loss, posted)
+                                        what="eval_step", signature=_signature(inputs))
+            return self._share_loss(result.loss)
 
     def _recording(self, what: str, microbatches: int) -> contextlib.AbstractContextManager[None]:
         """Record this step's timeline when `trace` is on (replacing the previous one)."""
@@ -244,37 +288,25 @@ class HybridPipe(nn.Module):
             raise ValueError(f"input has {_rows(input)} rows but target has {_rows(target)}; "
                              "they must have the same batch size")
         total = _rows(input)
-        return inputs, targets, [_rows(x) / total for x in inputs]
+        weights = [_rows(x) / total for x in inputs]
+        if self.stage == 0:
+            inputs = [_to(x, self.device) for x in inputs]
+        if self.stage == self.num_stages - 1:
+            targets = [_to(y, self.device) for y in targets]
+        return inputs, targets, weights
 
-    def _post_loss_recv(self) -> tuple[Tensor, Any] | None:
-        """Before the schedule: post the receive of this step's loss from the last stage.
+    def _share_loss(self, local: Tensor | None) -> Tensor:
+        """The last stage's loss on every rank of the pipeline, averaged over dp replicas.
 
-        Posted early, the loss arrives while this stage still computes; a broadcast after the
-        schedule cost a round trip at the end of every step (gloo sends a payload only once
-        its receive is posted), on the critical path of the stage that finishes last.
+        A broadcast over the pp group after the schedule: no receive is posted before the
+        schedule, where NCCL would hold every later P2P of the rank behind it.
         """
-        if self.num_stages == 1 or self.stage == self.num_stages - 1:
-            return None
-        box = torch.zeros((), dtype=torch.float32, device=self.device)
-        return box, dist.irecv(box, self._last_rank(), tag=_LOSS_TAG)
-
-    def _share_loss(self, local: Tensor | None, posted: tuple[Tensor, Any] | None) -> Tensor:
-        """The last stage's loss on every rank of the pipeline, averaged over dp replicas."""
         loss = local.detach().clone() if local is not None else torch.zeros(())
         loss = loss.to(self.device, torch.float32)
-        # A one-to-all of the loss over the pipeline, counted as one broadcast per rank; sent
-        # point to point so that the receive can be posted before the schedule.
         if self.num_stages > 1:
             with tracing.collective("broadcast", _nbytes(loss)), self._guard(
-                    "the loss from the last stage", self.topology.pp_group):
-                if posted is not None:
-                    loss, work = posted
-                    work.wait(self.topology.timeout)
-                else:
-                    works = [dist.isend(loss, self.topology.stage_rank(s), tag=_LOSS_TAG)
-                             for s in range(self.num_stages - 1)]
-                    for work in filter(None, works):
-                        work.wait(self.topology.timeout)
+                    "the broadcast of the loss from the last stage", self.topology.pp_group):
+                dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
         if self.topology.dp > 1:
             with tracing.collective("all_reduce", _nbytes(loss)), self._guard(
                     "the all-reduce of the loss over dp", self.topology.dp_group):
@@ -286,21 +318,6 @@ class HybridPipe(nn.Module):
         """A collective outside the schedule: a timeout becomes a `PipelineError` block."""
         return self._executor.guard(operation, dist.get_process_group_ranks(group))
 
-    def _average_over_dp(self) -> None:
-        """Average the gradients over the dp group in one flat all-reduce."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        with tracing.collective("all_reduce", _nbytes(flat)), self._guard(
-                "the all-reduce of the gradients over dp", self.topology.dp_group):
-            dist.all_reduce(flat, group=self.topology.dp_group)
-        flat /= self.topology.dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
     # inference ---------------------------------------------------------------------------
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:
         """Inference over the pipeline (no grad); the full output on every rank.
@@ -309,12 +326,13 @@ class HybridPipe(nn.Module):
         rank); its output reaches the other stages as tensors with a shape header (no pickles).
         """
         inputs = _split_batch(input, self.chunks, "input")
-        schedule = self.schedule_fn(self.num_stages, len(inputs))[self.stage]
-        actions = [a for a in schedule if a.kind in (RECV_F, FORWARD, SEND_F)]
+        if self.stage == 0:
+            inputs = [_to(x, self.device) for x in inputs]
+        actions = self._program(len(inputs), train=False)
         with self._recording("forward", len(inputs)):
             result = self._executor.run(actions, inputs=inputs, targets=None, loss_fn=None,
                                         weights=[1.0] * len(inputs), train=False,
-                                        what="forward")
+                                        what="forward", signature=_signature(inputs))
         output: TensorOrTensors | TypeError | None = None
         if self.stage == self.num_stages - 1:
             try:
@@ -423,11 +441,12 @@ class HybridPipe(nn.Module):
                     "the all-reduce of the gradient norm over pp", self.topology.pp_group):
                 dist.all_reduce(total, group=self.topology.pp_group)
         norm = total.sqrt().to(torch.float32)
-        scale = max_norm / (norm + 1e-6)
-        if scale < 1:
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        # min(1, max_norm / norm) as a tensor: no host synchronisation (a multiply by 1.0
+        # leaves a gradient bit for bit as it was)
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
         return norm
 
     def extra_repr(self) -> str:

@@ -109,12 +109,15 @@ class Topology:
     """This rank's place in the (dp, pp, tp) grid, with the process group of each dim."""
 
     def __init__(self, dims: ParallelDims, rank: int, mesh: DeviceMesh | None,
-                 *, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+                 *, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+                 device: torch.device | None = None, p2p_tags: bool = False) -> None:
         self.dims = dims
         self.rank = rank
         self.mesh = mesh
         self.timeout = timeout
         self.coordinate = dims.coordinate(rank)
+        self.device = device if device is not None else torch.device("cpu")
+        self.p2p_tags = p2p_tags   # each P2P channel its own tag (gloo debugging aid)
 
     # sizes and coordinates ----------------------------------------------------------------
     @property
@@ -191,18 +194,39 @@ def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timede
     return datetime.timedelta(seconds=float(timeout))
 
 
+def _p2p_tags(value: bool | None) -> bool:
+    """`p2p_tags`, or ``HYBRIDPAR_P2P_TAGS`` (1 / 0) when None; default off (order only)."""
+    if value is not None:
+        return bool(value)
+    text = os.environ.get("HYBRIDPAR_P2P_TAGS", "0").strip().lower()
+    if text not in ("0", "1", "", "false", "true"):
+        raise ValueError(f"HYBRIDPAR_P2P_TAGS must be 0 or 1, got {text!r}")
+    return text in ("1", "true")
+
+
 def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None = None,
-         timeout: float | datetime.timedelta | None = None) -> Topology:
+         timeout: float | datetime.timedelta | None = None,
+         p2p_tags: bool | None = None) -> Topology:
     """Initialize `torch.distributed` (if needed) and the (dp, pp, tp) grid; returns the Topology.
 
     Reads the torchrun variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
     when the default process group is not initialized yet; with a loopback ``MASTER_ADDR`` (one
     machine) rank 0's store listens on that address only. `backend` defaults to nccl when
-    CUDA is available, else gloo. `timeout` (seconds or timedelta) bounds every wait.
+    CUDA is available, else gloo. With nccl each rank takes ``cuda:LOCAL_RANK`` (set before
+    the process group, passed as its `device_id`) and gets gloo for CPU tensors too
+    (``"cpu:gloo,cuda:nccl"``); a rank that sees no such GPU raises instead of training on
+    the CPU. `topology.device` is that device (the CPU with gloo). `timeout` (seconds or
+    timedelta) bounds every wait.
     The topology becomes the default one read by `hybridpar.nn` layers.
+
+    Pipeline messages match by order alone, as NCCL matches them: every P2P op uses tag 0.
+    ``p2p_tags=True`` (or ``HYBRIDPAR_P2P_TAGS=1``) gives each channel its own tag instead,
+    which gloo honours and NCCL ignores: a debugging aid (a run that differs between the two
+    modes has an ordering bug).
     """
     global _current
     wait = _as_timedelta(timeout)
+    tags = _p2p_tags(p2p_tags)
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RuntimeError(
@@ -214,18 +238,40 @@ def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None
                 "nccl" if torch.cuda.is_available() else "gloo")
         # A bad layout fails here, on every rank alike, before any rank connects to another.
         ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=pp, tp=tp, dp=dp)
+        device_id = None
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        _init_default_group(backend, wait)
+            device_id = _cuda_device()
+            torch.cuda.set_device(device_id)
+            # CPU tensors (agreement flags, abort text) go over gloo, CUDA tensors over NCCL
+            backend = "cpu:gloo,cuda:nccl"
+        _init_default_group(backend, wait, device_id)
     dims = ParallelDims.for_world(dist.get_world_size(), pp=pp, tp=tp, dp=dp)
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = "cuda" if "nccl" in dist.get_backend() else "cpu"
     mesh = init_device_mesh(device_type, (dims.dp, dims.pp, dims.tp),
                             mesh_dim_names=("dp", "pp", "tp"))
-    _current = Topology(dims, dist.get_rank(), mesh, timeout=wait)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
+        else torch.device("cpu")
+    _current = Topology(dims, dist.get_rank(), mesh, timeout=wait, device=device,
+                        p2p_tags=tags)
     return _current
 
 
-def _init_default_group(backend: str, wait: datetime.timedelta) -> None:
+def _cuda_device() -> torch.device:
+    """This rank's GPU, ``cuda:LOCAL_RANK``; raises when a GPU job would land on the CPU."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local >= count:
+        why = ("this torch is a CPU build" if torch.version.cuda is None else
+               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}")
+        raise RuntimeError(
+            f"backend nccl needs GPU {local} (LOCAL_RANK) but this process sees {count} GPUs "
+            f"({why}); install a CUDA build of torch and launch one rank per GPU, or train "
+            "on CPU with backend='gloo' (HYBRIDPAR_BACKEND=gloo)")
+    return torch.device("cuda", local)
+
+
+def _init_default_group(backend: str, wait: datetime.timedelta,
+                        device_id: torch.device | None = None) -> None:
     """`init_process_group` from the torchrun variables; a loopback MASTER_ADDR stays local."""
     addr = os.environ.get("MASTER_ADDR", "")
     local = is_loopback(addr)
@@ -239,7 +285,7 @@ def _init_default_group(backend: str, wait: datetime.timedelta) -> None:
     # then every rank is a client of it, exactly what env:// does, and rank 0 must not bind.
     # A non-loopback address means ranks on other machines: torch's all-interface store.
     if not local or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend=backend, timeout=wait)
+        dist.init_process_group(backend=backend, timeout=wait, device_id=device_id)
         return
     if not os.environ.get("MASTER_PORT", "").isdigit():
         raise RuntimeError(f"MASTER_PORT must be a port number, got "
@@ -249,7 +295,7 @@ def _init_default_group(backend: str, wait: datetime.timedelta) -> None:
     store = loopback_store(addr, int(os.environ["MASTER_PORT"]), is_server=rank == 0,
                            world_size=world, timeout=wait)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
-                            timeout=wait)
+                            timeout=wait, device_id=device_id)
 
 
 def current_topology() -> Topology:

@@ -8,7 +8,7 @@ Two independent tools, both leaves that import nothing else of hybridpar:
       kind            bytes counted                                        calls
       p2p_send        payload sent (the 1/tp slice under scatter-gather)   one per tensor
       p2p_recv        payload received (the same slice)                    one per tensor
-      p2p_header      the 1 KiB shape header, sending and receiving side   one per message
+      p2p_header      the 1 KiB shape header (a step of new shapes only)   one per message
       all_reduce      the tensor reduced                                   one per collective
       all_gather      the gathered result (full, unpadded)                 one per collective
       reduce_scatter  the whole tensor before the scatter                  one per collective

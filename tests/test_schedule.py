@@ -5,6 +5,7 @@ import pytest
 from hybridpar.pipeline.schedule import (
     BACKWARD,
     FORWARD,
+    GROUP,
     RECV_B,
     RECV_F,
     SCHEDULES,
@@ -12,6 +13,7 @@ from hybridpar.pipeline.schedule import (
     SEND_F,
     Action,
     ScheduleError,
+    end_times,
     get_schedule,
     gpipe,
     live_microbatches,
@@ -26,11 +28,14 @@ SIZES = [(p, m) for p in range(1, 7) for m in range(1, 11)]
 
 
 def parse(line: str) -> list[Action]:
-    """'RECV_F0 F0 SEND_F0' -> [Action('RECV_F', 0), ...]."""
+    """'RECV_F0 F0 SEND_F0 | GROUP' -> [Action('RECV_F', 0), ..., Action('GROUP', -1)];
+    a "|" marks where a compute ends a group, for the reader only."""
     actions = []
     for word in line.split():
+        if word == "|":
+            continue
         kind = word.rstrip("0123456789")
-        actions.append(Action(kind, int(word[len(kind) :])))
+        actions.append(Action(kind, int(word[len(kind) :]) if kind != GROUP else -1))
     return actions
 
 
@@ -80,17 +85,19 @@ def test_one_f_one_b_with_fewer_microbatches_than_stages():
 
 
 def test_gpipe_two_stages_two_microbatches_full_action_lists():
+    # each message in the slot its producer ends in; GROUP: two slots with no compute between
     assert gpipe(2, 2) == [
-        parse("F0 SEND_F0 RECV_B1 F1 SEND_F1 RECV_B0 B1 B0"),
-        parse("RECV_F0 RECV_F1 F0 F1 B1 SEND_B1 B0 SEND_B0"),
+        parse("F0 | SEND_F0 | F1 | SEND_F1 GROUP RECV_B1 | B1 | RECV_B0 | B0"),
+        parse("RECV_F0 | F0 | RECV_F1 | F1 | B1 | SEND_B1 | B0 | SEND_B0"),
     ]
 
 
 def test_one_f_one_b_three_stages_two_microbatches_full_action_lists():
     assert one_f_one_b(3, 2) == [
-        parse("F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 B0 B1"),
-        parse("RECV_F0 RECV_F1 F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 B0 SEND_B0 B1 SEND_B1"),
-        parse("RECV_F0 F0 RECV_F1 B0 SEND_B0 F1 B1 SEND_B1"),
+        parse("F0 | SEND_F0 | F1 | SEND_F1 GROUP RECV_B0 | B0 | RECV_B1 | B1"),
+        parse("RECV_F0 | F0 | RECV_F1 SEND_F0 | F1 | SEND_F1 GROUP RECV_B0 | B0 | SEND_B0 GROUP "
+              "RECV_B1 | B1 | SEND_B1"),
+        parse("RECV_F0 | F0 | RECV_F1 | B0 | SEND_B0 | F1 | B1 | SEND_B1"),
     ]
 
 
@@ -138,19 +145,29 @@ def test_docstring_picture_is_the_simulated_timeline(schedule):
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_receives_precede_the_previous_compute_and_sends_follow_their_producer(name):
+def test_messages_sit_in_the_slot_their_producer_ends_in(name):
+    """A send right after its producer (only communication between); a receive in the group
+    of the slot its producer ends in on the peer stage, before the compute that needs it;
+    both ends of a message in the same slot."""
     for p, m in SIZES:
-        for s, actions in enumerate(get_schedule(name)(p, m)):
+        schedule = get_schedule(name)(p, m)
+        ends = end_times([[a for a in actions if a.kind in (FORWARD, BACKWARD)]
+                          for actions in schedule])
+        for s, actions in enumerate(schedule):
             compute = [a for a in actions if a.kind in (FORWARD, BACKWARD)]
             for k, action in enumerate(actions):
-                if action.kind in (RECV_F, RECV_B):
-                    consumer = compute.index(Action(action.kind[-1], action.microbatch))
-                    if consumer == 0:
-                        assert k == 0, (p, m, s, action)
-                    else:
-                        assert actions[k + 1] == compute[consumer - 1], (p, m, s, action)
-                elif action.kind in (SEND_F, SEND_B):
-                    assert actions[k - 1] == Action(action.kind[-1], action.microbatch)
+                if action.kind in (SEND_F, SEND_B):
+                    producer = Action(action.kind[-1], action.microbatch)
+                    between = actions[actions.index(producer) + 1:k]
+                    assert all(a.kind not in (FORWARD, BACKWARD) for a in between)
+                elif action.kind in (RECV_F, RECV_B):
+                    consumer = Action(action.kind[-1], action.microbatch)
+                    assert k < actions.index(consumer) and consumer in compute
+                    peer = s - 1 if action.kind == RECV_F else s + 1
+                    slot = ends[peer, consumer]            # when the peer's producer ends
+                    before = [ends[s, a] - 1 for a in actions[:k] if a in compute]
+                    after = [ends[s, a] - 1 for a in actions[k:] if a in compute]
+                    assert all(t < slot for t in before) and all(t >= slot for t in after)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -9,10 +9,15 @@ A checkpointed forward runs under `torch.no_grad()` inside torchgpipe's
 `enable_checkpointing()`; its backward first recomputes the forward inside
 `enable_recomputing()` from the RNG state saved at the first forward, so dropout masks
 replay exactly and `is_recomputing()` tells modules to skip side effects.
+
+Under autocast both run with autocast's weight-cast cache off: a cast cached by the first
+forward, made under `no_grad`, has no grad history, and a recomputation that reused it
+would give its weight no gradient (on CUDA, where autocast caches casts).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -53,15 +58,17 @@ class RNGReplay:
     """
 
     def __init__(self, get_state: Callable[[], Any] | None = None,
-                 set_state: Callable[[Any], None] | None = None) -> None:
+                 set_state: Callable[[Any], None] | None = None, *,
+                 device_type: str = "cpu") -> None:
         self.get_state = get_state or _default_get
         self.set_state = set_state or _default_set
+        self.device_type = device_type
 
     @contextmanager
     def first_forward(self) -> Iterator[Any]:
         """Run a checkpointed forward; yields the state to replay later."""
         state = self.get_state()
-        with torch.no_grad(), enable_checkpointing():
+        with torch.no_grad(), enable_checkpointing(), _no_cast_cache(self.device_type):
             yield state
 
     @contextmanager
@@ -70,10 +77,18 @@ class RNGReplay:
         now = self.get_state()
         self.set_state(state)
         try:
-            with torch.enable_grad(), enable_recomputing():
+            with torch.enable_grad(), enable_recomputing(), _no_cast_cache(self.device_type):
                 yield
         finally:
             self.set_state(now)
+
+
+def _no_cast_cache(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast as it is, with its cast cache off (nothing when autocast is off)."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                          cache_enabled=False)
 
 
 def _default_get() -> Any:

@@ -1,7 +1,7 @@
 """Run one stage's action list: receive, compute the partition, send; backward in reverse.
 
-The schedule says what to do (`schedule.py`); this module only does it. Channels between a
-pair of ranks (each a tag pair in `comm`):
+The schedule says what to do (`schedule.py`); this module only does it. The messages of a
+step, on channels named for what they carry (matched by order, not by channel: `comm`):
 
     channel     carries                                   direction
     FWD  0      stage output of micro-batch i             s -> s + 1
@@ -9,29 +9,37 @@ pair of ranks (each a tag pair in `comm`):
     SKIP 2      skip tensors stashed on a, popped on b    a -> b
     SKIPG 3     their gradients                           b -> a
 
+The communication actions between two compute actions are queued on the `comm.Wire` and
+issued as one group just before the compute that follows them (`schedule.groups`). In one
+action the messages go in a fixed order: FWD (or BWD) first, then the skip messages by peer
+in route order, so both ends list them alike.
+
 Every floating tensor that crosses a boundary in training gets a gradient back (zeros when
 the receiver did not use it), so sender and receiver agree on the messages without asking.
+A step whose *signature* (train or not, micro-batch shapes and dtypes) is new sends a header
+with each forward-direction message; the specs learned are kept per signature (`SpecBook`)
+and later steps of that signature send payloads alone.
 
 Timeline events (`hybridpar.trace`, while it records) per action; each is tagged with the
 stage and the action's micro-batch, so the collectives and transfers inside inherit them:
 
     action    events
-    RECV_F/B  none (posting a receive is free); its message is taken by the F / B that needs it
+    a group   send (one span per message sent); a header wait on a new signature
     F i       recv FWD (+ SKIP), then forward (loss included on the last stage)
     B i       recompute (checkpointed i), recv BWD (+ SKIPG), then backward
-    SEND_F/B  send FWD (+ SKIP) / send BWD (+ SKIPG)
     the end   wait (for the posted sends), all inside one step span
 
 Failures (`failure.py`): whatever stops a stage raises one `PipelineError` block per rank
 (stage, action, micro-batch, the peer and operation waited for, the last completed action),
-after sending aborts to the peers still owed a message this step, so they stop at once.
+after sending aborts (`comm`: an entry in the store, then a dummy of the expected size) to
+the peers still owed a message this step, so they stop at once.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,13 +55,24 @@ from hybridpar import comm, trace
 from hybridpar.pipeline import failure
 from hybridpar.pipeline.checkpoint import RNGReplay, is_checkpointed
 from hybridpar.pipeline.failure import Aborted, PipelineError, WaitFailed
-from hybridpar.pipeline.schedule import Action
+from hybridpar.pipeline.lowering import BWD, FWD, LABELS, SKIP, SKIPG, messages
+from hybridpar.pipeline.schedule import (
+    BACKWARD,
+    COMPUTE,
+    FORWARD,
+    GROUP,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    Comm,
+)
 from hybridpar.pipeline.skip import SkipRoute, StageSkipTracker
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 
 __all__ = ["PipelineError", "StageExecutor", "StageSpec", "current_microbatch"]
 
-FWD, BWD, SKIP, SKIPG = 0, 1, 2, 3
 
 TensorOrTensors = Tensor | tuple[Tensor, ...]
 SkipKey = tuple[Namespace, str]
@@ -94,6 +113,8 @@ class StageSpec:
     timeout: datetime.timedelta
     checkpoint: str = "except_last"
     replay: RNGReplay = field(default_factory=RNGReplay)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    p2p_tags: bool = False
 
 
 @dataclass
@@ -107,10 +128,10 @@ class _MicroBatch:
     rng: Any = None
     input_grads: tuple[Tensor, ...] = ()
     skip_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
-    recv_f: comm.PostedRecv | None = None
-    recv_b: comm.PostedRecv | None = None
-    recv_skip: dict[int, comm.PostedRecv] = field(default_factory=dict)
-    recv_skip_grad: dict[int, comm.PostedRecv] = field(default_factory=dict)
+    recv_f: comm.Incoming | None = None
+    recv_b: comm.Incoming | None = None
+    recv_skip: dict[int, comm.Incoming] = field(default_factory=dict)
+    recv_skip_grad: dict[int, comm.Incoming] = field(default_factory=dict)
 
 
 def _as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
@@ -129,14 +150,21 @@ class StepResult:
     outputs: list[TensorOrTensors]
 
 
+SpecKey = tuple[int, int, int]   # (channel, peer stage, micro-batch) of a forward message
+
+
 class StageExecutor:
     """Interprets a stage's action list for one step (training or inference)."""
 
     def __init__(self, spec: StageSpec) -> None:
         self.spec = spec
-        self.history = comm.History()  # predicts the P2P headers of a step from the last one
+        self.wire = comm.Wire(tags=spec.p2p_tags)
+        self.book = comm.SpecBook()   # the agreed message specs of each step signature
+        self.steps = 0                # steps run: keys this rank's aborts in the store
         s = spec.stage
         self.first, self.last = s == 0, s == spec.num_stages - 1
+        self.tp = 1 if spec.tp_group is None else dist.get_world_size(spec.tp_group)
+        self._stages = {spec.rank_of_stage(t): t for t in range(spec.num_stages)}
         self.skip_in: dict[int, list[SkipRoute]] = {}
         self.skip_out: dict[int, list[SkipRoute]] = {}
         for r in spec.routes:
@@ -146,72 +174,176 @@ class StageExecutor:
                 self.skip_out.setdefault(r.dst, []).append(r)
 
     # one step ----------------------------------------------------------------------------
-    def run(self, actions: Sequence[Action], *, inputs: Sequence[TensorOrTensors] | None,
+    def run(self, actions: Sequence[Action | Comm], *, inputs: Sequence[TensorOrTensors] | None,
             targets: Sequence[Any] | None, loss_fn: Callable[..., Tensor] | None,
-            weights: Sequence[float], train: bool, what: str = "step") -> StepResult:
+            weights: Sequence[float], train: bool, what: str = "step",
+            signature: Hashable = None,
+            before_last_backward: Callable[[], None] | None = None) -> StepResult:
         """Run `actions`; `inputs` on the first stage, `targets` and `loss_fn` on the last.
 
         `what` names the step in error messages ("train_step", "eval_step", "forward").
+        `signature` identifies the shapes of the step (the same on every rank): a step of a
+        signature seen before sends no headers. `before_last_backward` is called just before
+        this stage's last backward (the dp buckets arm there).
         """
         self.train, self.inputs, self.targets = train, inputs, targets
         self.loss_fn, self.weights = loss_fn, weights
         self.m = len(weights)
-        self.history.new_step(what)  # its P2P headers are predicted from the last such step
+        key = (train, signature)
+        self.signature = comm.signature_hash(key)
+        self.agreed = self.book.get(key)          # None: this step learns the specs
+        self.learned: dict[SpecKey, comm.MessageSpec] = {}
         self.mbs = [_MicroBatch(key=torch.empty(0)) for _ in range(self.m)]
-        self.sends: list[tuple[Any, str, int]] = []
+        self.sends: list[tuple[list[Any], str, int]] = []   # (works, message, peer stage)
+        self.incoming: list[comm.Incoming] = []   # the receives of the group being queued
         self.loss_sum: Tensor | None = None
         self.outputs: list[TensorOrTensors] = []
         self.what, self.actions, self.last_done = what, list(actions), None
-        handlers = {"RECV_F": self._recv_f, "F": self._forward, "SEND_F": self._send_f,
-                    "RECV_B": self._recv_b, "B": self._backward, "SEND_B": self._send_b}
+        self.issued_upto = 0                      # actions before this index are issued
+        last_backward = max((k for k, a in enumerate(self.actions) if a.kind == BACKWARD),
+                            default=-1)
+        handlers = {RECV_F: self._communicate, FORWARD: self._forward,
+                    SEND_F: self._communicate, RECV_B: self._communicate,
+                    BACKWARD: self._backward, SEND_B: self._communicate,
+                    GROUP: lambda _: None}
         recorder = trace.RECORDER
         recorder.stage, recorder.microbatch = self.spec.stage, -1
-        with trace.span("step"):
-            for index, action in enumerate(self.actions):
-                recorder.microbatch = action.microbatch  # tags the events of this action
+        try:
+            with trace.span("step"):
+                for index, action in enumerate(self.actions):
+                    recorder.microbatch = action.microbatch  # tags the events of this action
+                    try:
+                        if action.kind in COMPUTE or action.kind == GROUP:
+                            self._issue(index)
+                        if index == last_backward and before_last_backward is not None:
+                            before_last_backward()
+                        handlers[action.kind](action)
+                    except Exception as e:
+                        raise self._fail(e, index) from e
+                    self.last_done = action
+                recorder.microbatch = -1
                 try:
-                    handlers[action.kind](action.microbatch)
-                except Exception as e:
-                    raise self._fail(e, index) from e
-                self.last_done = action
-            recorder.microbatch = -1
-            with trace.span("wait"):
-                try:
-                    for work, what_, stage in self.sends:
-                        self._wait(work, what_, stage)
+                    self._issue(len(self.actions))
+                    with trace.span("wait"):
+                        for works, what_, stage in self.sends:
+                            self._wait(works, what_, stage)
                 except Exception as e:
                     raise self._fail(e, len(self.actions)) from e
-        self.mbs = []
+        finally:
+            self.steps += 1
+            self.wire.pending.clear()
+        if self.agreed is None:
+            self.book.commit(key, self.learned)
+        self.mbs, self.sends = [], []
         return StepResult(self.loss_sum, self.outputs)
 
-    def _wait(self, work: Any, what: str, stage: int) -> None:
+    def _issue(self, index: int) -> None:
+        """Issue the communication queued since the last compute as one group.
+
+        On a new signature the forward-direction receives of the group are headers: wait for
+        them, then issue their payload receives as a second group.
+        """
+        incoming, self.incoming = self.incoming, []
+        self.issued_upto = index
+        works = self._issue_group()
+        for message in incoming:
+            message.issued(works)
+        learning = [m for m in incoming if m.spec is None]
+        if not learning:
+            return
+        with trace.span("wait"):
+            for message in learning:
+                stage = self._stage_of(message.src)
+                try:
+                    spec = message.learn(self._timeout, self.signature)
+                except comm.PeerFailed as e:
+                    raise Aborted(f"receive {message.label} from", stage, message.src, e) \
+                        from e
+                except ValueError:   # the peer's step has other shapes: this rank's failure
+                    raise
+                except RuntimeError as e:
+                    raise WaitFailed(f"receive {message.label} from", stage, message.src, e) \
+                        from e
+                self.learned[message.channel, stage, message.microbatch] = spec
+        works = self._issue_group()
+        for message in learning:
+            message.issued(works)
+
+    def _issue_group(self) -> list[tuple[comm.Op, list[Any]]]:
+        """Issue the wire's queue; keep the works of its sends to wait for at the end."""
+        group = self.wire.issue()
+        for op, works in group:
+            if op.send:
+                self.sends.append((works, op.message, self._stage_of(op.peer)))
+        return group
+
+    @property
+    def _timeout(self) -> datetime.timedelta | None:
+        # gloo waits are bounded; a wait on NCCL work only orders streams (no host poll)
+        return self.spec.timeout if self.spec.device.type == "cpu" else None
+
+    def _stage_of(self, rank: int) -> int:
+        return self._stages[rank]
+
+    def _wait(self, works: list[Any], what: str, stage: int) -> None:
         try:
-            work.wait(self.spec.timeout)
+            for work in works:
+                comm.wait(work, self._timeout)
         except RuntimeError as e:
             raise WaitFailed(f"send {what} to", stage, self._rank(stage), e) from e
 
     def _rank(self, stage: int) -> int:
         return self.spec.rank_of_stage(stage)
 
-    def _recv(self, posted: comm.PostedRecv | None, what: str, stage: int) -> tuple[Tensor, ...]:
+    def _recv(self, posted: comm.Incoming | None, what: str, stage: int) -> tuple[Tensor, ...]:
         assert posted is not None, f"schedule error: {what} was never posted"
         try:
-            return posted.wait(self.spec.timeout)
+            return posted.finish(self._timeout)
         except comm.PeerFailed as e:
             raise Aborted(f"receive {what} from", stage, posted.src, e) from e
         except RuntimeError as e:
             raise WaitFailed(f"receive {what} from", stage, posted.src, e) from e
 
-    def _post(self, stage: int, channel: int) -> comm.PostedRecv:
-        return comm.post_recv(self._rank(stage), channel=channel, tp_group=self.spec.tp_group,
-                              history=self.history)
+    def _agreed(self, channel: int, stage: int, i: int) -> comm.MessageSpec | None:
+        """The spec of forward message (channel, peer stage, micro-batch) (None: learn it)."""
+        key = (channel, stage, i)
+        if self.agreed is not None:
+            return self.agreed[key]
+        return self.learned.get(key)
 
-    def _send(self, tensors: Sequence[Tensor], stage: int, channel: int, what: str,
+    def _post(self, stage: int, channel: int, i: int, what: str,
+              spec: comm.MessageSpec | None) -> comm.Incoming:
+        message = comm.Incoming(self.wire, self._rank(stage), channel, what, spec=spec,
+                                tp_group=self.spec.tp_group, device=self.spec.device,
+                                step=self.steps, microbatch=i)
+        self.incoming.append(message)
+        return message
+
+    def _send(self, tensors: Sequence[Tensor], stage: int, channel: int, i: int, what: str,
               *, grads: bool, single: bool = False) -> None:
-        works = comm.send(tuple(tensors), self._rank(stage), channel=channel,
-                          tp_group=self.spec.tp_group, grads=grads, single=single,
-                          history=self.history)
-        self.sends.extend((w, what, stage) for w in works)
+        """Queue a message to `stage`: forward-direction ones (grads=True or eval) are checked
+        against, or teach, the agreed spec; gradients follow their forward message's spec."""
+        header = None
+        if channel in (FWD, SKIP):
+            spec = comm.spec_of(tensors, self.tp, grads=grads, single=single)
+            agreed = self._agreed(channel, stage, i)
+            if self.agreed is None:
+                self.learned[channel, stage, i] = spec
+                header = comm.header(spec, self.signature, self.spec.device)
+            elif agreed != spec:
+                raise ValueError(
+                    f"{what} is {_describe(spec)} but in the first step of these input "
+                    f"shapes it was {_describe(agreed)}; a stage's outputs must have the same "
+                    "shapes, dtypes and parallel-dim tags whenever its inputs have the same "
+                    "shapes (make shapes depend on input shapes only, not on values)")
+        else:
+            forward = self._agreed(FWD if channel == BWD else SKIP, stage, i)
+            assert forward is not None, f"{what}: its forward message was never exchanged"
+            spec = forward.grads()
+        with trace.span("send", peer=self._rank(stage), channel=channel,
+                        nbytes=sum(_nbytes(t) for t in tensors)):
+            comm.send_message(self.wire, tensors, spec, self._rank(stage), channel, what,
+                              tp_group=self.spec.tp_group, header=header)
 
     # failures ----------------------------------------------------------------------------
     def _place(self, index: int = 0) -> failure.StepPlace:
@@ -229,38 +361,53 @@ class StageExecutor:
         except PipelineError:
             raise
         except RuntimeError as e:
-            self.history.clear()
+            self.book.clear()
             raise failure.collective_error(operation, ranks, self._place(), e) from e
 
     def _fail(self, error: Exception, index: int) -> PipelineError:
         """The error block of a failure at action `index`, after telling the peers (aborts)."""
-        self.history.clear()  # this step's messages were not all exchanged
+        self.book.clear()  # this step's messages were not all exchanged
+        self.wire.pending.clear()
+        self.incoming = []
         if isinstance(error, PipelineError):
             return error
         place = self._place(index)
         hint = "" if isinstance(error, WaitFailed) else self._hint(error, place.action)
         report = failure.describe(error, place, hint=hint)
-        failure.send_aborts(self._owed(index), report, self.spec.timeout)
+        failure.send_aborts(self._owed(), report, self.spec.timeout, step=self.steps)
         return PipelineError(report.message)
 
-    def _owed(self, index: int) -> list[tuple[int, int]]:
-        """(rank, channel) of every message this stage still owes a peer from action `index`."""
-        targets: list[tuple[int, int]] = []
-        for action in self.actions[index:]:
-            if action.kind == "SEND_F":
-                targets += [(self._rank(self.spec.stage + 1), FWD)]
-                targets += [(self._rank(dst), SKIP) for dst in self.skip_out]
-            elif action.kind == "SEND_B":
-                targets += [(self._rank(self.spec.stage - 1), BWD)]
-                targets += [(self._rank(src), SKIPG) for src in self.skip_in]
-        return targets
+    def _owed(self) -> list[tuple[int, int, Tensor]]:
+        """(rank, channel, abort dummy) of the next message this stage owes each peer.
+
+        Messages match by order, so one dummy in place of the next message owed to a peer
+        stops it (with `p2p_tags`, the next on each channel: it may wait on any of them).
+        """
+        owed: dict[tuple[int, int], Tensor] = {}
+        for action in self.actions[self.issued_upto:]:
+            for m in messages(action, self.spec.stage, list(self.skip_in), list(self.skip_out)):
+                key = (self._rank(m.peer), m.channel if self.spec.p2p_tags else 0)
+                if not m.send or key in owed:
+                    continue
+                forward = self._agreed(FWD if m.channel in (FWD, BWD) else SKIP, m.peer,
+                                       action.microbatch)
+                if forward is None and m.channel in (FWD, SKIP):  # the peer waits for a header
+                    owed[key] = comm.header_dummy(self.spec.device)
+                elif forward is None:   # a gradient whose size this stage never learned
+                    owed[key] = comm.abort_dummy(None, None, self.spec.device)
+                else:
+                    spec = forward if m.channel in (FWD, SKIP) else forward.grads()
+                    if spec.tensors:
+                        owed[key] = comm.abort_dummy(spec.tensors[0], self.spec.tp_group,
+                                                     self.spec.device)
+        return [(rank, channel, dummy) for (rank, channel), dummy in owed.items()]
 
     def _hint(self, error: Exception, action: Action | None) -> str:
         """How to fix a failure inside this stage's own computation (empty: no advice)."""
         if "Timed out" in str(error):
             return ("a collective inside the stage timed out: a tensor-parallel peer of this "
                     "stage is stuck or failed (see its error)")
-        if action is None or action.kind != "F" or self.first or not isinstance(
+        if action is None or action.kind != FORWARD or self.first or not isinstance(
                 error, (RuntimeError, ValueError)):
             return ""
         mb = self.mbs[action.microbatch]
@@ -270,14 +417,51 @@ class StageExecutor:
                 f"{shapes}; check that the layers on both sides of the stage boundary fit (run "
                 "the model on one device: model(x) must work)")
 
-    # forward -----------------------------------------------------------------------------
-    def _recv_f(self, i: int) -> None:
+    # communication -----------------------------------------------------------------------
+    def _communicate(self, action: Action | Comm) -> None:
+        """Queue the messages of a SEND / RECV action (`lowering.messages` gives the order)."""
+        i = action.microbatch
         mb = self.mbs[i]
-        mb.recv_f = self._post(self.spec.stage - 1, FWD)
-        for src in self.skip_in:
-            mb.recv_skip[src] = self._post(src, SKIP)
+        for m in messages(action, self.spec.stage, list(self.skip_in), list(self.skip_out)):
+            what = LABELS[m.channel].format(i)
+            if m.send:
+                self._send_one(mb, m.peer, m.channel, i, what)
+                continue
+            forward = self._agreed(FWD if m.channel in (FWD, BWD) else SKIP, m.peer, i)
+            if m.channel in (BWD, SKIPG):
+                assert forward is not None, f"{what}: its forward message was never exchanged"
+                forward = forward.grads()
+            incoming = self._post(m.peer, m.channel, i, what, forward)
+            if m.channel == FWD:
+                mb.recv_f = incoming
+            elif m.channel == SKIP:
+                mb.recv_skip[m.peer] = incoming
+            elif m.channel == BWD:
+                mb.recv_b = incoming
+            else:
+                mb.recv_skip_grad[m.peer] = incoming
+        if action.kind == SEND_F and not self.train:
+            mb.outputs, mb.skips_out = None, {}
+        elif action.kind == SEND_B:
+            mb.input_grads, mb.skip_grads = (), {}
 
-    def _forward(self, i: int) -> None:
+    def _send_one(self, mb: _MicroBatch, peer: int, channel: int, i: int, what: str) -> None:
+        """Queue one message of micro-batch `i` to stage `peer`."""
+        if channel == FWD:
+            assert mb.outputs is not None
+            self._send(_as_tuple(mb.outputs), peer, FWD, i, what, grads=self.train,
+                       single=isinstance(mb.outputs, Tensor))
+        elif channel == SKIP:
+            self._send([mb.skips_out[r.key] for r in self.skip_out[peer]], peer, SKIP, i, what,
+                       grads=self.train)
+        elif channel == BWD:
+            self._send(mb.input_grads, peer, BWD, i, what, grads=False)
+        else:
+            self._send(mb.skip_grads[peer], peer, SKIPG, i, what, grads=False)
+
+    # forward -----------------------------------------------------------------------------
+    def _forward(self, action: Action) -> None:
+        i = action.microbatch
         mb = self.mbs[i]
         if self.first:
             assert self.inputs is not None
@@ -286,7 +470,8 @@ class StageExecutor:
             posted, mb.recv_f = mb.recv_f, None
             received = self._recv(posted, f"the activation of micro-batch {i}",
                                   self.spec.stage - 1)
-            mb.inputs = received[0] if posted is not None and posted.single else received
+            single = posted is not None and posted.spec is not None and posted.spec.single
+            mb.inputs = received[0] if single else received
         for src, routes in self.skip_in.items():
             tensors = self._recv(mb.recv_skip.pop(src), f"the skips of micro-batch {i}", src)
             mb.skips_in.update((r.key, t) for r, t in zip(routes, tensors))
@@ -304,14 +489,14 @@ class StageExecutor:
         if self.last:
             if self.train:
                 assert mb.loss is not None
-                value = mb.loss.detach()
+                value = mb.loss.detach().float()   # reported in fp32 (bf16 runs too)
                 self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
                 if checkpointed:
                     mb.loss = None
             elif self.loss_fn is not None and self.targets is not None:  # evaluation
                 assert mb.outputs is not None
                 with torch.no_grad():
-                    value = _scalar_loss(self.loss_fn(mb.outputs, self.targets[i])) \
+                    value = _scalar_loss(self.loss_fn(mb.outputs, self.targets[i])).float() \
                         * self.weights[i]
                 self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
                 mb.outputs = None
@@ -333,26 +518,9 @@ class StageExecutor:
             assert self.loss_fn is not None and self.targets is not None
             mb.loss = _scalar_loss(self.loss_fn(out, self.targets[i])) * self.weights[i]
 
-    def _send_f(self, i: int) -> None:
-        mb = self.mbs[i]
-        assert mb.outputs is not None
-        self._send(_as_tuple(mb.outputs), self.spec.stage + 1, FWD,
-                   f"the activation of micro-batch {i}", grads=self.train,
-                   single=isinstance(mb.outputs, Tensor))
-        for dst, routes in self.skip_out.items():
-            self._send([mb.skips_out[r.key] for r in routes], dst, SKIP,
-                       f"the skips of micro-batch {i}", grads=self.train)
-        if not self.train:
-            mb.outputs, mb.skips_out = None, {}
-
     # backward ----------------------------------------------------------------------------
-    def _recv_b(self, i: int) -> None:
-        mb = self.mbs[i]
-        mb.recv_b = self._post(self.spec.stage + 1, BWD)
-        for dst in self.skip_out:
-            mb.recv_skip_grad[dst] = self._post(dst, SKIPG)
-
-    def _backward(self, i: int) -> None:
+    def _backward(self, action: Action) -> None:
+        i = action.microbatch
         mb = self.mbs[i]
         if mb.rng is not None:  # checkpointed: recompute the forward with the replayed RNG
             with trace.span("recompute"), self.spec.replay.recompute(mb.rng):
@@ -385,13 +553,16 @@ class StageExecutor:
         mb.inputs = mb.outputs = mb.loss = None
         mb.skips_in, mb.skips_out, mb.recv_b = {}, {}, None
 
-    def _send_b(self, i: int) -> None:
-        mb = self.mbs[i]
-        self._send(mb.input_grads, self.spec.stage - 1, BWD,
-                   f"the gradient of micro-batch {i}", grads=False)
-        for src, grads in mb.skip_grads.items():
-            self._send(grads, src, SKIPG, f"the skip gradients of micro-batch {i}", grads=False)
-        mb.input_grads, mb.skip_grads = (), {}
+
+def _describe(spec: comm.MessageSpec | None) -> str:
+    if spec is None:
+        return "nothing"
+    return ", ".join(f"{t.shape} {t.dtype}" + ("" if t.tag is None else f" tag {t.tag}")
+                     for t in spec.tensors) or "no tensors"
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _scalar_loss(loss: Any) -> Tensor:

@@ -13,10 +13,12 @@ expect messages from it, so they stop at once instead of waiting out the timeout
                                       failed first: stage 0 …"      rank that failed first
 
 An abort carries the headline (and hint) of the rank that failed first, so every peer's error
-quotes it. Sends of aborts are awaited within the timeout (a gloo send completes when it is
-received). A stage stopped by a peer's abort raises `PEER_GRACE` seconds later, so a launcher
-that reports the first failure by time shows the original error. After a `PipelineError` the
-P2P channels hold unmatched messages: end the job (launchers restart it from a checkpoint).
+quotes it: it is published in the store, then a dummy of the size the peer expects takes the
+place of the next message owed (`comm`). Sends of aborts are awaited within the timeout (a
+gloo send completes when it is received). A stage stopped by a peer's abort raises
+`PEER_GRACE` seconds later, so a launcher that reports the first failure by time shows the
+original error. After a `PipelineError` the P2P channels hold unmatched messages: end the job
+(launchers restart it from a checkpoint).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import datetime
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import Tensor
 
 from hybridpar import comm
 from hybridpar.pipeline.schedule import Action
@@ -168,21 +173,28 @@ def collective_error(operation: str, ranks: Sequence[int], place: StepPlace,
     return PipelineError(_block(headline, place, details, doing))
 
 
-def send_aborts(targets: Iterable[tuple[int, int]], report: Report,
-                timeout: datetime.timedelta) -> None:
-    """Send `report`'s origin as an abort to each (rank, channel) not skipped; await them.
+def send_aborts(targets: Iterable[tuple[int, int, Tensor]], report: Report,
+                timeout: datetime.timedelta, *, step: int) -> None:
+    """Tell each peer of `targets` (rank, tag, abort dummy) not skipped that this rank
+    stopped: publish `report`'s origin in the store, then send the dummies; await them.
 
     A stage stopped by a peer then waits `PEER_GRACE` seconds, so the first failure is
     reported first.
     """
     rank, stage, text = report.origin
+    targets = [t for t in targets if t[0] not in report.skip]
+    if not targets:
+        if report.by_peer:
+            time.sleep(PEER_GRACE)
+        return
+    try:
+        comm.publish_abort(step, origin_rank=rank, origin_stage=stage, message=text)
+    except RuntimeError:  # the store is gone: the peers will time out
+        return
     works = []
-    for dst, channel in dict.fromkeys(targets):
-        if dst in report.skip:
-            continue
+    for dst, tag, dummy in targets:
         try:
-            works.append(comm.send_abort(dst, channel=channel, origin_rank=rank,
-                                         origin_stage=stage, message=text))
+            works.append(dist.isend(dummy, dst, tag=tag))
         except RuntimeError:  # the peer is gone: nothing to tell
             pass
     deadline = time.monotonic() + timeout.total_seconds()

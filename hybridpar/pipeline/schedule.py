@@ -6,26 +6,31 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, TypeVar
 
 __all__ = [
     "BACKWARD",
     "COMPUTE",
     "FORWARD",
+    "GROUP",
     "RECV_B",
     "RECV_F",
     "SCHEDULES",
     "SEND_B",
     "SEND_F",
     "Action",
+    "Comm",
     "Schedule",
     "ScheduleError",
     "SimResult",
     "Span",
+    "end_times",
     "get_schedule",
     "gpipe",
+    "groups",
     "live_microbatches",
     "one_f_one_b",
+    "place",
     "render",
     "render_timeline",
     "simulate",
@@ -41,10 +46,13 @@ __all__ = [
 #   SEND_F  s + 1    post a non-blocking send of the output of F(i) (after F(i))
 #   RECV_B  s + 1    post a non-blocking receive of the output gradient of micro-batch i
 #   SEND_B  s - 1    post a non-blocking send of the input gradient of B(i) (after B(i))
+#   GROUP   -        end the group of communication here (-1: no micro-batch)
 #
-# A receive only posts; the F / B that consumes the data waits for it. Sends are awaited at
-# the end of the step. Receives on one channel match sends in posting order (FIFO), so the
-# micro-batch order of both sides must agree: a swap gives silently wrong numbers.
+# The communication actions between two compute actions form one group, issued together
+# (`groups`). A receive only posts; the F / B that consumes the data waits for it. Sends are
+# awaited at the end of the step. Messages between two ranks match by order alone (as NCCL
+# matches them), so the micro-batch order of both sides must agree: a swap gives silently
+# wrong numbers.
 FORWARD = "F"
 BACKWARD = "B"
 RECV_F = "RECV_F"
@@ -52,7 +60,8 @@ SEND_F = "SEND_F"
 RECV_B = "RECV_B"
 SEND_B = "SEND_B"
 COMPUTE = (FORWARD, BACKWARD)
-_KINDS = (FORWARD, BACKWARD, RECV_F, SEND_F, RECV_B, SEND_B)
+GROUP = "GROUP"   # ends a group of communication without a compute (two slots in a row)
+_KINDS = (FORWARD, BACKWARD, RECV_F, SEND_F, RECV_B, SEND_B, GROUP)
 
 
 class Action(NamedTuple):
@@ -62,10 +71,18 @@ class Action(NamedTuple):
     microbatch: int
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return self.kind if self.kind == GROUP else f"{self.kind}{self.microbatch}"
 
 
 Schedule = list[list[Action]]
+
+
+class _Kinded(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+
+ActionLike = TypeVar("ActionLike", bound=_Kinded)   # an Action, or a lowered Comm
 
 
 class ScheduleError(ValueError):
@@ -78,42 +95,126 @@ def _check_sizes(stages: int, microbatches: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _with_communication(stage: int, stages: int, compute: Sequence[Action]) -> list[Action]:
-    """Insert the receives and sends one stage needs around its compute order.
+class Comm(NamedTuple):
+    """A communication action limited to one peer stage (a skip's message in its own slot)."""
 
-    The receive for a compute action is posted just before the previous compute action (so
-    the transfer overlaps it), or at the very start; a send right after its producer:
+    kind: str
+    microbatch: int
+    peer: int
 
-        compute  F0 F1 B1 B0   on a middle stage
-        actions  RECV_F0 RECV_F1 F0 SEND_F0 RECV_B1 F1 SEND_F1 RECV_B0 B1 SEND_B1 B0 SEND_B0
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+Peers = Callable[[int, str, int], list[int]]   # (stage, SEND_F/RECV_F/..., mb) -> peer stages
+
+
+def _adjacent(stages: int) -> Peers:
+    def peers(stage: int, kind: str, microbatch: int) -> list[int]:
+        peer = stage + 1 if kind in (SEND_F, RECV_B) else stage - 1
+        return [peer] if 0 <= peer < stages else []
+    return peers
+
+
+def end_times(orders: Sequence[Sequence[Action]]) -> dict[tuple[int, Action], int]:
+    """When each compute ends in a unit-time run of the stages' compute orders (F needs F of
+    the stage before, B the B of the stage after)."""
+    stages = len(orders)
+    end: dict[tuple[int, Action], int] = {}
+    clock, pc = [0] * stages, [0] * stages
+    progress = True
+    while progress:
+        progress = False
+        for s, order in enumerate(orders):
+            while pc[s] < len(order):
+                action = order[pc[s]]
+                peer = s - 1 if action.kind == FORWARD else s + 1
+                need = (peer, action) if 0 <= peer < stages else None
+                if need is not None and need not in end:
+                    break
+                clock[s] = max(clock[s], end[need] if need else 0) + 1
+                end[s, action] = clock[s]
+                pc[s] += 1
+                progress = True
+    if any(pc[s] < len(order) for s, order in enumerate(orders)):
+        raise ScheduleError("the compute orders of the stages wait on each other (deadlock)")
+    return end
+
+
+def place(orders: Sequence[Sequence[Action]], *, peers: Peers | None = None
+          ) -> list[list[Action | Comm]]:
+    """Insert each stage's sends and receives, every message in its *slot*.
+
+    A message's slot is the time its producer ends in a unit-time run (`end_times`). Both
+    ends put it in the same slot, each stage issues its slots in time order, and the
+    communication of one slot is one group (one `batch_isend_irecv`), issued before the
+    computes that start at or after it. A rendezvous in slot t so only ever waits for ranks
+    at slot t: NCCL progresses, whatever the peers (`peers`: which stages each SEND / RECV
+    of a micro-batch talks to; default the neighbours). Without skips this is Megatron's
+    pairing (send_forward_recv_backward, ...), with each receive posted as early as its
+    message exists:
+
+        compute  F0 F1 B1 B0   on stage 1 of 3, GPipe
+        actions  RECV_F0 | F0 | RECV_F1 SEND_F0 | F1 | SEND_F1 GROUP RECV_B1 | B1 |
+                 SEND_B1 RECV_B0 | B0 | SEND_B0
+
+    A communication action whose messages fall in different slots (a skip from a stage
+    further away) is split into one `Comm` per peer.
     """
-    first, last = stage == 0, stage == stages - 1
-
-    def recv(action: Action) -> list[Action]:
-        if action.kind == FORWARD and not first:
-            return [Action(RECV_F, action.microbatch)]
-        if action.kind == BACKWARD and not last:
-            return [Action(RECV_B, action.microbatch)]
-        return []
-
-    def send(action: Action) -> list[Action]:
-        if action.kind == FORWARD and not last:
-            return [Action(SEND_F, action.microbatch)]
-        if action.kind == BACKWARD and not first:
-            return [Action(SEND_B, action.microbatch)]
-        return []
-
-    actions = recv(compute[0]) if compute else []
-    for k, action in enumerate(compute):
-        if k + 1 < len(compute):
-            actions += recv(compute[k + 1])
-        actions.append(action)
-        actions += send(action)
-    return actions
+    stages = len(orders)
+    peers = peers if peers is not None else _adjacent(stages)
+    end = end_times(orders)
+    placed = []
+    for s, order in enumerate(orders):
+        # (time, 0 = communication | 1 = compute, tie-break, action)
+        events: list[tuple[int, int, int, Action | Comm]] = []
+        for position, action in enumerate(order):
+            events.append((end[s, action] - 1, 1, position, action))
+            i = action.microbatch
+            send, recv = (SEND_F, RECV_F) if action.kind == FORWARD else (SEND_B, RECV_B)
+            slots: dict[tuple[str, int], list[int]] = {}   # (kind, slot) -> peers
+            for peer in peers(s, send, i):
+                slots.setdefault((send, end[s, action]), []).append(peer)
+            for peer in peers(s, recv, i):
+                slots.setdefault((recv, end[peer, action]), []).append(peer)
+            whole = {kind: sum(k == kind for k, _ in slots) == 1 for kind in (send, recv)}
+            for (kind, slot), group in slots.items():
+                if whole[kind]:
+                    events.append((slot, 0, group[0], Action(kind, i)))
+                else:
+                    events += [(slot, 0, peer, Comm(kind, i, peer)) for peer in group]
+        events.sort(key=lambda e: e[:3])
+        actions: list[Action | Comm] = []
+        for k, (slot, is_compute, _, item) in enumerate(events):
+            if k and not is_compute and not events[k - 1][1] and events[k - 1][0] != slot:
+                actions.append(Action(GROUP, -1))   # two slots with no compute between
+            actions.append(item)
+        placed.append(actions)
+    return placed
 
 
 def _build(stages: int, order: Callable[[int], list[Action]]) -> Schedule:
-    return [_with_communication(s, stages, order(s)) for s in range(stages)]
+    return [list(map(_as_action, actions)) for actions in place([order(s) for s in
+                                                                  range(stages)])]
+
+
+def _as_action(action: Action | Comm) -> Action:
+    return action if isinstance(action, Action) else Action(action.kind, action.microbatch)
+
+
+def groups(actions: Sequence[ActionLike]) -> list[list[ActionLike]]:
+    """The communication groups of a stage's actions: the runs between compute actions (or
+    a ``GROUP`` action, which only ends a group).
+
+        RECV_F0 F0 SEND_F0 RECV_F1 F1 SEND_F1  ->  [[RECV_F0], [SEND_F0, RECV_F1], [SEND_F1]]
+    """
+    out: list[list[ActionLike]] = [[]]
+    for action in actions:
+        if action.kind in COMPUTE or action.kind == "GROUP":
+            out.append([])
+        else:
+            out[-1].append(action)
+    return [g for g in out if g]
 
 
 def _fresh(cached: Callable[[int, int], tuple[tuple[Action, ...], ...]]
@@ -255,6 +356,8 @@ def _check_stage(s: int, stages: int, actions: Sequence[Action]) -> None:
         where = f"stage {s}: {action}"
         if kind not in _KINDS:
             raise ScheduleError(f"{where}: unknown kind {kind!r}; use one of {_KINDS}")
+        if kind == GROUP:
+            continue
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
             raise ScheduleError(f"{where}: micro-batch must be an integer >= 0, got {i!r}")
         if kind not in COMPUTE and not 0 <= _peer(s, kind) < stages:

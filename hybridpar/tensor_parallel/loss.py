@@ -76,29 +76,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             with collective("all_reduce", head.numel() * head.element_size()):
                 dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
         row_max = head[:rows]                                        # (R,)
-        widths = [int(w) for w in head[rows:].tolist()]
-        classes, start = sum(widths), sum(widths[:rank])
+        # C and this rank's start stay on the device: reading them would synchronise the host
+        widths = head[rows:].round().long()                          # (n,)
+        classes, start = widths.sum(), widths[:rank].sum()           # 0-d tensors
 
         ignored = t == ignore_index                                  # (R,)
         bad = ~ignored & ((t < 0) | (t >= classes))
-        if bool(bad.any()):
-            raise IndexError(f"Target {int(t[bad][0])} is out of bounds for {classes} classes "
-                             f"(ignore_index={ignore_index})")
+        if t.device.type == "cpu":   # a clear error where it costs nothing
+            if bool(bad.any()):
+                raise IndexError(f"Target {int(t[bad][0])} is out of bounds for "
+                                 f"{int(classes)} classes (ignore_index={ignore_index})")
+        else:                        # on a GPU: checked on the device, no host sync
+            torch._assert_async(~bad.any(), "a target is out of bounds for the classes of "
+                                            "the sharded logits")
         if weight is not None:
-            if weight.shape != (classes,):
+            if weight.dim() != 1 or (weight.device.type == "cpu"
+                                     and weight.shape[0] != int(classes)):
                 raise ValueError(
                     f"weight has shape {tuple(weight.shape)} but the sharded logits have "
-                    f"{classes} classes in all; give the full ({classes},) class weight on "
+                    f"{int(classes)} classes in all; give the full ({int(classes)},) class "
+                    "weight on "
                     "every rank"
                 )
             weight = weight.detach().to(device=x.device, dtype=dtype)
             w_target = weight[t.masked_fill(ignored, 0)].masked_fill(ignored, 0.0)  # (R,)
-            w_local = weight[start:start + width]                    # (Cl,)
+            w_local = weight.narrow(0, start, width)                 # (Cl,)
             w_total = weight.sum()
         else:
             w_target = (~ignored).to(dtype)
             w_local = None
-            w_total = x.new_tensor(float(classes))
+            w_total = classes.to(dtype)
 
         # 2-3. shifted logits, local sums, the owner's target logit: one SUM all-reduce.
         shifted = x - row_max.unsqueeze(-1)                          # (R, Cl)
@@ -136,7 +143,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                               w_total, w_local if w_local is not None else x.new_ones(()))
         ctx.smoothing, ctx.classes, ctx.reduction = label_smoothing, classes, reduction
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
-        return out.to(logits.dtype)
+        # under autocast the loss stays in fp32, as autocast keeps F.cross_entropy's
+        return out if torch.is_autocast_enabled(logits.device.type) else out.to(logits.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

@@ -92,7 +92,11 @@ def split_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
 
 def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
                      length: int | None = None) -> Tensor:
-    """Concatenate every rank's `x` along `dim`; `length` is the full length when uneven."""
+    """Concatenate every rank's `x` along `dim`; `length` is the full length when uneven.
+
+    One `all_gather_single` (the tensor form, `all_gather_into_tensor`) of the shards, one
+    after another (uneven shards padded to the widest), then each narrowed to its size.
+    """
     n = group_size(group)
     if n == 1:
         return x
@@ -100,27 +104,39 @@ def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
     sizes = shard_sizes(length, n) if length is not None else [x.shape[dim]] * n
     widest = max(sizes)
     local = x.contiguous()
-    if local.shape[dim] < widest:  # pad to the widest shard: gloo gathers equal sizes only
+    if local.shape[dim] < widest:  # pad to the widest shard: the gather moves equal sizes
         pad_shape = list(local.shape)
         pad_shape[dim] = widest - local.shape[dim]
         local = torch.cat([local, local.new_zeros(pad_shape)], dim=dim)
-    parts = [torch.empty_like(local) for _ in range(n)]
+    flat = local.new_empty(n * local.numel())   # every shard flattened, one after another
     full = local.numel() // max(local.shape[dim], 1) * sum(sizes) * local.element_size()
     with collective("all_gather", full):
-        dist.all_gather(parts, local, group=group)
-    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
+        dist.all_gather_single(flat, local.view(-1), group=group)
+    stacked = flat.view(n, *local.shape)                               # (n, ..., widest, ...)
+    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(stacked.unbind(0), sizes)], dim=dim)
 
 
 def reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
-    """Sum `x` over the group and keep this rank's slice along `dim`."""
+    """Sum `x` over the group and keep this rank's slice along `dim` (`shard_sizes`).
+
+    One `reduce_scatter_single` (the tensor form, `reduce_scatter_tensor`) over the slices
+    stacked on a new leading dim (uneven slices padded to the widest).
+    """
     n = group_size(group)
     if n == 1:
         return x
-    # gloo has no reduce_scatter: an all-reduce then a slice gives the same numbers.
-    total = x.contiguous().clone()
-    with collective("reduce_scatter", _nbytes(total)):
-        dist.all_reduce(total, group=group)
-    return split_along(total, dim, group).contiguous()
+    dim = dim % x.dim()
+    sizes = shard_sizes(x.shape[dim], n)
+    widest = max(sizes)
+    shape = list(x.shape)
+    shape[dim] = widest
+    stacked = x.new_zeros((n, *shape))                                 # (n, ..., widest, ...)
+    for r, part in enumerate(x.split(sizes, dim=dim)):
+        stacked[r].narrow(dim, 0, part.shape[dim]).copy_(part)
+    out = x.new_empty(shape)
+    with collective("reduce_scatter", _nbytes(x)):
+        dist.reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)
+    return out.narrow(dim, 0, sizes[group_rank(group)]).contiguous()
 
 
 class _CopyToGroup(torch.autograd.Function):

@@ -1,0 +1,183 @@
+"""Data-parallel gradient averaging in buckets, launched during the last backward of a step."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup, Work
+from torch.utils.hooks import RemovableHandle
+
+from hybridpar import trace
+
+__all__ = ["GradBuckets"]
+
+# Bucket order and launch rule. Buckets are cut once, from the parameters in reverse
+# registration order (the order backward usually finishes them), one open bucket per
+# (dtype, device), each filled up to `bucket_bytes` (a larger parameter sits alone):
+#
+#     registered   p0  p1  p2  p3  p4  p5            bucket_bytes ~ two of them
+#     buckets      b0 = [p5, p4]   b1 = [p3, p2]   b2 = [p1, p0]
+#
+# While armed (the step's last backward), each accumulate hook marks its parameter ready; a
+# full bucket is launched only once every bucket before it is launched (the ready prefix):
+#
+#     ready  p5 p4 -> launch b0 | p1 p0 -> b2 full, waits for b1 | p2 p3 -> launch b1, b2
+#
+# So every rank issues the all-reduces b0, b1, b2, ... in that order whatever the timing
+# (NCCL needs one collective order on all ranks). `finish` launches the buckets still
+# waiting (a parameter unused in the armed backward holds its bucket and those after it).
+
+
+class GradBuckets:
+    """Average the `.grad` of `params` over `group`, bucket by bucket, overlapping backward.
+
+    Call `arm` before the step's last backward and `finish` after it; earlier backwards
+    only accumulate. A parameter whose grad is None when its bucket is launched adds zeros
+    to the sum (its slice is zero-filled) and keeps a None grad: that must hold on every
+    rank alike, as it does for replicas of one model. `finish` without `arm` reduces every
+    bucket after the fact; `arm` again before `finish` abandons the unfinished step. With
+    `group` None or of size 1 nothing is reduced and no hook is installed.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group: ProcessGroup | None, *,
+                 bucket_bytes: int = 25 << 20) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.params = list(params)
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self._buckets = _layout(self.params, bucket_bytes)
+        self._flats: list[Tensor | None] = [None] * len(self._buckets)
+        self._works: list[Work] = []
+        self._where: dict[int, int] = {}        # param index -> bucket index
+        for b, bucket in enumerate(self._buckets):
+            self._where.update(dict.fromkeys(bucket, b))
+        self._armed = False
+        self._ready: set[int] = set()
+        self._pending: list[int] = []           # per bucket: params not ready yet
+        self._launched = 0                      # buckets 0 .. _launched-1 are in flight
+        self._lock = threading.Lock()           # hooks may run on per-device autograd threads
+        self._handles: list[RemovableHandle] = []
+        if self.size > 1:
+            for i in self._where:
+                self._handles.append(
+                    self.params[i].register_post_accumulate_grad_hook(self._hook(i)))
+
+    @property
+    def buckets(self) -> list[list[int]]:
+        """The layout: per bucket, in launch order, the indices of its parameters in `params`."""
+        return [list(b) for b in self._buckets]
+
+    @property
+    def launched(self) -> int:
+        """How many buckets of the current step are launched so far."""
+        return self._launched
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce each bucket as its grads are final."""
+        if self.size <= 1:
+            return
+        with self._lock:
+            if self._works:                     # an armed step that failed before finish():
+                for b in range(self._launched):     # its buffers may still be in flight
+                    self._flats[b] = None
+                self._works = []
+            self._ready = set()
+            self._pending = [len(b) for b in self._buckets]
+            self._launched = 0
+            self._armed = True
+
+    def finish(self) -> None:
+        """Launch the buckets not launched yet, wait for all, write the averages into `.grad`."""
+        if self.size <= 1:
+            return
+        with self._lock, torch.no_grad():
+            self._armed = False
+            while self._launched < len(self._buckets):
+                self._launch(self._launched)
+            works, self._works, self._launched = self._works, [], 0
+            for b, work in enumerate(works):
+                work.wait()
+                flat = self._flats[b]
+                assert flat is not None
+                flat /= self.size
+                offset = 0
+                for i in self._buckets[b]:
+                    p = self.params[i]
+                    n = p.numel()
+                    if p.grad is not None:
+                        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                    offset += n
+
+    def remove(self) -> None:
+        """Remove the hooks; `finish` still reduces every bucket when called."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._armed = False
+
+    def _hook(self, i: int) -> Callable[[Tensor], None]:
+        """The accumulate-grad hook of parameter `i`."""
+        def hook(_: Tensor) -> None:
+            if not self._armed:
+                return
+            with self._lock:
+                if not self._armed or i in self._ready:
+                    return
+                self._ready.add(i)
+                b = self._where[i]
+                self._pending[b] -= 1
+                if b == self._launched:
+                    with torch.no_grad():
+                        while (self._launched < len(self._buckets)
+                               and self._pending[self._launched] == 0):
+                            self._launch(self._launched)
+        return hook
+
+    def _launch(self, b: int) -> None:
+        """Copy bucket `b`'s grads into its buffer and start its all-reduce (lock held)."""
+        params = [self.params[i] for i in self._buckets[b]]
+        flat = self._flats[b]
+        if flat is None:
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
+                               device=params[0].device)
+            self._flats[b] = flat
+        offset = 0
+        for p in params:
+            n = p.numel()
+            view = flat[offset:offset + n]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.view_as(p.grad).copy_(p.grad)
+            offset += n
+        with trace.collective("all_reduce", flat.numel() * flat.element_size()):
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        assert work is not None
+        self._works.append(work)
+        self._launched = b + 1
+
+
+def _layout(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
+    """Buckets of parameter indices: reverse order, per (dtype, device), up to `bucket_bytes`."""
+    first: dict[int, int] = {}                  # a parameter listed twice counts once
+    for i, p in enumerate(params):
+        if p.requires_grad:
+            first.setdefault(id(p), i)
+    buckets: list[list[int]] = []
+    open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    for i in sorted(first.values(), reverse=True):
+        p = params[i]
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        bucket, used = open_.get(key, ([], 0))
+        if not bucket or used + nbytes > bucket_bytes:
+            bucket, used = [], 0
+            buckets.append(bucket)
+        bucket.append(i)
+        open_[key] = (bucket, used + nbytes)
+    return buckets
