@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -78,7 +79,9 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
                          "balance_sample=<a mini-batch of input> (one rank profiles it), or use "
                          "balance='params' / 'uniform'")
     sharded = any(get_parallel_dim(p) is not None for p in module.parameters())
-    options: dict[str, Any] = {"tp": topo.tp} if name in ("time", "size") else {}
+    # profiled on the run's device, under the caller's autocast (timing synchronises it)
+    options: dict[str, Any] = {"tp": topo.tp, "device": topo.device} \
+        if name in ("time", "size") else {}
     if name == "size":
         options["chunks"] = chunks
     choice: list[int] = []
@@ -113,6 +116,23 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
+def _watchdog_timeout(watchdog: bool | float | None, topo: Topology
+                      ) -> datetime.timedelta | None:
+    """None / True / seconds / False -> how long a step may make no progress (None: off).
+
+    By default the watchdog runs on GPUs only: on gloo every wait is bounded already.
+    """
+    if watchdog is None:
+        watchdog = topo.device.type == "cuda"
+    if watchdog is False:
+        return None
+    if watchdog is True:
+        return topo.timeout
+    if isinstance(watchdog, (int, float)) and watchdog > 0:
+        return datetime.timedelta(seconds=float(watchdog))
+    raise ValueError(f"watchdog must be True, False, None or positive seconds, got {watchdog!r}")
+
+
 def _rows(x: TensorOrTensors) -> int:
     return (x[0] if isinstance(x, tuple) else x).shape[0]
 
@@ -123,6 +143,10 @@ class HybridPipe(nn.Module):
     Every rank builds the same `nn.Sequential` (same seed, or on the `meta` device); each keeps
     only the layers of its stage, under their original names (``"3.fc1.weight"``).
 
+    ``watchdog``: a thread that reports a step with no progress for the topology timeout (or
+    that many seconds) and stops the stage when a peer published its failure; on by default
+    on GPUs, where NCCL waits do not time out on the host (`pipeline.watchdog`).
+
     ``trace=True`` (or setting ``pipe.trace = True`` between steps) records the timeline of
     every `train_step`, `eval_step` and forward, keeping the last one; `write_trace` then
     writes it for all ranks (Chrome trace, Gantt chart, bubble table). Off, it costs nothing.
@@ -132,7 +156,8 @@ class HybridPipe(nn.Module):
                  topology: Topology | None = None, schedule: str = "gpipe",
                  checkpoint: str = "except_last", loss_fn: Callable[..., Tensor] | None = None,
                  tp_plan: Any = None, deferred_batch_norm: bool = False,
-                 balance_sample: TensorOrTensors | None = None, trace: bool = False) -> None:
+                 balance_sample: TensorOrTensors | None = None, trace: bool = False,
+                 watchdog: bool | float | None = None) -> None:
         super().__init__()
         check_sequential(module)
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
@@ -184,7 +209,8 @@ class HybridPipe(nn.Module):
             timeout=topo.timeout, checkpoint=checkpoint,
             replay=RNGReplay(tp_random.get_rng_state_all, tp_random.set_rng_state_all,
                              device_type=self.device.type),
-            device=self.device, p2p_tags=topo.p2p_tags))
+            device=self.device, p2p_tags=topo.p2p_tags,
+            watchdog=_watchdog_timeout(watchdog, topo)))
 
     # the local stage ---------------------------------------------------------------------
     @property

@@ -69,6 +69,7 @@ from hybridpar.pipeline.schedule import (
     Comm,
 )
 from hybridpar.pipeline.skip import SkipRoute, StageSkipTracker
+from hybridpar.pipeline.watchdog import Watchdog
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 
 __all__ = ["PipelineError", "StageExecutor", "StageSpec", "current_microbatch"]
@@ -115,6 +116,7 @@ class StageSpec:
     replay: RNGReplay = field(default_factory=RNGReplay)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     p2p_tags: bool = False
+    watchdog: datetime.timedelta | None = None   # report a step stuck this long (NCCL)
 
 
 @dataclass
@@ -161,6 +163,12 @@ class StageExecutor:
         self.wire = comm.Wire(tags=spec.p2p_tags)
         self.book = comm.SpecBook()   # the agreed message specs of each step signature
         self.steps = 0                # steps run: keys this rank's aborts in the store
+        self.issued: list[tuple[bool, str, int, list[Any]]] = []   # (send, label, peer, works)
+        self.at = 0                   # the action being run (read by the watchdog)
+        self.waiting = ""             # what the host waits for in it, if anything
+        self.watchdog = None if spec.watchdog is None else Watchdog(
+            spec.watchdog, describe=self._hang_report, pending=self._pending,
+            peer_failed=self._peer_abort)
         s = spec.stage
         self.first, self.last = s == 0, s == spec.num_stages - 1
         self.tp = 1 if spec.tp_group is None else dist.get_world_size(spec.tp_group)
@@ -208,9 +216,12 @@ class StageExecutor:
                     GROUP: lambda _: None}
         recorder = trace.RECORDER
         recorder.stage, recorder.microbatch = self.spec.stage, -1
+        if self.watchdog is not None:
+            self.watchdog.enter()
         try:
             with trace.span("step"):
                 for index, action in enumerate(self.actions):
+                    self.at, self.waiting = index, ""
                     recorder.microbatch = action.microbatch  # tags the events of this action
                     try:
                         if action.kind in COMPUTE or action.kind == GROUP:
@@ -221,7 +232,10 @@ class StageExecutor:
                     except Exception as e:
                         raise self._fail(e, index) from e
                     self.last_done = action
+                    if self.watchdog is not None:
+                        self.watchdog.beat()
                 recorder.microbatch = -1
+                self.at = len(self.actions)
                 try:
                     self._issue(len(self.actions))
                     with trace.span("wait"):
@@ -230,8 +244,11 @@ class StageExecutor:
                 except Exception as e:
                     raise self._fail(e, len(self.actions)) from e
         finally:
+            if self.watchdog is not None:
+                self.watchdog.leave()
             self.steps += 1
             self.wire.pending.clear()
+            self.issued = []
         if self.agreed is None:
             self.book.commit(key, self.learned)
         self.mbs, self.sends = [], []
@@ -275,7 +292,37 @@ class StageExecutor:
         for op, works in group:
             if op.send:
                 self.sends.append((works, op.message, self._stage_of(op.peer)))
+            if self.watchdog is not None:
+                self.issued.append((op.send, op.label, op.peer, works))
         return group
+
+    # the watchdog's view (read from its thread) ---------------------------------------------
+    def _pending(self) -> list[str]:
+        """Issued P2P operations not completed yet (NCCL works can be polled; gloo's say
+        False until waited on, so on gloo only the host's progress counts)."""
+        return [f"{'send' if send else 'receive'} {label} {'to' if send else 'from'} rank {peer}"
+                for send, label, peer, works in list(self.issued)
+                if not all(w.is_completed() for w in works)]
+
+    def _hang_report(self, stuck_for: float) -> str:
+        # on a GPU the first operation the device has not completed; on gloo (works say
+        # nothing until waited on) what the host waits for
+        pending = self._pending() if self.spec.device.type != "cpu" else []
+        waiting = pending[0] if pending else self.waiting or "an operation on the host"
+        assert self.watchdog is not None
+        return failure.hang_report(self._place(self.at), stuck_for, waiting,
+                                   datetime.timedelta(seconds=self.watchdog.timeout))
+
+    def _peer_abort(self) -> str | None:
+        """A published abort of this step by a peer of the pipeline, as a report."""
+        for stage in range(self.spec.num_stages):
+            rank = self._rank(stage)
+            if stage == self.spec.stage:
+                continue
+            failed = comm.read_abort(self.steps, rank)
+            if failed is not None:
+                return failure.peer_abort_report(self._place(self.at), failed)
+        return None
 
     @property
     def _timeout(self) -> datetime.timedelta | None:
@@ -297,6 +344,7 @@ class StageExecutor:
 
     def _recv(self, posted: comm.Incoming | None, what: str, stage: int) -> tuple[Tensor, ...]:
         assert posted is not None, f"schedule error: {what} was never posted"
+        self.waiting = f"receive {what} from stage {stage} (rank {posted.src})"
         try:
             return posted.finish(self._timeout)
         except comm.PeerFailed as e:

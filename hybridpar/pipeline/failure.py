@@ -35,7 +35,8 @@ from hybridpar import comm
 from hybridpar.pipeline.schedule import Action
 
 __all__ = ["PEER_GRACE", "Aborted", "PipelineError", "Report", "StepPlace", "WaitFailed",
-           "action_name", "collective_error", "describe", "send_aborts"]
+           "action_name", "collective_error", "describe", "hang_report", "peer_abort_report",
+           "send_aborts"]
 
 PEER_GRACE = 0.5  # seconds a stage stopped by a peer's abort waits before raising
 
@@ -158,6 +159,30 @@ def describe(error: Exception, place: StepPlace, *, hint: str = "") -> Report:
         details.append(("hint", hint))
     told = f"{headline}\n{hint}" if hint else headline   # what the peers' errors quote
     return Report(_block(headline, place, details), (place.rank, place.stage, told), skip)
+
+
+def hang_report(place: StepPlace, stuck_for: float, waiting: str,
+                timeout: datetime.timedelta) -> str:
+    """The watchdog's report of a stage with no progress for `stuck_for` seconds."""
+    at = f"{action_name(place.action)} of {place.what}" if place.action else \
+        f"the end of {place.what}"
+    headline = (f"{place.who} is stuck at {at}: no progress for {stuck_for:.0f} s "
+                f"(watchdog, timeout {timeout})")
+    details = [("waiting for", waiting),
+               ("hint", "the peer of that operation is stuck, died, or failed first (see its "
+                        "error); if it is only slow, raise the topology timeout")]
+    return _block(headline, place, details)
+
+
+def peer_abort_report(place: StepPlace, failed: comm.PeerFailed) -> str:
+    """The watchdog's report of a stage stopped by a peer's published abort."""
+    at = f"{action_name(place.action)} of {place.what}" if place.action else \
+        f"the end of {place.what}"
+    head, _, hint = failed.message.partition("\n")
+    details = [("stopped by", f"rank {failed.src}'s abort in the store (watchdog)")]
+    if hint:
+        details.append(("peer's hint", hint))
+    return _block(f"{place.who} stopped at {at}; a peer failed first: {head}", place, details)
 
 
 def collective_error(operation: str, ranks: Sequence[int], place: StepPlace,

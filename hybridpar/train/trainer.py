@@ -92,10 +92,13 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
     model = build_model(name, **args)
-    return HybridPipe(model, par.balance, chunks=par.chunks, topology=topo,
-                      schedule=par.schedule, checkpoint=par.checkpoint, loss_fn=loss_fn(name),
-                      tp_plan=par.tp_plan, deferred_batch_norm=par.deferred_batch_norm,
-                      balance_sample=sample)
+    # balance = "time" profiles under the precision the run trains in
+    bf16 = config.train.precision == "bf16"
+    with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=bf16):
+        return HybridPipe(model, par.balance, chunks=par.chunks, topology=topo,
+                          schedule=par.schedule, checkpoint=par.checkpoint,
+                          loss_fn=loss_fn(name), tp_plan=par.tp_plan,
+                          deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample)
 
 
 def _optimizer(pipe: HybridPipe, config: Config) -> torch.optim.AdamW:
@@ -296,6 +299,8 @@ def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     x, y = run.batches.next_batch()
+    if run.pipe.device.type == "cuda":   # pinned: the pipe's copies to the GPU overlap compute
+        x, y = x.pin_memory(), y.pin_memory()
     run.optimizer.zero_grad(set_to_none=True)
     reset_comm_stats()
     with traced_step(run.pipe, step=step, last=cfg.steps), autocast:
