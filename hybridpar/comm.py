@@ -245,6 +245,7 @@ class Wire:
     tags: bool = False
     log: list[list[P2POp]] | None = None
     pending: list[Op] = field(default_factory=list)
+    early: list[P2POp] = field(default_factory=list)   # posted early, logged with the next
 
     def add(self, send: bool, tensor: Tensor, peer: int, channel: int, message: str,
             label: str, *, header: bool = False) -> int:
@@ -252,22 +253,28 @@ class Wire:
         self.pending.append(Op(send, tensor, peer, channel, message, label, header))
         return len(self.pending) - 1
 
-    def issue(self) -> list[tuple[Op, list[dist.Work]]]:
+    def issue(self, *, early: bool = False) -> list[tuple[Op, list[dist.Work]]]:
         """Issue the queued ops as one `batch_isend_irecv`; each op with the works to wait on,
         in the order they were queued.
 
         gloo returns one work per op; NCCL coalesces a group into one work, which then
-        stands for every op of the group.
+        stands for every op of the group. `early`: receives of the next group posted ahead
+        of it (gloo only); the log keeps them in the group they belong to.
         """
         queued, self.pending = self.pending, []
-        if not queued:
-            return []
         # every header of the group before any payload: the receiver posts them first
         order = sorted(range(len(queued)), key=lambda k: not queued[k].header)
         ops = [queued[k] for k in order]
-        if self.log is not None:
-            self.log.append([P2POp("send" if op.send else "recv", op.peer, op.tensor.numel(),
-                                   str(op.tensor.dtype), op.label) for op in ops])
+        logged = [P2POp("send" if op.send else "recv", op.peer, op.tensor.numel(),
+                        str(op.tensor.dtype), op.label) for op in ops]
+        if early:
+            self.early += logged
+        elif self.log is not None and (logged or self.early):
+            self.log.append(logged + self.early)
+        if not early:
+            self.early = []
+        if not queued:
+            return []
         works = dist.batch_isend_irecv([
             dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer,
                        tag=op.channel if self.tags else 0) for op in ops])

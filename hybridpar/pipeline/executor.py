@@ -208,6 +208,7 @@ class StageExecutor:
         self.outputs: list[TensorOrTensors] = []
         self.what, self.actions, self.last_done = what, list(actions), None
         self.issued_upto = 0                      # actions before this index are issued
+        self.prefetched: set[int] = set()         # receive actions posted ahead (gloo)
         last_backward = max((k for k, a in enumerate(self.actions) if a.kind == BACKWARD),
                             default=-1)
         handlers = {RECV_F: self._communicate, FORWARD: self._forward,
@@ -228,7 +229,8 @@ class StageExecutor:
                             self._issue(index)
                         if index == last_backward and before_last_backward is not None:
                             before_last_backward()
-                        handlers[action.kind](action)
+                        if index not in self.prefetched:
+                            handlers[action.kind](action)
                     except Exception as e:
                         raise self._fail(e, index) from e
                     self.last_done = action
@@ -248,6 +250,7 @@ class StageExecutor:
                 self.watchdog.leave()
             self.steps += 1
             self.wire.pending.clear()
+            self.wire.early.clear()
             self.issued = []
         if self.agreed is None:
             self.book.commit(key, self.learned)
@@ -267,6 +270,8 @@ class StageExecutor:
             message.issued(works)
         learning = [m for m in incoming if m.spec is None]
         if not learning:
+            if self.spec.device.type == "cpu" and self.agreed is not None:
+                self._prefetch(index)
             return
         with trace.span("wait"):
             for message in learning:
@@ -286,9 +291,29 @@ class StageExecutor:
         for message in learning:
             message.issued(works)
 
-    def _issue_group(self) -> list[tuple[comm.Op, list[Any]]]:
+    def _prefetch(self, index: int) -> None:
+        """gloo: post the receives of the next group now, a compute ahead of their slot.
+
+        gloo moves a payload only once its receive is posted, so a receive posted in its
+        slot costs a round trip when the message is already there; gloo has no rendezvous (a
+        posted receive holds back nothing), and receives keep their order, so posting them
+        early is safe there. NCCL keeps the slot order; the log records that order.
+        """
+        k = index + 1
+        while k < len(self.actions) and self.actions[k].kind not in (*COMPUTE, GROUP):
+            if self.actions[k].kind in (RECV_F, RECV_B):
+                self._communicate(self.actions[k])
+                self.prefetched.add(k)
+            k += 1
+        if self.incoming:
+            incoming, self.incoming = self.incoming, []
+            works = self._issue_group(early=True)
+            for message in incoming:
+                message.issued(works)
+
+    def _issue_group(self, *, early: bool = False) -> list[tuple[comm.Op, list[Any]]]:
         """Issue the wire's queue; keep the works of its sends to wait for at the end."""
-        group = self.wire.issue()
+        group = self.wire.issue(early=early)
         for op, works in group:
             if op.send:
                 self.sends.append((works, op.message, self._stage_of(op.peer)))
