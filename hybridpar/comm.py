@@ -16,9 +16,11 @@ step (train or not, the shapes and dtypes of its micro-batches) and kept in a `S
     known           payloads alone (the sender checks that    tensors only, no grad
                     its tensors still fit the spec)
 
-Within one group of operations (one `batch_isend_irecv`), a sender puts every header of the
-group before any payload, and the receiver posts the headers first, waits for them, then
-posts the payloads as a second group: the two ends see the same order.
+Groups of operations are queued on a `Wire` and issued as one `batch_isend_irecv` each
+(`Wire.issue`; `early=True` posts receives ahead of their group, on gloo only). Within one
+group a sender puts every header of the group before any payload, and the receiver posts
+the headers first, waits for them, then posts the payloads as a second group: the two ends
+see the same order.
 
 With a tp group of n > 1 and a replicated (untagged) floating tensor, each tp rank sends only
 its 1/n of the flattened tensor and the receivers all-gather it (Megatron's scatter-gather).
