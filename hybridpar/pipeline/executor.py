@@ -447,7 +447,8 @@ class StageExecutor:
         place = self._place(index)
         hint = "" if isinstance(error, WaitFailed) else self._hint(error, place.action)
         report = failure.describe(error, place, hint=hint)
-        failure.send_aborts(self._owed(), report, self.spec.timeout, step=self.steps)
+        failure.send_aborts(self._owed(), report, self.spec.timeout, step=self.steps,
+                            dummies=self.spec.device.type == "cpu")
         return PipelineError(report.message)
 
     def _owed(self) -> list[tuple[int, int, Tensor]]:

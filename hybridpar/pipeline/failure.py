@@ -199,12 +199,13 @@ def collective_error(operation: str, ranks: Sequence[int], place: StepPlace,
 
 
 def send_aborts(targets: Iterable[tuple[int, int, Tensor]], report: Report,
-                timeout: datetime.timedelta, *, step: int) -> None:
+                timeout: datetime.timedelta, *, step: int, dummies: bool = True) -> None:
     """Tell each peer of `targets` (rank, tag, abort dummy) not skipped that this rank
     stopped: publish `report`'s origin in the store, then send the dummies; await them.
 
-    A stage stopped by a peer then waits `PEER_GRACE` seconds, so the first failure is
-    reported first.
+    Without `dummies` (NCCL: a send would hold the stream, and the peer could not read the
+    marker without a host sync) the store alone tells the peers' watchdogs. A stage stopped
+    by a peer then waits `PEER_GRACE` seconds, so the first failure is reported first.
     """
     rank, stage, text = report.origin
     targets = [t for t in targets if t[0] not in report.skip]
@@ -215,6 +216,8 @@ def send_aborts(targets: Iterable[tuple[int, int, Tensor]], report: Report,
     try:
         comm.publish_abort(step, origin_rank=rank, origin_stage=stage, message=text)
     except RuntimeError:  # the store is gone: the peers will time out
+        return
+    if not dummies:
         return
     works = []
     for dst, tag, dummy in targets:
