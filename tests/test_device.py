@@ -14,7 +14,8 @@ from torch import nn
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
 
-SMALL = {"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}
+SMALL = {"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16,
+         "dropout": 0.1}   # sharded dropout too
 
 
 def _nccl_on_a_cpu_machine():

@@ -212,6 +212,9 @@ class ParallelDropout(nn.Dropout):
         super().__init__(p, inplace)
         self.parity = parity
         self.group = group
+        # (local width, group) -> (full width, start): read on the host once per layer, not
+        # in every forward (where it would synchronise a GPU per micro-batch)
+        self._layouts: dict[tuple[int, str], tuple[int, int]] = {}
 
     def extra_repr(self) -> str:
         return f"p={self.p}, inplace={self.inplace}, parity={self.parity}"
@@ -228,7 +231,10 @@ class ParallelDropout(nn.Dropout):
         if group_size(group) == 1:
             return _retag(F.dropout(input, self.p, True, self.inplace), input)
         width = input.shape[-1]
-        full, start = _sharded_layout(width, group, input.device)
+        key = (width, str(group.group_name))
+        if key not in self._layouts:
+            self._layouts[key] = _sharded_layout(width, group, input.device)
+        full, start = self._layouts[key]
         # F.dropout of ones is exactly its scaled mask (0 or 1 / (1 - p)), drawn by the same
         # kernel and the same amount of randomness as F.dropout of the full activation.
         mask = F.dropout(input.new_ones((*input.shape[:-1], full)), self.p, True)  # (*, C)
