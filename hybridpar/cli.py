@@ -1,4 +1,4 @@
-"""The `hybridpar` command line: `run`, `export`, `balance`, `env`.
+"""The `hybridpar` command line: `run`, `export`, `balance`, `check`, `env`.
 
 Errors in what the user gave (config, paths, options) print one line and exit with 2.
 """
@@ -64,6 +64,12 @@ def _add_export(commands: Any) -> None:
     p.add_argument("out", help="the .pt file to write (torch.load(..., weights_only=True))")
 
 
+def _check(args: argparse.Namespace) -> int:
+    from hybridpar.check import main as check_main
+
+    return check_main(args)
+
+
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -103,11 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridpar.balance import cli as balance_cli
 
     balance_cli.add_parser(commands)
+    from hybridpar.check import add_parser as add_check
+
+    add_check(commands)
     commands.add_parser("env", help="print the versions and devices hybridpar sees")
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
-    handlers = {"run": _run, "export": _export, "balance": balance_cli.run}
+    handlers = {"run": _run, "export": _export, "balance": balance_cli.run, "check": _check}
     if args.command not in handlers:
         parser.print_help()
         return 0

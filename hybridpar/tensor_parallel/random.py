@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import (
@@ -175,6 +176,8 @@ def _sharded_layout(width: int, group: ProcessGroup, device: torch.device) -> tu
     widths = torch.zeros(group_size(group), dtype=torch.int64, device=device)
     widths[group_rank(group)] = width
     dist.all_reduce(widths, group=group)
+    if is_fake(widths):   # a dry run (`hybridpar check`): no values exist; shards taken equal
+        return width * group_size(group), width * group_rank(group)
     sizes = widths.tolist()
     return sum(sizes), sum(sizes[: group_rank(group)])
 

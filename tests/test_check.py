@@ -1,0 +1,208 @@
+"""`hybridpar check`: one training step of every rank on fake GPUs (hybridpar.check).
+
+Every dry run here goes through the real pipeline (build_pipe, HybridPipe.train_step, the
+executor, comm). The fake GPU's registration lasts for the process that runs a dry run, so
+they run in child processes: `dry_run` isolates itself by default, and the `runs` fixture
+runs the dry runs of `JOBS` one after another in a single child (torch's imports cost about
+3 s per process). Models with a planted fault are built by functions of this file.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from hybridpar.check import CheckError, CheckReport, dry_run
+from hybridpar.models import gpt, mlp
+from hybridpar.train.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.toml"
+LARGE = ROOT / "configs" / "gpt_large_gpu.toml"
+
+
+def small_mlp(**parallel):
+    """A 2-stage x 2-shard MLP: 16 rows of 16 features in 4 micro-batches, 4 classes."""
+    return Config.from_dict({
+        "name": "small_mlp",
+        "model": {"name": "mlp", "in_features": 16, "hidden": 32, "out_features": 4,
+                  "n_layer": 3},
+        "parallel": {"pp": 2, "tp": 2, "chunks": 4, "schedule": "1f1b", **parallel},
+        "train": {"batch_size": 16}})
+
+
+# faulty layers ---------------------------------------------------------------------------------
+class ZerosOnTheCPU(nn.Module):
+    def forward(self, x):
+        return x + torch.zeros(x.shape)        # no device=: the CPU
+
+
+class ReadsAValue(nn.Module):
+    def forward(self, x):
+        if x.abs().max().item() > 1e3:          # waits for the GPU
+            x = x / 1e3
+        return x
+
+
+def mlp_with_zeros_on_the_cpu(**options):
+    layers = list(mlp(**options))
+    return nn.Sequential(*layers[:3], ZerosOnTheCPU(), *layers[3:])
+
+
+def mlp_that_reads_a_value(**options):
+    layers = list(mlp(**options))
+    return nn.Sequential(*layers[:1], ReadsAValue(), *layers[1:])
+
+
+# the dry runs, in one child process -------------------------------------------------------------
+JOBS = {
+    "quickstart": lambda: dry_run(QUICKSTART, isolate=False),
+    # dropout=0: ParallelDropout(parity=True) reads the shard widths on the host in every
+    # forward (tensor_parallel/random.py, `widths.tolist()`), which the dry run reports as a
+    # host synchronisation; 2 micro-batches instead of 8 keep the test short
+    "large": lambda: dry_run(LARGE, overrides=["model.dropout=0.0", "parallel.chunks=2"],
+                             isolate=False),
+    "gpipe": lambda: dry_run(small_mlp(schedule="gpipe", checkpoint="never"), isolate=False),
+    "1f1b": lambda: dry_run(small_mlp(schedule="1f1b", checkpoint="never"), isolate=False),
+    "zeros": lambda: dry_run(small_mlp(), model=f"{__file__}:mlp_with_zeros_on_the_cpu",
+                             isolate=False),
+    "item": lambda: dry_run(small_mlp(), model=f"{__file__}:mlp_that_reads_a_value",
+                            isolate=False),
+}
+
+
+def run_jobs(out: str) -> None:
+    """In the child: every job's report or error, as JSON in `out`."""
+    results = {}
+    for name, job in JOBS.items():
+        try:
+            results[name] = {"report": job().to_dict()}
+        except CheckError as e:
+            results[name] = {"error": str(e), "rank": e.rank}
+    Path(out).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("check") / "runs.json"
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); " \
+           f"import test_check; test_check.run_jobs({str(out)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    return {name: CheckReport.from_dict(r["report"]) if "report" in r else r
+            for name, r in results.items()}
+
+
+# the quick start -------------------------------------------------------------------------------
+def _layer_bytes(config, tp_rank):
+    """Parameter bytes of each layer of the real model on one tp rank (built on meta)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=tp_rank,
+                            world_size=config.parallel.tp)
+    try:
+        with torch.device("meta"):
+            model = gpt(**config.model.args, tp=config.parallel.tp, group=dist.group.WORLD)
+        return [sum(p.numel() * p.element_size() for p in layer.parameters())
+                for layer in model]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_quick_start_passes_with_the_real_models_parameter_bytes(runs):
+    report, config = runs["quickstart"], load_config(QUICKSTART)
+    assert report.dims == (1, 2, 2) and len(report.ranks) == 4
+    assert report.device == "cuda" and sum(report.balance) == 7
+    shards = [_layer_bytes(config, tp_rank) for tp_rank in range(config.parallel.tp)]
+    for r in report.ranks:
+        layers = shards[r.tp]
+        assert r.layers == (sum(report.balance[:r.stage]), sum(report.balance[:r.stage + 1]))
+        assert r.params == sum(layers[r.layers[0]:r.layers[1]])
+        assert r.grads == r.params                        # every parameter gets a gradient
+        assert r.optimizer == 2 * r.params                # AdamW: exp_avg and exp_avg_sq
+        assert r.activations > 0 and r.peak == r.params + r.grads + r.optimizer + r.activations
+
+
+def test_the_quick_start_moves_bsh_floats_per_micro_batch_and_direction(runs):
+    report, config = runs["quickstart"], load_config(QUICKSTART)
+    m, tp = config.parallel.chunks, config.parallel.tp
+    b = config.train.batch_size // m
+    s, h = config.data.seq_len, config.model.args["n_embd"]
+    boundary = b * s * h * 4                  # bytes each way per micro-batch (BENCH.md)
+    for r in report.ranks:                   # scatter-gather: each tp rank moves 1/tp of it
+        assert r.comm["p2p_send"] == {"bytes": m * boundary // tp, "calls": m}
+        assert r.comm["p2p_recv"] == {"bytes": m * boundary // tp, "calls": m}
+        assert "p2p_header" not in r.comm     # the shapes were agreed before the step
+        assert r.collectives > 0              # tp all-reduces, loss broadcast, norm
+    assert report.p2p_groups > 0
+
+
+def test_saved_activations_follow_the_schedule(runs):
+    # without checkpointing stage s holds m micro-batches under GPipe, p - s under 1F1B; the
+    # batch's inputs (stage 0) and targets (stage 1) are one tensor each whatever the schedule
+    m, p, shared = 4, 2, {0: 16 * 16 * 4, 1: 16 * 8}
+    for g, f in zip(runs["gpipe"].ranks, runs["1f1b"].ranks):
+        batch = shared[g.stage]
+        assert (g.activations - batch) * (p - g.stage) == (f.activations - batch) * m
+
+
+def test_the_large_gpu_config_passes_on_8_fake_ranks(runs):
+    report = runs["large"]
+    assert report.dims == (1, 4, 2) and len(report.ranks) == 8
+    assert report.precision == "bf16" and len(report.balance) == 4
+    assert any("balance='time'" in note for note in report.notes)
+    assert all(r.params > 100 * 2**20 for r in report.ranks)
+    assert len({(r.stage, r.params) for r in report.ranks}) == 4   # tp ranks alike
+
+
+# what fails ------------------------------------------------------------------------------------
+def test_a_tensor_made_on_the_cpu_in_forward_names_the_rank_and_layer(runs):
+    failed = runs["zeros"]
+    assert failed["rank"] == 2
+    assert failed["error"].startswith(
+        "rank 2 (dp 0, stage 1, tp 0): tensors on the GPU and the CPU meet in layer 3 "
+        "(ZerosOnTheCPU) at ")
+    assert "`return x + torch.zeros(x.shape)`" in failed["error"]
+
+
+def test_item_in_a_layer_is_a_host_synchronisation_naming_the_layer(runs):
+    failed = runs["item"]
+    assert failed["rank"] == 0
+    assert failed["error"].startswith(
+        "rank 0 (dp 0, stage 0, tp 0): host synchronisation in layer 1 (ReadsAValue) at ")
+    assert "`if x.abs().max().item() > 1e3:`" in failed["error"]
+
+
+def test_too_little_memory_names_the_rank_and_by_how_much():
+    with pytest.raises(CheckError) as info:           # isolated: its own child process
+        dry_run(small_mlp(), memory_gib=2**-20)       # 1 KiB per device
+    report = info.value.report
+    worst = max(report.ranks, key=lambda r: r.peak)
+    assert info.value.rank == worst.rank
+    assert str(info.value).startswith(f"rank {worst.rank} (dp 0, stage {worst.stage}, tp "
+                                      f"{worst.tp}) needs ")
+    assert "KiB more than --memory 9.54e-07 GiB" in str(info.value)
+
+
+# the command line ------------------------------------------------------------------------------
+def test_the_cli_prints_the_table_and_exits_0(tmp_path):
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART),
+                           "--json", str(out)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("quickstart: dp=1 x pp=2 x tp=2 on 4 fake cuda devices")
+    assert lines[1].split() == ["rank", "dp", "stage", "tp", "layers", "params", "grads",
+                                "optimizer", "activations", "peak", "p2p", "collectives"]
+    assert [line.split()[0] for line in lines[2:7]] == ["0", "1", "2", "3", "total"]
+    assert "NCCL replay" in lines[7] and proc.stderr == ""
+    data = json.loads(out.read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
+    assert data["total"]["peak"] == sum(r["peak"] for r in data["ranks"])
