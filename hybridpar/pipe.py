@@ -285,8 +285,10 @@ class HybridPipe(nn.Module):
         """Record this step's timeline when `trace` is on (replacing the previous one)."""
         if not self.trace:
             return contextlib.nullcontext()
+        clock = tracing.DeviceClock() if self.device.type == "cuda" else None
         return tracing.RECORDER.recording(what=what, microbatches=microbatches,
-                                          schedule=self.schedule, checkpoint=self.checkpoint)
+                                          schedule=self.schedule, checkpoint=self.checkpoint,
+                                          clock=clock)
 
     def write_trace(self, folder: str | os.PathLike[str], *,
                     show: bool = True) -> TraceReport | None:

@@ -14,13 +14,15 @@ Two independent tools, both leaves that import nothing else of hybridpar:
       reduce_scatter  the whole tensor before the scatter                  one per collective
       broadcast       the tensor broadcast                                 one per collective
 
-  Counted where they happen: `comm` (P2P), `tensor_parallel.mappings` (tp collectives) and
-  `HybridPipe` (loss broadcast, dp and grad-norm all-reduces). Collectives called directly
-  elsewhere (the vocab-parallel loss's all-reduces of b·s scalars, object collectives) are not.
+  Counted where they happen: `comm` (P2P), `tensor_parallel.mappings` and `.loss` (tp
+  collectives, the vocab-parallel loss's all-reduces of b·s scalars included),
+  `pipeline.reduce` (dp buckets) and `HybridPipe` (loss broadcast, grad-norm all-reduces).
+  hybridpar issues no object collective.
 
 - **Timeline**, while `RECORDER.enabled`: spans with wall-clock ends (``time.time_ns``, so
-  ranks of one host share a clock), each tagged with the stage and micro-batch the executor
-  is at (`Recorder.stage`, `Recorder.microbatch`):
+  ranks of one host share a clock; on a GPU, CUDA events anchored to that clock:
+  `DeviceClock`), each tagged with the stage and micro-batch the executor is at
+  (`Recorder.stage`, `Recorder.microbatch`):
 
       kind        span of                                       nested in
       step        one schedule run on this rank                 -
@@ -41,12 +43,15 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COLUMNS", "KINDS", "OPS", "RECORDER", "CommStats", "Recorder", "Span", "collective",
+import torch
+
+__all__ = ["COLUMNS", "KINDS", "OPS", "RECORDER", "CommStats", "DeviceClock", "Recorder", "Span",
+           "collective",
            "comm_stats", "count", "reset_comm_stats", "span"]
 
 # counters ------------------------------------------------------------------------------------
@@ -121,19 +126,49 @@ class _Timed(Span):
         self.start = 0
 
     def __enter__(self) -> _Timed:
-        self.start = time.time_ns()
+        self.start = self.recorder.now()
         return self
 
     def __exit__(self, *exc: object) -> None:
         r = self.recorder
         r.events.append((self.kind, self.op, r.stage, r.microbatch, self.peer, self.channel,
-                         self.nbytes, self.start, time.time_ns()))
+                         self.nbytes, self.start, r.now()))
 
     def add_bytes(self, nbytes: int) -> None:
         self.nbytes += nbytes
 
 
 _NULL = Span()
+
+
+class DeviceClock:
+    """Span ends as CUDA events, turned into wall-clock ns when the recording ends.
+
+    On a GPU the host runs ahead of the kernels it launches, so `time.time_ns` around a
+    forward measures the launch. Each end is an event on the current stream instead; `now`
+    returns a placeholder (-1 - index) and `resolve` maps it to the anchor's wall clock plus
+    the GPU time elapsed since the anchor event (one synchronize, at the end of the step).
+    `event` makes the events (``torch.cuda.Event(enable_timing=True)`` by default).
+    """
+
+    def __init__(self, event: Callable[[], Any] | None = None) -> None:
+        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.anchor = self.event()
+        self.anchor.record()
+        self.anchor_ns = time.time_ns()
+        self.marks: list[Any] = []
+
+    def now(self) -> int:
+        mark = self.event()
+        mark.record()
+        self.marks.append(mark)
+        return -len(self.marks)
+
+    def resolve(self, t: int) -> int:
+        if t >= 0:
+            return t
+        self.marks[-1].synchronize()
+        return self.anchor_ns + round(self.anchor.elapsed_time(self.marks[-1 - t]) * 1e6)
 
 
 class Recorder:
@@ -145,6 +180,11 @@ class Recorder:
         self.microbatch = -1               # with these (-1: none)
         self.events: list[tuple[int, ...]] = []
         self.meta: dict[str, Any] = {}
+        self.clock: DeviceClock | None = None   # None: the host clock
+
+    def now(self) -> int:
+        """A span end: wall-clock ns, or a CUDA-event placeholder resolved at the end."""
+        return time.time_ns() if self.clock is None else self.clock.now()
 
     def span(self, kind: str, *, op: str = "", peer: int = -1, channel: int = -1,
              nbytes: int = 0) -> Span:
@@ -155,15 +195,22 @@ class Recorder:
                      nbytes)
 
     @contextmanager
-    def recording(self, **meta: Any) -> Iterator[None]:
-        """Forget the previous events, record those inside; `meta` describes the run."""
+    def recording(self, *, clock: DeviceClock | None = None, **meta: Any) -> Iterator[None]:
+        """Forget the previous events, record those inside; `meta` describes the run.
+
+        `clock`: time spans with CUDA events (`DeviceClock`), resolved when the block ends.
+        """
         self.events, self.meta = [], dict(meta)
-        self.enabled = True
+        self.enabled, self.clock = True, clock
         try:
             yield
         finally:
             self.enabled = False
             self.microbatch = -1
+            if clock is not None:
+                self.events = [(*e[:7], clock.resolve(e[7]), clock.resolve(e[8]))
+                               for e in self.events]
+            self.clock = None
 
 
 RECORDER = Recorder()

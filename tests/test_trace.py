@@ -11,6 +11,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -308,3 +309,39 @@ def test_traced_step_leaves_other_steps_alone():
         request_trace(None)
     with traced_step(pipe, step=3, last=3):
         assert pipe.trace is False                   # nothing requested
+
+
+# on a GPU spans are CUDA events; the conversion to wall-clock time, with a CPU stand-in ------
+
+class _StandInEvent:
+    """What `DeviceClock` uses of torch.cuda.Event: record, elapsed_time (ms), synchronize."""
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, later):
+        return (later.at - self.at) * 1e3
+
+    def synchronize(self):
+        pass
+
+
+def test_device_clock_spans_are_placeholders_resolved_to_wall_clock_when_recording_ends():
+    from hybridpar.trace import DeviceClock
+
+    recorder = Recorder()
+    clock = DeviceClock(event=_StandInEvent)
+    before = time.time_ns()
+    with recorder.recording(clock=clock):
+        with recorder.span("forward"):
+            assert recorder.events == [] and clock.marks   # an event, not a time, so far
+            time.sleep(0.05)
+        time.sleep(0.02)
+        with recorder.span("backward"):
+            time.sleep(0.03)
+    (forward, backward) = [dict(zip(COLUMNS, e)) for e in recorder.events]
+    assert recorder.clock is None                        # the host clock again after it
+    assert before <= forward["start"] < forward["end"] < backward["start"] < backward["end"]
+    assert forward["end"] - forward["start"] == pytest.approx(50e6, rel=0.3)
+    assert backward["start"] - forward["end"] == pytest.approx(20e6, rel=0.5)
+    assert backward["end"] - backward["start"] == pytest.approx(30e6, rel=0.3)
