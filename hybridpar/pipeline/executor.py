@@ -292,16 +292,16 @@ class StageExecutor:
             message.issued(works)
 
     def _prefetch(self, index: int) -> None:
-        """gloo: post the receives of the next group now, a compute ahead of their slot.
+        """gloo: post the receives the next compute needs now, a compute ahead of their slot.
 
         gloo moves a payload only once its receive is posted, so a receive posted in its
         slot costs a round trip when the message is already there; gloo has no rendezvous (a
         posted receive holds back nothing), and receives keep their order, so posting them
         early is safe there. NCCL keeps the slot order; the log records that order.
         """
-        k = index + 1
-        while k < len(self.actions) and self.actions[k].kind not in (*COMPUTE, GROUP):
-            if self.actions[k].kind in (RECV_F, RECV_B):
+        k = index + 1   # up to the next compute: the receives it needs, across GROUP marks
+        while k < len(self.actions) and self.actions[k].kind not in COMPUTE:
+            if self.actions[k].kind in (RECV_F, RECV_B) and k not in self.prefetched:
                 self._communicate(self.actions[k])
                 self.prefetched.add(k)
             k += 1
