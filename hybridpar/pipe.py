@@ -44,6 +44,7 @@ __all__ = ["HybridPipe"]
 log = logging.getLogger(__name__)
 
 TensorOrTensors = Tensor | tuple[Tensor, ...]
+LOSS_TAG = 1 << 13   # gloo only: the loss, last stage -> the others (NCCL: a broadcast)
 
 
 def _split_batch(x: Any, chunks: int, what: str) -> list[Any]:
@@ -255,6 +256,7 @@ class HybridPipe(nn.Module):
         inputs, targets, weights = self._microbatches(input, target)
         actions = self._program(len(inputs), train=True)
         with self._recording("train_step", len(inputs)):
+            posted = self._post_loss_recv()
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=True,
                                         what="train_step", signature=_signature(inputs),
@@ -264,7 +266,7 @@ class HybridPipe(nn.Module):
                 with self._guard("the all-reduce of the gradients over dp",
                                  self.topology.dp_group):
                     self._dp_buckets.finish()
-            return self._share_loss(result.loss)
+            return self._share_loss(result.loss, posted)
 
     @torch.no_grad()
     def eval_step(self, input: TensorOrTensors, target: Any) -> Tensor:
@@ -276,10 +278,11 @@ class HybridPipe(nn.Module):
         inputs, targets, weights = self._microbatches(input, target)
         actions = self._program(len(inputs), train=False)
         with self._recording("eval_step", len(inputs)):
+            posted = self._post_loss_recv()
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=False,
                                         what="eval_step", signature=_signature(inputs))
-            return self._share_loss(result.loss)
+            return self._share_loss(result.loss, posted)
 
     def _recording(self, what: str, microbatches: int) -> contextlib.AbstractContextManager[None]:
         """Record this step's timeline when `trace` is on (replacing the previous one)."""
@@ -323,18 +326,45 @@ class HybridPipe(nn.Module):
             targets = [_to(y, self.device) for y in targets]
         return inputs, targets, weights
 
-    def _share_loss(self, local: Tensor | None) -> Tensor:
+    def _post_loss_recv(self) -> tuple[Tensor, Any] | None:
+        """gloo, before the schedule: post the receive of the step's loss from the last stage.
+
+        gloo moves a message once its receive is posted, so a loss received only after the
+        schedule costs a round trip at the end of every step, on the stage that ends last.
+        gloo has no rendezvous and honours tags: on its own tag (`LOSS_TAG`) the loss never
+        meets a stage-to-stage message (all on tag 0), so posting it first is safe there. On
+        NCCL it would hold the rank's P2P stream: there the loss is broadcast after the
+        schedule (`_share_loss`).
+        """
+        if self.device.type != "cpu" or self.stage == self.num_stages - 1 \
+                or self.num_stages == 1:
+            return None
+        box = torch.zeros((), dtype=torch.float32, device=self.device)
+        return box, dist.irecv(box, self._last_rank(), tag=LOSS_TAG)
+
+    def _share_loss(self, local: Tensor | None, posted: tuple[Tensor, Any] | None = None
+                    ) -> Tensor:
         """The last stage's loss on every rank of the pipeline, averaged over dp replicas.
 
-        A broadcast over the pp group after the schedule: no receive is posted before the
-        schedule, where NCCL would hold every later P2P of the rank behind it.
+        A one-to-all over the pp group after the schedule, counted as one broadcast per rank:
+        `dist.broadcast` on NCCL; on gloo point to point, into the receive `_post_loss_recv`
+        posted before the schedule.
         """
         loss = local.detach().clone() if local is not None else torch.zeros(())
         loss = loss.to(self.device, torch.float32)
         if self.num_stages > 1:
             with tracing.collective("broadcast", _nbytes(loss)), self._guard(
-                    "the broadcast of the loss from the last stage", self.topology.pp_group):
-                dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
+                    "the loss from the last stage", self.topology.pp_group):
+                if self.device.type != "cpu":
+                    dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
+                elif posted is not None:
+                    loss, work = posted
+                    work.wait(self.topology.timeout)
+                else:
+                    works = [dist.isend(loss, self.topology.stage_rank(s), tag=LOSS_TAG)
+                             for s in range(self.num_stages - 1)]
+                    for work in filter(None, works):
+                        work.wait(self.topology.timeout)
         if self.topology.dp > 1:
             with tracing.collective("all_reduce", _nbytes(loss)), self._guard(
                     "the all-reduce of the loss over dp", self.topology.dp_group):
