@@ -1,0 +1,70 @@
+"""scripts/gpu_check.py runs end to end on the CPU: the proof it is not broken without a GPU.
+
+The smoke run (`--device cpu --quick`, gloo, one thread a rank) takes about 10 s on 2 cores.
+`--ranks 2` adds the layout sweep (pp x tp = 1 x 2 and 2 x 1 on two gloo ranks), so the
+multi-device code path runs too. Its numbers mean nothing; every check must PASS and every
+table must be printed.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECKS = ["loss_falls", "grads_finite", "checkpoint_modes_agree", "balance_by_time",
+          "trace_vs_clock", "stage_mfu", "layout_pp1_tp2", "layout_pp2_tp1"]
+TABLE_HEADERS = ["| step ", "| dropout | checkpoint ", "| layer | kind ", "| stage | layers ",
+                 "| span ", "| part ", "| checkpoint  | micro-batches ", "| pp × tp ",
+                 "| check "]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    run = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick",
+                          "--ranks", "2", "--out", str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    return run, out
+
+
+def test_every_check_passes_and_is_in_the_json(smoke):
+    run, out = smoke
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert [c["name"] for c in result["checks"]] == CHECKS
+    failed = [c for c in result["checks"] if c["status"] != "PASS"]
+    assert not failed, failed
+    assert result["passed"] and result["device"] == "cpu" and result["mode"] == "quick"
+    assert f"torch {result['environment']['torch']}" in result["checks"][0]["environment"]
+    assert set(result["tolerances"]) >= {"bf16_grad_rel", "fp32_grad_rel", "trace_ratio"}
+
+
+def test_the_tables_and_verdicts_are_printed_and_written(smoke):
+    run, out = smoke
+    for header in TABLE_HEADERS:
+        assert header in run.stdout, header
+    for name in CHECKS:
+        assert f"**PASS** `{name}`" in run.stdout, name
+    assert "**8 of 8 checks pass**" in run.stdout
+    report = (out / "gpu_check.md").read_text()
+    assert report.startswith("## GPU check") and "--quick" in report
+    assert "6 N + 12 L h s" in report                  # the MFU formula is stated
+    assert (out / "trace" / "trace.json").exists() and (out / "trace" / "table.txt").exists()
+
+
+def test_the_numbers_behind_the_verdicts(smoke):
+    _, out = smoke
+    result = json.loads((out / "gpu_check.json").read_text())
+    numbers = {c["name"]: c["numbers"] for c in result["checks"]}
+    assert numbers["loss_falls"]["ratio"] < 0.8
+    assert numbers["checkpoint_modes_agree"]["grad_rel"] <= 2e-2
+    assert sum(numbers["balance_by_time"]["balance"]) == 7        # 4 blocks: 7 layers
+    assert all(0.9 <= r <= 1.1 for r in numbers["trace_vs_clock"]["ratios"].values())
+    assert numbers["stage_mfu"]["tokens_per_s"] > 0
+    assert numbers["stage_mfu"]["peak_flops"] is None               # no peak for a CPU
+    for layout in ("layout_pp1_tp2", "layout_pp2_tp1"):
+        assert numbers[layout]["grad_rel"] <= 1e-4
