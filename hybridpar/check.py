@@ -66,6 +66,7 @@ from hybridpar.train.config import Config
 __all__ = ["CheckError", "CheckReport", "RankReport", "add_parser", "dry_run", "main"]
 
 SpecKey = tuple[int, int, int]   # (channel, peer stage, micro-batch), as executor.SpecKey
+CHILD_TIMEOUT = 600              # seconds the isolated dry-run process may take
 
 
 class CheckError(RuntimeError):
@@ -101,8 +102,13 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
     job = {"config": cfg.to_dict(), "device": device, "memory_gib": memory_gib, "model": model}
     with tempfile.TemporaryDirectory(prefix="hybridpar-check-") as tmp:
         out = Path(tmp) / "result.json"
-        proc = subprocess.run([sys.executable, "-m", "hybridpar.check", str(out)],
-                              input=json.dumps(job), capture_output=True, text=True)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "hybridpar.check", str(out)],
+                                  input=json.dumps(job), capture_output=True, text=True,
+                                  timeout=CHILD_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the dry run did not finish in {CHILD_TIMEOUT} s; a fake step "
+                               "takes seconds, so this is a hang: please report it") from None
         if not out.is_file():
             raise RuntimeError(f"the dry-run process ended with exit code {proc.returncode} "
                                f"and no result:\n{proc.stderr[-3000:]}")
