@@ -38,9 +38,8 @@ Every transfer is counted (`comm_stats`, kinds ``p2p_send``, ``p2p_recv``, ``p2p
 the all-gather counts itself) and, while `hybridpar.trace` records, timed. `Wire.log`, when
 set to a list, records every group as issued (`replay.P2POp`s) for the NCCL replay.
 
-`broadcast_tensors` sends tensors from one rank to a group the same way, without pickles (an
-int64 header of dtypes and shapes, then one flat payload per dtype); the source may broadcast
-an exception instead, which is raised on every rank.
+One rank's tensors to a whole group (the balance, the last stage's output, state dicts) go by
+`hybridpar.broadcast.broadcast_tensors`.
 """
 
 from __future__ import annotations
@@ -70,6 +69,7 @@ from hybridpar.tensor_parallel.mappings import (
 )
 
 __all__ = [
+    "DTYPES",
     "HEADER_LEN",
     "MAGIC",
     "CommStats",
@@ -81,7 +81,6 @@ __all__ = [
     "TensorSpec",
     "Wire",
     "abort_dummy",
-    "broadcast_tensors",
     "comm_stats",
     "header",
     "header_dummy",
@@ -98,7 +97,7 @@ __all__ = [
 
 HEADER_LEN = 128
 _MAX_NDIM = 8
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _NO_TAG = 9
 MAGIC = bytes.fromhex("f47fadbadea1ed5e")  # the first bytes of an abort dummy (a NaN in f64)
@@ -145,9 +144,9 @@ def spec_of(tensors: Sequence[Tensor], tp: int, *, grads: bool, single: bool) ->
     """The spec of a message of `tensors` (`grads`: floating ones will require grad)."""
     specs = []
     for t in tensors:
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPES:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages; stage "
-                            f"outputs must have one of {', '.join(str(d) for d in _DTYPES)} "
+                            f"outputs must have one of {', '.join(str(d) for d in DTYPES)} "
                             "(for complex tensors: torch.view_as_real)")
         if t.dim() > _MAX_NDIM:
             raise ValueError(f"cannot send a {t.dim()}-d tensor between stages "
@@ -165,7 +164,7 @@ def _encode(spec: MessageSpec, signature: int) -> list[int]:
     """Header slots: [signature, count, single, (dtype, tag, grad, scattered, ndim, *shape)...]."""
     values = [signature, len(spec.tensors), int(spec.single)]
     for t in spec.tensors:
-        values += [_DTYPES.index(t.dtype), _NO_TAG if t.tag is None else t.tag,
+        values += [DTYPES.index(t.dtype), _NO_TAG if t.tag is None else t.tag,
                    int(t.requires_grad), int(t.scattered), len(t.shape), *t.shape]
     return values
 
@@ -186,7 +185,7 @@ def _decode(header: Tensor) -> tuple[MessageSpec, int]:
         dtype, tag, grad, scattered, ndim = values[pos:pos + 5]
         shape = tuple(values[pos + 5:pos + 5 + ndim])
         pos += 5 + ndim
-        specs.append(TensorSpec(_DTYPES[dtype], shape, None if tag == _NO_TAG else tag,
+        specs.append(TensorSpec(DTYPES[dtype], shape, None if tag == _NO_TAG else tag,
                                 bool(grad), bool(scattered)))
     return MessageSpec(tuple(specs), bool(single)), signature
 
@@ -472,108 +471,3 @@ def header_dummy(device: torch.device) -> Tensor:
     """An abort in place of a header."""
     return abort_dummy(TensorSpec(torch.int64, (HEADER_LEN,), None, False, False), None,
                        device)
-
-
-# broadcast ---------------------------------------------------------------------------------
-_ERRORS: tuple[type[Exception], ...] = (RuntimeError, TypeError, ValueError)
-
-
-def _broadcast(t: Tensor, src: int, group: ProcessGroup | None) -> None:
-    with trace.collective("broadcast", _nbytes(t)):
-        dist.broadcast(t, src, group=group)
-
-
-def broadcast_tensors(tensors: Sequence[Tensor] | Exception | None, src: int, *,
-                      group: ProcessGroup | None = None,
-                      device: torch.device | str = "cpu") -> tuple[Tensor, ...]:
-    """Broadcast `tensors` from global rank `src` to `group`; every rank returns them.
-
-    No pickles: an int64 header travels first, then one flat payload per dtype:
-
-        1. [n, kind]                  n: header length; kind 0: tensors follow, else src
-                                      failed: n message bytes follow, kind names its type
-        2. [count, (dtype, ndim, *shape) per tensor]
-        3. the tensors of each dtype, flattened and concatenated, in order of first use
-
-    On `src` pass the tensors (other ranks pass None), or an exception (a RuntimeError,
-    TypeError or ValueError) to raise it on `src` and one of the same type with its message
-    everywhere else. Tensors arrive on `device`.
-    """
-    me = dist.get_rank()
-    if me == src:
-        if isinstance(tensors, Exception):
-            error: Exception | None = tensors
-        else:
-            assert tensors is not None, "the source rank must pass the tensors"
-            try:
-                header = _broadcast_header(tensors)
-                error = None
-            except (TypeError, ValueError) as e:
-                error = e
-        if error is not None:
-            kind = next((i + 1 for i, t in enumerate(_ERRORS) if isinstance(error, t)), 1)
-            data = str(error).encode()
-            _broadcast(torch.tensor([len(data), kind], device=device), src, group)
-            if data:
-                _broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device),
-                           src, group)
-            raise error
-        assert not isinstance(tensors, Exception) and tensors is not None
-        _broadcast(torch.tensor([header.numel(), 0], device=device), src, group)
-        _broadcast(header.to(device), src, group)
-        groups = _by_dtype([t.dtype for t in tensors])
-        for dtype, members in groups.items():
-            flat = torch.cat([tensors[i].detach().reshape(-1).to(device, _wire(dtype))
-                              for i in members])
-            _broadcast(flat, src, group)
-        return tuple(tensors)
-    size = torch.zeros(2, dtype=torch.int64, device=device)
-    _broadcast(size, src, group)
-    n, kind = size.tolist()
-    if kind:
-        text = torch.zeros(n, dtype=torch.uint8, device=device)
-        if n:
-            _broadcast(text, src, group)
-        raise _ERRORS[kind - 1](bytes(text.cpu().tolist()).decode(errors="replace"))
-    header = torch.zeros(n, dtype=torch.int64, device=device)
-    _broadcast(header, src, group)
-    values, pos = header.tolist(), 1
-    shapes: list[tuple[int, ...]] = []
-    dtypes: list[torch.dtype] = []
-    for _ in range(values[0]):
-        dtypes.append(_DTYPES[values[pos]])
-        ndim = values[pos + 1]
-        shapes.append(tuple(values[pos + 2:pos + 2 + ndim]))
-        pos += 2 + ndim
-    out: list[Tensor | None] = [None] * len(shapes)
-    for dtype, members in _by_dtype(dtypes).items():
-        sizes = [math.prod(shapes[i]) for i in members]
-        flat = torch.empty(sum(sizes), dtype=_wire(dtype), device=device)
-        _broadcast(flat, src, group)
-        for i, part in zip(members, flat.split(sizes)):
-            out[i] = part.view(shapes[i]).to(dtype).clone()
-    return tuple(t for t in out if t is not None)
-
-
-def _broadcast_header(tensors: Sequence[Tensor]) -> Tensor:
-    header = [len(tensors)]
-    for t in tensors:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"can only broadcast Tensors, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"cannot broadcast a tensor of dtype {t.dtype}; use one of "
-                            f"{', '.join(str(d) for d in _DTYPES)}")
-        header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    return torch.tensor(header, dtype=torch.int64)
-
-
-def _by_dtype(dtypes: Sequence[torch.dtype]) -> dict[torch.dtype, list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, dtype in enumerate(dtypes):
-        groups.setdefault(dtype, []).append(i)
-    return groups
-
-
-def _wire(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a payload travels as (bool as uint8: not every backend reduces bools)."""
-    return torch.uint8 if dtype == torch.bool else dtype

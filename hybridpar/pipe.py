@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar import comm
 from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
+from hybridpar.broadcast import broadcast_tensors
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
@@ -89,7 +89,7 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
     with fail_together((ValueError, TypeError, RuntimeError)):  # profiling may fail on one rank
         if topo.rank == 0 or (sharded and name in ("time", "size")):
             choice = list(balance_by(name, topo.pp, module, sample, **options))
-    (counts,) = comm.broadcast_tensors(
+    (counts,) = broadcast_tensors(
         (torch.tensor(choice, dtype=torch.int64),) if topo.rank == 0 else None, 0,
         device=topo.device)
     if topo.rank == 0:
@@ -409,7 +409,7 @@ class HybridPipe(nn.Module):
             payload = (single, output) if isinstance(output, Tensor) else (single, *output)
         with self._guard("the broadcast of the output from the last stage",
                          self.topology.pp_group):
-            tensors = comm.broadcast_tensors(payload, self._last_rank(),
+            tensors = broadcast_tensors(payload, self._last_rank(),
                                              group=self.topology.pp_group, device=self.device)
         return tensors[1] if int(tensors[0]) else tuple(tensors[1:])
 
@@ -438,7 +438,7 @@ class HybridPipe(nn.Module):
     def consolidated_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model's full state dict (same keys and shapes), on every rank.
 
-        Each stage's tensors reach the others by `comm.broadcast_tensors` (no pickles).
+        Each stage's tensors reach the others by `broadcast_tensors` (no pickles).
         """
         group = self.topology.tp_group if self.topology.tp > 1 else None
         tensors = dict(self.named_parameters())
@@ -453,7 +453,7 @@ class HybridPipe(nn.Module):
                 break
             keys = self._stage_keys[stage]
             mine = [local[k] for k in keys] if stage == self.stage else None
-            received = comm.broadcast_tensors(mine, self.topology.stage_rank(stage),
+            received = broadcast_tensors(mine, self.topology.stage_rank(stage),
                                               group=self.topology.pp_group, device=self.device)
             merged.update((k, v.cpu()) for k, v in zip(keys, received))
         return {key: merged[key] for key in self._state_keys}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hybridpar
-from hybridpar import comm
+from hybridpar.broadcast import broadcast_tensors
 
 PACKAGE = Path(hybridpar.__file__).resolve().parent
 SOURCES = sorted(PACKAGE.rglob("*.py"))
@@ -92,14 +92,14 @@ def _broadcasts():
     rank = torch.distributed.get_rank()
     tensors = (torch.arange(6.0).view(2, 3), torch.tensor([True, False]),
                torch.arange(4, dtype=torch.int64), torch.zeros(0, 5, dtype=torch.bfloat16))
-    got = comm.broadcast_tensors(tensors if rank == 1 else None, 1)
+    got = broadcast_tensors(tensors if rank == 1 else None, 1)
     same = all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, tensors))
     try:
-        comm.broadcast_tensors(ValueError("bad on the source") if rank == 1 else None, 1)
+        broadcast_tensors(ValueError("bad on the source") if rank == 1 else None, 1)
     except ValueError as e:
         error = str(e)
     try:
-        comm.broadcast_tensors((torch.zeros(2, dtype=torch.complex64),) if rank == 1 else None, 1)
+        broadcast_tensors((torch.zeros(2, dtype=torch.complex64),) if rank == 1 else None, 1)
     except TypeError as e:
         dtype_error = str(e)
     return {"same": same and len(got) == 4, "error": error, "dtype_error": dtype_error}
