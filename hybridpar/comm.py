@@ -51,7 +51,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -153,11 +153,7 @@ def spec_of(tensors: Sequence[Tensor], tp: int, *, grads: bool, single: bool) ->
                              f"(at most {_MAX_NDIM} dims)")
         specs.append(TensorSpec(t.dtype, tuple(t.shape), get_parallel_dim(t),
                                 grads and t.is_floating_point(), _scatters(t, tp)))
-    spec = MessageSpec(tuple(specs), single)
-    if len(_encode(spec, 0)) > HEADER_LEN:
-        raise ValueError(f"a stage boundary of {len(tensors)} tensors does not fit the "
-                         f"{HEADER_LEN}-slot header; pass fewer tensors between stages")
-    return spec
+    return MessageSpec(tuple(specs), single)
 
 
 def _encode(spec: MessageSpec, signature: int) -> list[int]:
@@ -172,6 +168,9 @@ def _encode(spec: MessageSpec, signature: int) -> list[int]:
 def header(spec: MessageSpec, signature: int, device: torch.device) -> Tensor:
     """The 1 KiB int64 header that describes `spec` (sent on a new signature only)."""
     values = _encode(spec, signature)
+    if len(values) > HEADER_LEN:
+        raise ValueError(f"a stage boundary of {len(spec.tensors)} tensors does not fit the "
+                         f"{HEADER_LEN}-slot header; pass fewer tensors between stages")
     return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64,
                         device=device)
 
@@ -228,15 +227,24 @@ class SpecBook:
 # issuing groups -------------------------------------------------------------------------
 @dataclass
 class Op:
-    """One queued isend / irecv: `message` names its message, `label` the tensor in it."""
+    """One queued isend / irecv: `message` names its message, `index` the tensor in it (-1:
+    its header)."""
 
     send: bool
     tensor: Tensor
     peer: int
     channel: int
     message: str
-    label: str
-    header: bool
+    index: int
+
+    @property
+    def header(self) -> bool:
+        return self.index < 0
+
+    @property
+    def label(self) -> str:
+        """``"the activation of micro-batch 3 [0]"`` (made only when logged or reported)."""
+        return f"{self.message} header" if self.index < 0 else f"{self.message} [{self.index}]"
 
 
 @dataclass
@@ -244,14 +252,15 @@ class Wire:
     """How this rank issues P2P: tags, the log for the NCCL replay, groups of operations."""
 
     tags: bool = False
+    coalesce: bool = False   # NCCL: one batch_isend_irecv a group; gloo: the ops one by one
     log: list[list[P2POp]] | None = None
     pending: list[Op] = field(default_factory=list)
     early: list[P2POp] = field(default_factory=list)   # posted early, logged with the next
 
     def add(self, send: bool, tensor: Tensor, peer: int, channel: int, message: str,
-            label: str, *, header: bool = False) -> int:
-        """Queue one op for the next `issue`; returns its index in the group."""
-        self.pending.append(Op(send, tensor, peer, channel, message, label, header))
+            index: int) -> int:
+        """Queue one op for the next `issue` (`index` -1: a header); returns its position."""
+        self.pending.append(Op(send, tensor, peer, channel, message, index))
         return len(self.pending) - 1
 
     def issue(self, *, early: bool = False) -> list[tuple[Op, list[dist.Work]]]:
@@ -263,22 +272,29 @@ class Wire:
         of it (gloo only); the log keeps them in the group they belong to.
         """
         queued, self.pending = self.pending, []
-        # every header of the group before any payload: the receiver posts them first
-        order = sorted(range(len(queued)), key=lambda k: not queued[k].header)
+        order = list(range(len(queued)))
+        if any(op.header for op in queued):   # a step of new shapes: headers go first
+            order.sort(key=lambda k: not queued[k].header)
         ops = [queued[k] for k in order]
-        logged = [P2POp("send" if op.send else "recv", op.peer, op.tensor.numel(),
-                        str(op.tensor.dtype), op.label) for op in ops]
-        if early:
-            self.early += logged
-        elif self.log is not None and (logged or self.early):
-            self.log.append(logged + self.early)
+        if self.log is not None:
+            logged = [P2POp("send" if op.send else "recv", op.peer, op.tensor.numel(),
+                            str(op.tensor.dtype), op.label) for op in ops]
+            if early:
+                self.early += logged
+            elif logged or self.early:
+                self.log.append(logged + self.early)
         if not early:
             self.early = []
         if not queued:
             return []
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer,
-                       tag=op.channel if self.tags else 0) for op in ops])
+        works: list[Any]
+        if self.coalesce:
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer,
+                           tag=op.channel if self.tags else 0) for op in ops])
+        else:   # gloo does not coalesce: batch_isend_irecv would post these same ops in turn
+            works = [(dist.isend if op.send else dist.irecv)(
+                op.tensor, op.peer, tag=op.channel if self.tags else 0) for op in ops]
         per_op = [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
         result: list[list[dist.Work]] = [[] for _ in queued]
         for position, k in enumerate(order):
@@ -309,10 +325,10 @@ def send_message(wire: Wire, tensors: Sequence[Tensor], spec: MessageSpec, dst: 
     """Queue a message's sends (its header first when given); returns what it sends."""
     sent = payloads(tensors, spec, tp_group)
     if header is not None:
-        wire.add(True, header, dst, channel, label, f"{label} header", header=True)
+        wire.add(True, header, dst, channel, label, -1)
         record("p2p_header", _nbytes(header))
     for k, payload in enumerate(sent):
-        wire.add(True, payload, dst, channel, label, f"{label} [{k}]")
+        wire.add(True, payload, dst, channel, label, k)
         record("p2p_send", _nbytes(payload))
     return sent
 
@@ -335,8 +351,7 @@ class Incoming:
         self.works: list[list[dist.Work]] = []
         if spec is None:
             self.header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-            self.header_slot = wire.add(False, self.header, src, channel, label,
-                                        f"{label} header", header=True)
+            self.header_slot = wire.add(False, self.header, src, channel, label, -1)
             record("p2p_header", _nbytes(self.header))
         else:
             self._queue_payloads()
@@ -348,8 +363,7 @@ class Incoming:
             target = _local_slice(full.view(-1), self.tp_group) if s.scattered else full
             buf = torch.empty_like(target) if s.scattered else target
             self.buffers.append((s, full, buf))
-            self.slots.append(self.wire.add(False, buf, self.src, self.channel, self.label,
-                                            f"{self.label} [{k}]"))
+            self.slots.append(self.wire.add(False, buf, self.src, self.channel, self.label, k))
             record("p2p_recv", _nbytes(buf))
 
     def issued(self, group: list[tuple[Op, list[dist.Work]]]) -> None:

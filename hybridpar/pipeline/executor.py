@@ -160,7 +160,7 @@ class StageExecutor:
 
     def __init__(self, spec: StageSpec) -> None:
         self.spec = spec
-        self.wire = comm.Wire(tags=spec.p2p_tags)
+        self.wire = comm.Wire(tags=spec.p2p_tags, coalesce=spec.device.type != "cpu")
         self.book = comm.SpecBook()   # the agreed message specs of each step signature
         self.steps = 0                # steps run: keys this rank's aborts in the store
         self.issued: list[tuple[bool, str, int, list[Any]]] = []   # (send, label, peer, works)
@@ -413,8 +413,8 @@ class StageExecutor:
             forward = self._agreed(FWD if channel == BWD else SKIP, stage, i)
             assert forward is not None, f"{what}: its forward message was never exchanged"
             spec = forward.grads()
-        with trace.span("send", peer=self._rank(stage), channel=channel,
-                        nbytes=sum(_nbytes(t) for t in tensors)):
+        nbytes = sum(_nbytes(t) for t in tensors) if trace.RECORDER.enabled else 0
+        with trace.span("send", peer=self._rank(stage), channel=channel, nbytes=nbytes):
             comm.send_message(self.wire, tensors, spec, self._rank(stage), channel, what,
                               tp_group=self.spec.tp_group, header=header)
 
