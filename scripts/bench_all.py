@@ -15,7 +15,7 @@ Benchmarks (one module each under scripts/bench/, in this order):
 
 Writes ``OUT_DIR/<name>.json`` per benchmark, ``OUT_DIR/bench_all.json`` (all of them) and
 ``OUT_DIR/bench_all.md`` (machine, date, torch, command, every table and its notes: the
-README's Benchmarks section). The default (full) run takes about 8 minutes on 2 cores;
+docs/benchmarks.md). The default (full) run takes about 8 minutes on 2 cores;
 ``--quick`` runs smaller sweeps (about 3 minutes); ``--smoke`` the smallest configuration
 of each (seconds, for tests; its numbers mean nothing).
 """

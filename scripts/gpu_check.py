@@ -20,7 +20,7 @@ With N >= 2 devices (cuda; or --ranks N on cpu, gloo): every pp x tp layout of p
 with 2 <= pp * tp <= N that the model allows, launched with `hybridpar.spawn`: fp32 parity with
 the plain model on one device (losses of 3 AdamW steps, gradients of the first; TF32 off), then
 bf16 tokens/s and MFU. Each check prints PASS or FAIL with its numbers; every table names the
-device, torch and CUDA. Writes DIR/gpu_check.json, DIR/gpu_check.md (the README section) and
+device, torch and CUDA. Writes DIR/gpu_check.json, DIR/gpu_check.md (the docs/gpu.md section) and
 DIR/trace/ (default DIR: runs/gpu_check). Exit code 1 when a check fails, 2 on bad arguments.
 --quick: a batch of 8, fewer warm-ups, repeats and parity steps, shorter profiling
 (tests/test_gpu_check_smoke.py: about 10 s on 2 cores; its numbers mean nothing).
