@@ -272,10 +272,10 @@ class Wire:
         of it (gloo only); the log keeps them in the group they belong to.
         """
         queued, self.pending = self.pending, []
-        order = list(range(len(queued)))
+        order = None                          # the steady state: the ops as queued
         if any(op.header for op in queued):   # a step of new shapes: headers go first
-            order.sort(key=lambda k: not queued[k].header)
-        ops = [queued[k] for k in order]
+            order = sorted(range(len(queued)), key=lambda k: not queued[k].header)
+        ops = queued if order is None else [queued[k] for k in order]
         if self.log is not None:
             logged = [P2POp("send" if op.send else "recv", op.peer, op.tensor.numel(),
                             str(op.tensor.dtype), op.label) for op in ops]
@@ -285,7 +285,7 @@ class Wire:
                 self.log.append(logged + self.early)
         if not early:
             self.early = []
-        if not queued:
+        if not ops:
             return []
         works: list[Any]
         if self.coalesce:
@@ -296,6 +296,8 @@ class Wire:
             works = [(dist.isend if op.send else dist.irecv)(
                 op.tensor, op.peer, tag=op.channel if self.tags else 0) for op in ops]
         per_op = [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
+        if order is None:
+            return list(zip(queued, per_op))
         result: list[list[dist.Work]] = [[] for _ in queued]
         for position, k in enumerate(order):
             result[k] = per_op[position]

@@ -377,6 +377,16 @@ class StageExecutor:
         except RuntimeError as e:
             raise WaitFailed(f"receive {what} from", stage, posted.src, e) from e
 
+    def _expected(self, channel: int, stage: int, i: int) -> comm.MessageSpec | None:
+        """The spec of message (channel, peer stage, micro-batch) as far as it is known: a
+        forward message's agreed spec (None: this step learns it from a header), or a
+        gradient message's, the floating tensors of its forward message (None: that forward
+        message was never exchanged)."""
+        if channel in (FWD, SKIP):
+            return self._agreed(channel, stage, i)
+        forward = self._agreed(FWD if channel == BWD else SKIP, stage, i)
+        return None if forward is None else forward.grads()
+
     def _agreed(self, channel: int, stage: int, i: int) -> comm.MessageSpec | None:
         """The spec of forward message (channel, peer stage, micro-batch) (None: learn it)."""
         key = (channel, stage, i)
@@ -410,9 +420,9 @@ class StageExecutor:
                     "shapes, dtypes and parallel-dim tags whenever its inputs have the same "
                     "shapes (make shapes depend on input shapes only, not on values)")
         else:
-            forward = self._agreed(FWD if channel == BWD else SKIP, stage, i)
-            assert forward is not None, f"{what}: its forward message was never exchanged"
-            spec = forward.grads()
+            expected = self._expected(channel, stage, i)
+            assert expected is not None, f"{what}: its forward message was never exchanged"
+            spec = expected
         nbytes = sum(_nbytes(t) for t in tensors) if trace.RECORDER.enabled else 0
         with trace.span("send", peer=self._rank(stage), channel=channel, nbytes=nbytes):
             comm.send_message(self.wire, tensors, spec, self._rank(stage), channel, what,
@@ -463,17 +473,14 @@ class StageExecutor:
                 key = (self._rank(m.peer), m.channel if self.spec.p2p_tags else 0)
                 if not m.send or key in owed:
                     continue
-                forward = self._agreed(FWD if m.channel in (FWD, BWD) else SKIP, m.peer,
-                                       action.microbatch)
-                if forward is None and m.channel in (FWD, SKIP):  # the peer waits for a header
+                spec = self._expected(m.channel, m.peer, action.microbatch)
+                if spec is None and m.channel in (FWD, SKIP):   # the peer waits for a header
                     owed[key] = comm.header_dummy(self.spec.device)
-                elif forward is None:   # a gradient whose size this stage never learned
+                elif spec is None:   # a gradient whose size this stage never learned
                     owed[key] = comm.abort_dummy(None, None, self.spec.device)
-                else:
-                    spec = forward if m.channel in (FWD, SKIP) else forward.grads()
-                    if spec.tensors:
-                        owed[key] = comm.abort_dummy(spec.tensors[0], self.spec.tp_group,
-                                                     self.spec.device)
+                elif spec.tensors:
+                    owed[key] = comm.abort_dummy(spec.tensors[0], self.spec.tp_group,
+                                                 self.spec.device)
         return [(rank, channel, dummy) for (rank, channel), dummy in owed.items()]
 
     def _hint(self, error: Exception, action: Action | None) -> str:
@@ -501,11 +508,10 @@ class StageExecutor:
             if m.send:
                 self._send_one(mb, m.peer, m.channel, i, what)
                 continue
-            forward = self._agreed(FWD if m.channel in (FWD, BWD) else SKIP, m.peer, i)
-            if m.channel in (BWD, SKIPG):
-                assert forward is not None, f"{what}: its forward message was never exchanged"
-                forward = forward.grads()
-            incoming = self._post(m.peer, m.channel, i, what, forward)
+            expected = self._expected(m.channel, m.peer, i)
+            assert expected is not None or m.channel in (FWD, SKIP), \
+                f"{what}: its forward message was never exchanged"
+            incoming = self._post(m.peer, m.channel, i, what, expected)
             if m.channel == FWD:
                 mb.recv_f = incoming
             elif m.channel == SKIP:
