@@ -30,6 +30,14 @@ from hybridpar.pipeline.partition import (
 from hybridpar.pipeline.reduce import GradBuckets
 from hybridpar.pipeline.schedule import FORWARD, get_schedule
 from hybridpar.pipeline.skip import skip_routes
+from hybridpar.pipeline.tied import (
+    TiedGroups,
+    aliases,
+    check_kept,
+    detach_other_stages,
+    find_ties,
+    names_by_id,
+)
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.mappings import all_gather_along
@@ -170,7 +178,9 @@ class HybridPipe(nn.Module):
         if tp_plan is not None:
             from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
 
+            tied = names_by_id(module)
             module = check_sequential(apply_tp_plan(module, tp_plan, group=topo.tp_group))
+            check_kept(tied, module)
             self.tp_plan_decisions = plan_decisions(module)
         if isinstance(balance, str):
             balance = _choose_balance(module, balance, topo, balance_sample, chunks)
@@ -188,10 +198,15 @@ class HybridPipe(nn.Module):
         self.stage, self.num_stages = topo.pp_rank, topo.pp
         self.checkpoint, self.schedule, self.loss_fn = checkpoint, schedule, loss_fn
         self.trace = trace
+        ties = find_ties(module, counts)
+        #: ``{name: canonical name}`` of parameters held under several names (`pipeline.tied`)
+        self.tied_aliases = aliases(ties)
         self._state_keys = list(module.state_dict().keys())
         stages = split(module, counts)
-        self._stage_keys = [list(stage.state_dict().keys()) for stage in stages]
+        self._stage_keys = [[k for k in stage.state_dict() if k not in self.tied_aliases]
+                            for stage in stages]
         local = stages[self.stage]
+        detach_other_stages(stages, self.stage, ties)
         free_layers(stages, keep=self.stage)
         self.device = topo.device
         with fail_together((TypeError, ValueError, RuntimeError, NotImplementedError)):
@@ -199,6 +214,10 @@ class HybridPipe(nn.Module):
             local.to(self.device)
         for name, layer in local.named_children():
             self.add_module(name, layer)
+        # copies of a parameter tied across stages: equal at the start, gradients summed
+        self._ties = TiedGroups(ties, dict(local.named_parameters(remove_duplicate=False)),
+                                topo)
+        self._ties.sync()
         # dp averaging in buckets launched during each step's last backward (no-op at dp=1)
         self._dp_buckets = GradBuckets(list(self.parameters()),
                                        topo.dp_group if topo.dp > 1 else None)
@@ -266,6 +285,10 @@ class HybridPipe(nn.Module):
                 with self._guard("the all-reduce of the gradients over dp",
                                  self.topology.dp_group):
                     self._dp_buckets.finish()
+            if self._ties:
+                with self._guard("the all-reduce of tied parameters' gradients over stages",
+                                 self.topology.pp_group):
+                    self._ties.reduce()
             return self._share_loss(result.loss, posted)
 
     @torch.no_grad()
@@ -456,11 +479,14 @@ class HybridPipe(nn.Module):
             received = broadcast_tensors(mine, self.topology.stage_rank(stage),
                                               group=self.topology.pp_group, device=self.device)
             merged.update((k, v.cpu()) for k, v in zip(keys, received))
+        for alias, canonical in self.tied_aliases.items():   # one tensor under every name
+            merged[alias] = merged[canonical]
         return {key: merged[key] for key in self._state_keys}
 
     def load_consolidated_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a full (unsharded) state dict, keeping this rank's stage and tp shard."""
         known = set(self._state_keys)
+        state_dict = self._fill_aliases(state_dict)
         missing = [k for k in self._state_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in known]
         if missing or unexpected:
@@ -477,6 +503,25 @@ class HybridPipe(nn.Module):
             local[key] = shard_of(value, param, group) if param is not None else value
         self.load_state_dict(local)
 
+    def _fill_aliases(self, state_dict: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """`state_dict` with every tied name present (a file may hold the canonical one only,
+        as Hugging Face checkpoints do); a `ValueError` if two names of one tie differ."""
+        if not self.tied_aliases:
+            return state_dict
+        full = dict(state_dict)
+        for alias, canonical in self.tied_aliases.items():
+            if alias in full and canonical in full:
+                if full[alias].shape != full[canonical].shape or \
+                        not torch.equal(full[alias], full[canonical]):
+                    raise ValueError(f"the state dict holds different values for '{canonical}' "
+                                     f"and '{alias}', which are one tied parameter of this "
+                                     "model; give them equal values (or only one of the names)")
+            elif alias in full:
+                full[canonical] = full[alias]
+            elif canonical in full:
+                full[alias] = full[canonical]
+        return full
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the global norm over all stages and tp shards (replicated params once)."""
         if norm_type != 2.0:
@@ -485,7 +530,7 @@ class HybridPipe(nn.Module):
         tp = self.topology.tp
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.parameters():
-            if p.grad is None:
+            if p.grad is None or id(p) in self._ties.not_counted:   # a tie counts once
                 continue
             square = p.grad.detach().double().pow(2).sum()
             sharded = get_parallel_dim(p) is not None
@@ -498,14 +543,14 @@ class HybridPipe(nn.Module):
             with tracing.collective("all_reduce", _nbytes(total)), self._guard(
                     "the all-reduce of the gradient norm over pp", self.topology.pp_group):
                 dist.all_reduce(total, group=self.topology.pp_group)
-        norm = total.sqrt().to(torch.float32)
-        # min(1, max_norm / norm) as a tensor: no host synchronisation (a multiply by 1.0
-        # leaves a gradient bit for bit as it was)
+        norm = total.sqrt()
+        # min(1, max_norm / norm) as a tensor, in float64 (float64 models clip as on one
+        # device): no host synchronisation; a multiply by 1.0 leaves a gradient as it was
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in self.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale.to(p.grad.dtype))
-        return norm
+        return norm.to(torch.float32)
 
     def extra_repr(self) -> str:
         return (f"stage={self.stage}/{self.num_stages}, balance={self.balance}, "

@@ -122,15 +122,28 @@ def _entry(tensor: Tensor, param: Tensor | None, group: Any) -> Tensor | ShardCh
     return ShardChunk(tensor, size, torch.Size(offsets))
 
 
-def model_entries(module: nn.Module, group: Any) -> dict[str, Tensor | ShardChunk]:
-    """``model/<name>`` for every tensor of `module`'s state dict (`group`: the tp group)."""
-    params = dict(module.named_parameters())
-    return {f"model/{name}": _entry(value, params.get(name), group)
-            for name, value in module.state_dict(keep_vars=True).items()}
+def model_entries(module: nn.Module, group: Any, *,
+                  aliases: Mapping[str, str] | None = None) -> dict[str, Tensor | ShardChunk]:
+    """``model/<name>`` for every tensor of `module`'s state dict (`group`: the tp group).
+
+    A tied parameter (`aliases`: ``{name: canonical name}``, `HybridPipe.tied_aliases`) is
+    saved once, under its canonical name, by every stage holding a copy (DCP de-duplicates).
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    out: dict[str, Tensor | ShardChunk] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        out.setdefault(f"model/{_canonical(name, aliases)}", _entry(value, params.get(name),
+                                                                    group))
+    return out
 
 
-def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer,
-                      group: Any) -> dict[str, Tensor | ShardChunk]:
+def _canonical(name: str, aliases: Mapping[str, str] | None) -> str:
+    return aliases.get(name, name) if aliases else name
+
+
+def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group: Any, *,
+                      aliases: Mapping[str, str] | None = None
+                      ) -> dict[str, Tensor | ShardChunk]:
     """``optim/<name>/<key>`` for every tensor of the optimizer state of `module`'s params.
 
     State that does not exist yet (no step taken) is created first, as the optimizer's first
@@ -146,7 +159,7 @@ def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer,
             if not isinstance(value, Tensor):
                 raise TypeError(f"optimizer state {name}/{key} is {type(value).__name__}; "
                                 "only tensor state can be checkpointed")
-            out[f"optim/{name}/{key}"] = _entry(value, param, group)
+            out[f"optim/{_canonical(name, aliases)}/{key}"] = _entry(value, param, group)
     return out
 
 
@@ -160,15 +173,19 @@ def _initial_state(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str,
             "exp_avg_sq": zeros.clone()}
 
 
-def check_unique(keys: Iterable[str], layers: range) -> None:
+def check_unique(keys: Iterable[str], layers: range, *,
+                 tied: Iterable[str] = ()) -> None:
     """Raise unless every model / optimizer key names a layer of this stage (`layers`).
 
     Stages hold disjoint layers, so their keys cannot collide: two ranks that save one key
-    are tp peers or dp replicas of one stage, whose replicated tensors are equal.
+    are tp peers or dp replicas of one stage, whose replicated tensors are equal, or hold
+    copies of one tied parameter (its canonical names: `tied`), kept equal by the pipe.
     """
+    shared = set(tied)
     for key in keys:
         kind, _, name = key.partition("/")
-        if kind not in ("model", "optim"):
+        if kind not in ("model", "optim") or name.rsplit("/", 1)[0] in shared \
+                or name in shared:
             continue
         head = name.split(".", 1)[0]
         if not head.isdigit() or int(head) not in layers:

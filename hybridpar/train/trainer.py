@@ -143,8 +143,10 @@ class _Run:
     def state(self) -> dict[str, Entry]:
         """Everything a resume needs, under layout-free keys (see `shards`)."""
         group = self._tp_group()
-        state: dict[str, Entry] = {**model_entries(self.pipe, group),
-                                   **optimizer_entries(self.pipe, self.optimizer, group)}
+        tied = self.pipe.tied_aliases
+        state: dict[str, Entry] = {
+            **model_entries(self.pipe, group, aliases=tied),
+            **optimizer_entries(self.pipe, self.optimizer, group, aliases=tied)}
         state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
         state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)
                                       for k, v in self.batches.state_dict().items()}))
@@ -154,7 +156,7 @@ class _Run:
 
     def save(self) -> Path:
         state = self.state()
-        check_unique(state, self.layers)
+        check_unique(state, self.layers, tied=set(self.pipe.tied_aliases.values()))
         path = save_checkpoint(self.run_dir / "checkpoints", self.step, state,
                                keep=self.config.checkpoint.keep)
         log.info("saved checkpoint %s", path)

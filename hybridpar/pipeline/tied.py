@@ -1,0 +1,174 @@
+"""Tied parameters: one Parameter used by layers on different stages (Megatron's embedding group).
+
+GPT-2 ties its token embedding (layer 0) to its head (the last layer). On one device that is
+one tensor with one gradient; split over stages, each owning stage keeps its own copy:
+
+    layer     0 (wte)        ...      5 (head)          one device: W, grad = g0 + g5
+    stage     0                       1
+    copy      W  (canonical)          W' (alias)        kept equal: start equal, then
+    grad      g0 ----- all-reduce(sum) ----- g5          both get g0 + g5 before the step
+
+* `find_ties` lists every Parameter the model holds under several names, the first name
+  (in `named_parameters` order) canonical: checkpoints save it once under that name, and
+  `consolidated_state_dict` gives every name the canonical tensor.
+* `detach_other_stages` points the other stages' references at `meta` placeholders before
+  they are freed, so freeing them cannot touch the copy this rank keeps (`module.to("meta")`
+  rewrites a shared Parameter in place).
+* `TiedGroups` builds, for every set of owning stages, one process group per (dp, tp)
+  coordinate: exactly the ranks that hold a copy of the same tp shard. `sync` broadcasts
+  the canonical owner's values to the others (copies start equal, also after a `meta`
+  build); `reduce` sums the gradients after the schedule, before clipping. Ties within one
+  stage stay one Parameter and need nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from hybridpar import trace
+from hybridpar.pipeline.partition import stage_bounds
+from hybridpar.topology import Topology
+
+__all__ = ["Tie", "TiedGroups", "aliases", "check_kept", "detach_other_stages", "find_ties",
+           "names_by_id"]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A Parameter held under several names: the canonical name first."""
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]     # the stages holding it, ascending: stages[0] owns the canonical
+
+    @property
+    def canonical(self) -> str:
+        return self.names[0]
+
+    @property
+    def across_stages(self) -> bool:
+        return len(self.stages) > 1
+
+
+def names_by_id(module: nn.Module) -> dict[int, list[str]]:
+    """Every Parameter of `module` (by id) with all the names it is held under, in order."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
+def find_ties(module: nn.Sequential, balance: Sequence[int]) -> list[Tie]:
+    """The Parameters `module` holds under more than one name, and the stages holding them."""
+    stage_of: dict[str, int] = {}
+    for stage, (start, stop) in enumerate(stage_bounds(balance)):
+        for key in list(module._modules)[start:stop]:
+            stage_of[key] = stage
+    ties = []
+    for names in names_by_id(module).values():
+        if len(names) > 1:
+            stages = sorted({stage_of[n.split(".", 1)[0]] for n in names})
+            ties.append(Tie(names=tuple(names), stages=tuple(stages)))
+    return ties
+
+
+def aliases(ties: Sequence[Tie]) -> dict[str, str]:
+    """``{other name: canonical name}`` of every tie."""
+    return {alias: tie.canonical for tie in ties for alias in tie.names[1:]}
+
+
+def detach_other_stages(stages: Sequence[nn.Module], keep: int, ties: Sequence[Tie]) -> None:
+    """In every stage but `keep`, replace the tied Parameters shared with it by meta copies."""
+    kept = {id(p) for p in stages[keep].parameters()}
+    for index, stage in enumerate(stages):
+        if index == keep:
+            continue
+        placeholders: dict[int, nn.Parameter] = {}
+        for module in stage.modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None and id(param) in kept:
+                    if id(param) not in placeholders:
+                        placeholders[id(param)] = nn.Parameter(
+                            torch.empty_like(param, device="meta"),
+                            requires_grad=param.requires_grad)
+                    module._parameters[key] = placeholders[id(param)]
+
+
+class TiedGroups:
+    """The process groups of the ties across stages, and the two things done over them.
+
+    Built on every rank in the same order (`dist.new_group` is collective); a rank keeps
+    the groups it is in, with the local Parameters of each.
+    """
+
+    def __init__(self, ties: Sequence[Tie], params: Mapping[str, nn.Parameter],
+                 topology: Topology) -> None:
+        self.stage = topology.pp_rank
+        self._groups: list[tuple[ProcessGroup, int, list[nn.Parameter]]] = []
+        self.not_counted: set[int] = set()   # ids of copies whose norm another stage counts
+        by_stages: dict[tuple[int, ...], list[Tie]] = {}
+        for tie in ties:
+            if tie.across_stages:
+                by_stages.setdefault(tie.stages, []).append(tie)
+        for stages, group_ties in by_stages.items():
+            mine: list[nn.Parameter] = []
+            for tie in group_ties:
+                local = [params[n] for n in tie.names if n in params]
+                if self.stage in stages:
+                    assert local, f"stage {self.stage} holds none of {tie.names}"
+                    mine.append(local[0])
+                    if self.stage != stages[0]:
+                        self.not_counted.add(id(local[0]))
+            for dp in range(topology.dp):
+                for tp in range(topology.tp):
+                    ranks = [topology.global_rank(dp, s, tp) for s in stages]
+                    group = dist.new_group(ranks)
+                    if topology.rank in ranks:
+                        self._groups.append((group, ranks[0], mine))
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Every copy takes the canonical owner's values (once, at construction)."""
+        for group, owner, params in self._groups:
+            for p in params:
+                dist.broadcast(p.data, owner, group=group)
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Sum the gradients of every tie over its owners, one all-reduce per group.
+
+        A copy without a gradient (its stage did not use it this step) adds zeros and gets
+        the sum.
+        """
+        for group, _, params in self._groups:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            with trace.collective("all_reduce", flat.numel() * flat.element_size()):
+                dist.all_reduce(flat, group=group)
+            offset = 0
+            for p, g in zip(params, grads):
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+                if p.grad is None:
+                    p.grad = g
+
+
+def check_kept(before: Mapping[int, list[str]], module: nn.Module) -> None:
+    """Raise if a Parameter tied under several names before a change no longer is after it."""
+    after = {tuple(names) for names in names_by_id(module).values()}
+    for names in before.values():
+        if len(names) > 1 and tuple(names) not in after:
+            raise ValueError(
+                f"the tp plan untied the parameters {list(names)}: they were one Parameter and "
+                "are now separate copies that would train apart; shard all of them alike (one "
+                "style for every layer that shares the weight) or replicate them "
+                "(tp_plan={name: 'replicate'})")

@@ -1,0 +1,219 @@
+"""Parameters tied across stages (GPT-2's embedding and head) train as on one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hybridpar
+from hybridpar.pipeline.tied import Tie, check_kept, find_ties, names_by_id
+
+VOCAB, WIDTH, SEQ = 24, 8, 6
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.1)
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos[: idx.shape[1]]
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
+                                 nn.Linear(4 * WIDTH, WIDTH))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def tied_lm(seed: int = 0, blocks: int = 4) -> nn.Sequential:
+    """embedding, blocks, norm, head: the head's weight is the embedding's (as GPT-2's)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(Embed(), *[Residual() for _ in range(blocks)], nn.LayerNorm(WIDTH),
+                          nn.Linear(WIDTH, VOCAB, bias=False))
+    model[-1].weight = model[0].tok.weight
+    return model.double()
+
+
+def lm_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def batches(steps: int, batch: int):
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
+    return xs, [torch.roll(x, -1, dims=1) for x in xs]
+
+
+def one_device(steps: int, batch: int, *, clip: float | None = None):
+    model = tied_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    losses, norms = [], []
+    for x, y in zip(*batches(steps, batch)):
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+def train_worker(layout, balance, schedule, steps, batch, tp_plan, clip):
+    pp, tp = layout
+    topo = hybridpar.init(pp=pp, tp=tp, timeout=60)
+    pipe = hybridpar.HybridPipe(tied_lm(), balance, chunks=2, topology=topo, schedule=schedule,
+                                loss_fn=lm_loss, tp_plan=tp_plan)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.02)
+    losses, norms = [], []
+    for x, y in zip(*batches(steps, batch)):
+        opt.zero_grad()
+        losses.append(pipe.train_step(x, y).item())
+        if clip is not None:
+            norms.append(float(pipe.clip_grad_norm_(clip)))
+        opt.step()
+    local = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+    return {"losses": losses, "norms": norms, "state": pipe.consolidated_state_dict(),
+            "local": local, "aliases": sorted(pipe.tied_aliases.items())}
+
+
+@pytest.mark.parametrize("layout,balance,schedule,tp_plan", [
+    ((2, 1), [3, 4], "gpipe", None),
+    ((2, 1), [3, 4], "1f1b", None),
+    ((4, 1), [2, 2, 2, 1], "gpipe", None),
+    ((4, 1), [2, 2, 2, 1], "1f1b", None),
+    ((2, 2), [3, 4], "gpipe", "auto"),
+    ((2, 2), [3, 4], "1f1b", "auto"),
+])
+def test_tied_embedding_and_head_on_two_stages_train_as_on_one_device(
+        layout, balance, schedule, tp_plan):
+    steps, batch = 3, 4
+    ref_losses, _, ref_state = one_device(steps, batch)
+    results = hybridpar.spawn(train_worker, layout[0] * layout[1], args=(
+        layout, balance, schedule, steps, batch, tp_plan, None), timeout=120)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-6)   # reported in fp32
+        assert list(r["state"]) == list(ref_state)   # both names, as the model's state_dict
+        for key, value in ref_state.items():
+            torch.testing.assert_close(r["state"][key], value, atol=1e-12, rtol=0)
+        assert r["aliases"] == [("6.weight", "0.tok.weight")]
+    # every copy of the tie is the trained value, on the first and on the last stage
+    first, last = results[0]["local"], results[-1]["local"]
+    torch.testing.assert_close(first["0.tok.weight"], ref_state["0.tok.weight"],
+                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(last["6.weight"], ref_state["6.weight"], atol=1e-12, rtol=0)
+
+
+def test_clip_grad_norm_counts_a_tie_once():
+    steps, batch = 2, 4
+    _, ref_norms, ref_state = one_device(steps, batch, clip=0.5)
+    results = hybridpar.spawn(train_worker, 2, args=(
+        (2, 1), [3, 4], "1f1b", steps, batch, None, 0.5), timeout=120)
+    for r in results:
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-6)    # reported in fp32
+        torch.testing.assert_close(r["state"]["6.weight"], ref_state["6.weight"],
+                                   atol=1e-12, rtol=0)
+
+
+def test_find_ties_names_the_stages_holding_a_parameter():
+    model = tied_lm()
+    assert find_ties(model, [3, 4]) == [Tie(names=("0.tok.weight", "6.weight"), stages=(0, 1))]
+    assert find_ties(model, [7]) == [Tie(names=("0.tok.weight", "6.weight"), stages=(0,))]
+
+
+def meta_worker():
+    topo = hybridpar.init(pp=2, timeout=60)
+    with torch.device("meta"):
+        model = tied_lm()
+    pipe = hybridpar.HybridPipe(model, [3, 4], topology=topo, loss_fn=lm_loss)
+    weight = pipe.state_dict()["0.tok.weight" if topo.pp_rank == 0 else "6.weight"]
+    return {"weight": weight.clone()}
+
+
+def test_a_meta_build_starts_every_copy_from_the_first_stage():
+    first, last = hybridpar.spawn(meta_worker, 2, timeout=120)
+    assert not torch.isnan(first["weight"]).any()
+    torch.testing.assert_close(first["weight"], last["weight"], atol=0, rtol=0)
+
+
+def load_worker(state, pp):
+    topo = hybridpar.init(pp=pp, timeout=60)
+    pipe = hybridpar.HybridPipe(tied_lm(seed=5), [3, 4] if pp == 2 else [7], topology=topo,
+                                loss_fn=lm_loss)
+    try:
+        pipe.load_consolidated_state_dict(state)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"state": pipe.consolidated_state_dict()}
+
+
+def test_a_state_dict_with_the_canonical_name_only_loads_into_both_copies():
+    state = tied_lm().state_dict()
+    del state["6.weight"]                 # as Hugging Face files omit lm_head.weight
+    for r in hybridpar.spawn(load_worker, 2, args=(state, 2), timeout=120):
+        torch.testing.assert_close(r["state"]["6.weight"], state["0.tok.weight"])
+
+
+def test_a_state_dict_whose_tied_names_differ_is_refused_on_every_rank():
+    state = tied_lm().state_dict()
+    state["6.weight"] = state["6.weight"] + 1
+    for r in hybridpar.spawn(load_worker, 2, args=(state, 2), timeout=120):
+        assert "different values for '0.tok.weight' and '6.weight'" in r["error"]
+
+
+def checkpoint_worker(folder, pp):
+    from hybridpar.train.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+    from hybridpar.train.shards import model_entries
+
+    topo = hybridpar.init(pp=pp, timeout=60)
+    balance = [3, 4] if pp == 2 else [7]
+    if pp == 2:   # save from two stages
+        pipe = hybridpar.HybridPipe(tied_lm(seed=0), balance, topology=topo, loss_fn=lm_loss)
+        save_checkpoint(folder, 1, model_entries(pipe, None, aliases=pipe.tied_aliases), keep=1)
+        return {}
+    pipe = hybridpar.HybridPipe(tied_lm(seed=9), balance, topology=topo, loss_fn=lm_loss)
+    path = f"{folder}/step-1"
+    saved = sorted(read_metadata(path).state_dict_metadata)
+    load_checkpoint(path, model_entries(pipe, None, aliases=pipe.tied_aliases))
+    return {"saved": saved, "state": pipe.state_dict()}
+
+
+def test_a_checkpoint_saves_a_tie_once_and_loads_into_another_layout(tmp_path):
+    hybridpar.spawn(checkpoint_worker, 2, args=(str(tmp_path), 2), timeout=120)
+    (r,) = hybridpar.spawn(checkpoint_worker, 1, args=(str(tmp_path), 1), timeout=120)
+    assert "model/0.tok.weight" in r["saved"] and "model/6.weight" not in r["saved"]
+    expected = tied_lm(seed=0).state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(r["state"][key], value, atol=0, rtol=0)
+
+
+def untie_worker():
+    topo = hybridpar.init(pp=1, tp=2, timeout=60)
+    plan = {"0.tok": "vocab", "6": "replicate"}
+    try:
+        hybridpar.HybridPipe(tied_lm(), [7], topology=topo, loss_fn=lm_loss, tp_plan=plan)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_tp_plan_that_would_shard_one_end_of_a_tie_is_refused_on_every_rank():
+    for message in hybridpar.spawn(untie_worker, 2, timeout=120):
+        assert "'0.tok'" in message and "tied to ['6.weight']" in message
+
+
+def test_a_change_that_unties_parameters_is_caught():
+    model = tied_lm()
+    before = names_by_id(model)
+    model[-1].weight = nn.Parameter(model[-1].weight.detach().clone())
+    with pytest.raises(ValueError, match=r"untied the parameters \['0.tok.weight', '6.weight'\]"):
+        check_kept(before, model)
