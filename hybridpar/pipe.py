@@ -72,7 +72,8 @@ def _split_batch(x: Any, chunks: int, what: str) -> list[Any]:
 
 
 def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
-                    sample: TensorOrTensors | None, chunks: int) -> list[int]:
+                    sample: TensorOrTensors | None, chunks: int,
+                    init_fn: Callable[[nn.Module], None] | None) -> list[int]:
     """Resolve ``balance="time" | "size" | "params" | "uniform"`` to the same list on every rank.
 
     Global rank 0 profiles and broadcasts its choice; when the model already holds sharded
@@ -89,7 +90,7 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
                          "balance='params' / 'uniform'")
     sharded = any(get_parallel_dim(p) is not None for p in module.parameters())
     # profiled on the run's device, under the caller's autocast (timing synchronises it)
-    options: dict[str, Any] = {"tp": topo.tp, "device": topo.device} \
+    options: dict[str, Any] = {"tp": topo.tp, "device": topo.device, "init_fn": init_fn} \
         if name in ("time", "size") else {}
     if name == "size":
         options["chunks"] = chunks
@@ -156,6 +157,11 @@ class HybridPipe(nn.Module):
     that many seconds) and stops the stage when a peer published its failure; on by default
     on GPUs, where NCCL waits do not time out on the host (`pipeline.watchdog`).
 
+    ``init_fn``: for a model built on the `meta` device, a callable applied to every module
+    of the stage after `to_empty` (e.g. a Hugging Face model's ``_init_weights``); without it,
+    each module's ``reset_parameters()``. A tensor left uninitialized is an error
+    (`pipeline.partition.materialize`).
+
     ``trace=True`` (or setting ``pipe.trace = True`` between steps) records the timeline of
     every `train_step`, `eval_step` and forward, keeping the last one; `write_trace` then
     writes it for all ranks (Chrome trace, Gantt chart, bubble table). Off, it costs nothing.
@@ -166,7 +172,8 @@ class HybridPipe(nn.Module):
                  checkpoint: str = "except_last", loss_fn: Callable[..., Tensor] | None = None,
                  tp_plan: Any = None, deferred_batch_norm: bool = False,
                  balance_sample: TensorOrTensors | None = None, trace: bool = False,
-                 watchdog: bool | float | None = None) -> None:
+                 watchdog: bool | float | None = None,
+                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
         super().__init__()
         check_sequential(module)
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
@@ -183,7 +190,7 @@ class HybridPipe(nn.Module):
             check_kept(tied, module)
             self.tp_plan_decisions = plan_decisions(module)
         if isinstance(balance, str):
-            balance = _choose_balance(module, balance, topo, balance_sample, chunks)
+            balance = _choose_balance(module, balance, topo, balance_sample, chunks, init_fn)
         counts = check_balance(module, balance, topo.pp)
         try:
             routes = skip_routes(module, counts)
@@ -210,7 +217,8 @@ class HybridPipe(nn.Module):
         free_layers(stages, keep=self.stage)
         self.device = topo.device
         with fail_together((TypeError, ValueError, RuntimeError, NotImplementedError)):
-            materialize(local, self.device)   # a stage of its own: may fail on this rank only
+            # a stage of its own: may fail on this rank only
+            materialize(local, self.device, init_fn=init_fn)
             local.to(self.device)
         for name, layer in local.named_children():
             self.add_module(name, layer)

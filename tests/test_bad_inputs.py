@@ -64,6 +64,29 @@ class PopA(nn.Module):
         return x + a
 
 
+class _Scale(nn.Module):
+    """A parameter and no reset_parameters (as Hugging Face's LlamaRMSNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def _meta(*layers):
+    with torch.device("meta"):
+        return nn.Sequential(*(layer() for layer in layers))
+
+
+def _tied():
+    model = _mlp()
+    model[3] = nn.Linear(8, 8)
+    model[3].weight = model[0].weight
+    return model
+
+
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3))
@@ -102,6 +125,11 @@ def _api_cases(topo):
         "api-clip-norm-type": lambda: pipe().clip_grad_norm_(1.0, norm_type=1.0),
         "api-state-dict": lambda: pipe().load_consolidated_state_dict({"9.weight": x}),
         "api-layout": lambda: hybridpar.init(pp=3),
+        "api-meta-bare": lambda: pipe(_meta(lambda: nn.Linear(8, 8), _Scale), [1, 1]),
+        "api-meta-uninitialized": lambda: pipe(_meta(lambda: nn.Linear(8, 8), _Scale), [1, 1],
+                                               init_fn=lambda m: None),
+        "api-tied-differ": lambda: pipe(_tied()).load_consolidated_state_dict(
+            {**_tied().state_dict(), "3.weight": torch.zeros(8, 8)}),
     }
 
 
@@ -315,6 +343,16 @@ ROWS = [
         "KeyError", "state dict does not match the model", "give the full state dict"),
     Row("api-layout", "API", "a layout that does not fit the world (pp=3 on 2 ranks)",
         "ValueError", "world size 2 is not divisible by pp * tp", "launch a multiple of 3 ranks"),
+    Row("api-meta-bare", "API", "a `meta`-built module with parameters and no "
+        "`reset_parameters` (no `init_fn`)", "ValueError",
+        "module '1' (_Scale) holds parameters or buffers but has no reset_parameters()",
+        "Pass HybridPipe(..., init_fn=fn)"),
+    Row("api-meta-uninitialized", "API", "an `init_fn` that leaves a `meta`-built tensor "
+        "uninitialized", "ValueError", "'0.weight' is not initialized",
+        "make the initializer cover it"),
+    Row("api-tied-differ", "API", "`load_consolidated_state_dict` with different values under "
+        "two names of one tied parameter", "ValueError",
+        "different values for '0.weight' and '3.weight'", "give them equal values"),
     # tensor parallelism, 2 ranks, tp=2
     Row("tp-linear", "API", "tp that does not divide a layer (`ParallelLinear(8, 7, dim=-1)`, "
         "tp=2)", "ValueError", "out_features=7 is not divisible by the tp size 2",

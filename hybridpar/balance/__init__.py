@@ -23,7 +23,7 @@ ValueError naming the smallest cap that works. `profile_layers` + `balance_profi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -102,7 +102,8 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
                     timeout: float = 1.0, device: torch.device | str = "cpu", tp: int = 1,
                     max_stage_bytes: float | None = None, chunks: int = 1,
                     param_scale: float = 2.0, p2p_bandwidth: float | None = None,
-                    tp_bandwidth: float | None = None, progress: bool = False) -> list[int]:
+                    tp_bandwidth: float | None = None, progress: bool = False,
+                    init_fn: Callable[[nn.Module], None] | None = None) -> list[int]:
     """Layer counts per stage minimizing the slowest stage's forward + backward time.
 
     Each layer is profiled on `sample` for about ``timeout / len(module)`` s (median). A
@@ -118,7 +119,8 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
         tp_bandwidth = bandwidth
     profiles = profile_layers(module, sample, timeout=timeout, chunks=chunks, device=device,
                               tp=tp, tp_bandwidth=tp_bandwidth,
-                              measure_size=max_stage_bytes is not None, progress=progress)
+                              measure_size=max_stage_bytes is not None, progress=progress,
+                              init_fn=init_fn)
     return balance_profiles(profiles, partitions, by="time", p2p_bandwidth=bandwidth,
                             max_stage_bytes=max_stage_bytes, param_scale=param_scale)
 
@@ -126,7 +128,8 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: TensorOrTens
 def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTensors, *,
                     chunks: int = 1, param_scale: float = 2.0,
                     device: torch.device | str = "cpu", tp: int = 1,
-                    progress: bool = False) -> list[int]:
+                    progress: bool = False,
+                    init_fn: Callable[[nn.Module], None] | None = None) -> list[int]:
     """Layer counts per stage minimizing the largest stage memory.
 
     A layer's memory is its parameters times `param_scale` (2: weights + gradients; about 4
@@ -135,7 +138,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: TensorOrTenso
     """
     _check_partitions(partitions, check_module(module))
     profiles = profile_layers(module, input, chunks=chunks, device=device, tp=tp,
-                              measure_time=False, progress=progress)
+                              measure_time=False, progress=progress, init_fn=init_fn)
     return balance_profiles(profiles, partitions, by="size", param_scale=param_scale)
 
 

@@ -27,7 +27,7 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -159,12 +159,13 @@ _Scalar = (int, float, bool, str, type(None))
 
 
 @contextmanager
-def _sandbox(layer: nn.Module, device: torch.device) -> Iterator[nn.Module]:
+def _sandbox(layer: nn.Module, device: torch.device,
+             init_fn: Callable[[nn.Module], None] | None = None) -> Iterator[nn.Module]:
     """`layer` ready to profile on `device`, in train mode; afterwards as it was before."""
     tensors = [*layer.parameters(), *layer.buffers()]
     if any(t.is_meta for t in tensors):  # built on meta: a materialized copy, then dropped
         real = copy.deepcopy(layer)
-        materialize(real, device)
+        materialize(real, device, init_fn=init_fn)
         yield real.train()
         return
     if any(t.device != device for t in tensors):  # elsewhere: a copy on `device`
@@ -331,8 +332,11 @@ def check_module(module: object) -> nn.Sequential:
 def profile_layers(module: nn.Sequential, sample: TensorOrTensors, *, timeout: float = 1.0,
                    chunks: int = 1, device: torch.device | str = "cpu", tp: int = 1,
                    tp_bandwidth: float | None = None, measure_time: bool = True,
-                   measure_size: bool = True, progress: bool = False) -> list[LayerProfile]:
+                   measure_size: bool = True, progress: bool = False,
+                   init_fn: Callable[[nn.Module], None] | None = None) -> list[LayerProfile]:
     """Profile every layer of `module` on `sample` (see the module docstring).
+
+    Layers built on `meta` are profiled on a materialized copy (`init_fn`: as `HybridPipe`'s).
 
     Time: forward + backward on the whole `sample`, about ``timeout / len(module)`` seconds
     per layer. Size: activations saved for backward by the first micro-batch of
@@ -368,7 +372,7 @@ def profile_layers(module: nn.Sequential, sample: TensorOrTensors, *, timeout: f
             est = shard_estimate(layer, tp)
             prof = LayerProfile(index, name, type(layer).__name__, est.params, est.param_bytes,
                                 _nbytes(layer.buffers()))
-            with _sandbox(layer, dev) as live:
+            with _sandbox(layer, dev, init_fn) as live:
                 if measure_time:
                     with use_skip_tracker(trackers[0]):
                         sec, x = _time_layer(live, index, name, x, grad, trackers[0], budget,

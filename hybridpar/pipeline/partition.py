@@ -12,7 +12,7 @@ independent of each other).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -83,15 +83,59 @@ def free_layers(stages: Sequence[nn.Sequential], keep: int) -> None:
             stage.to("meta")
 
 
-def materialize(stage: nn.Module, device: torch.device | str) -> None:
-    """Give a `meta`-built stage real storage on `device` and initialize it (reset_parameters)."""
+def materialize(stage: nn.Module, device: torch.device | str, *,
+                init_fn: Callable[[nn.Module], None] | None = None) -> None:
+    """Give a `meta`-built stage real storage on `device` and initialize every tensor.
+
+    ``init_fn(module)`` is applied to every module, children first (as ``model.apply``),
+    e.g. a Hugging Face model's ``model._init_weights``; without it each module's
+    ``reset_parameters()``. Nothing may stay uninitialized:
+
+    * without `init_fn`, a module holding parameters or buffers of its own and no
+      ``reset_parameters`` is a `ValueError` before anything changes;
+    * the new storage is filled with NaN first, and a floating tensor still holding a NaN
+      after the initialization is a `ValueError` naming it (a buffer computed in
+      ``__init__``, such as a rotary embedding's ``inv_freq``, that the initializer did not
+      recompute).
+    """
     tensors = list(stage.parameters()) + list(stage.buffers())
     if not any(t.is_meta for t in tensors):
         return
+    if init_fn is None:
+        bare = [(name, sub) for name, sub in stage.named_modules() if _holds_tensors(sub)
+                and not callable(getattr(sub, "reset_parameters", None))]
+        if bare:
+            name, sub = bare[0]
+            raise ValueError(
+                f"module '{name}' ({type(sub).__name__}) holds parameters or buffers but has no "
+                "reset_parameters(): built on the meta device it would keep uninitialized "
+                "memory. Pass HybridPipe(..., init_fn=fn), a callable applied to every module "
+                "(for a Hugging Face model: init_fn=model._init_weights, or "
+                f"hybridpar.hf.init_fn(model)), or give {type(sub).__name__} a "
+                "reset_parameters(); or build the model on a real device")
     stage.to_empty(device=device)
-    for sub in stage.modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()  # nn.BatchNorm's covers its running statistics too
-    # A module without reset_parameters keeps uninitialized storage: such a model must be
-    # built on a real device (the README says so).
+    with torch.no_grad():
+        for t in [*stage.parameters(), *stage.buffers()]:
+            if t.is_floating_point() or t.is_complex():
+                t.fill_(float("nan"))
+        if init_fn is not None:
+            stage.apply(init_fn)
+        else:
+            for sub in stage.modules():
+                reset = getattr(sub, "reset_parameters", None)
+                if callable(reset):
+                    reset()  # nn.BatchNorm's covers its running statistics too
+    for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+        if (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any()):
+            how = "init_fn" if init_fn is not None else "reset_parameters()"
+            raise ValueError(
+                f"'{name}' is not initialized after materializing the meta-built model with "
+                f"{how} (it still holds the NaN it was filled with): make the initializer "
+                "cover it (a buffer computed in __init__, like a rotary embedding's inv_freq, "
+                "must be recomputed), or build the model on a real device")
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    """Whether `module` has parameters or buffers of its own (not its children's)."""
+    return any(t is not None for t in (*module._parameters.values(),
+                                        *module._buffers.values()))
