@@ -19,6 +19,9 @@ class Embed(nn.Module):
         self.tok = nn.Embedding(VOCAB, WIDTH)
         self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.1)
 
+    def reset_parameters(self) -> None:   # for a meta build (the Embedding resets itself)
+        nn.init.normal_(self.pos, std=0.1)
+
     def forward(self, idx):
         return self.tok(idx) + self.pos[: idx.shape[1]]
 
@@ -172,13 +175,15 @@ def test_a_state_dict_whose_tied_names_differ_is_refused_on_every_rank():
 
 def checkpoint_worker(folder, pp):
     from hybridpar.train.checkpoint import load_checkpoint, read_metadata, save_checkpoint
-    from hybridpar.train.shards import model_entries
+    from hybridpar.train.shards import model_entries, tie_entries
 
     topo = hybridpar.init(pp=pp, timeout=60)
     balance = [3, 4] if pp == 2 else [7]
     if pp == 2:   # save from two stages
         pipe = hybridpar.HybridPipe(tied_lm(seed=0), balance, topology=topo, loss_fn=lm_loss)
-        save_checkpoint(folder, 1, model_entries(pipe, None, aliases=pipe.tied_aliases), keep=1)
+        state = {**model_entries(pipe, None, aliases=pipe.tied_aliases),
+                 **tie_entries(pipe.tied_aliases)}
+        save_checkpoint(folder, 1, state, keep=1)
         return {}
     pipe = hybridpar.HybridPipe(tied_lm(seed=9), balance, topology=topo, loss_fn=lm_loss)
     path = f"{folder}/step-1"
@@ -188,12 +193,20 @@ def checkpoint_worker(folder, pp):
 
 
 def test_a_checkpoint_saves_a_tie_once_and_loads_into_another_layout(tmp_path):
+    from hybridpar.train.export import export_checkpoint
+
     hybridpar.spawn(checkpoint_worker, 2, args=(str(tmp_path), 2), timeout=120)
     (r,) = hybridpar.spawn(checkpoint_worker, 1, args=(str(tmp_path), 1), timeout=120)
     assert "model/0.tok.weight" in r["saved"] and "model/6.weight" not in r["saved"]
     expected = tied_lm(seed=0).state_dict()
     for key, value in expected.items():
         torch.testing.assert_close(r["state"][key], value, atol=0, rtol=0)
+    # the export gives every name of the tie its tensor: the plain model loads it strictly
+    exported = export_checkpoint(tmp_path / "step-1", tmp_path / "model.pt")
+    assert set(exported) == set(expected)
+    model = tied_lm(seed=9)
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
+    torch.testing.assert_close(model[6].weight, expected["6.weight"], atol=0, rtol=0)
 
 
 def untie_worker():

@@ -19,7 +19,7 @@ from hybridpar.train.checkpoint import (
     dcp_failure,
     read_metadata,
 )
-from hybridpar.train.shards import ShardLoadPlanner
+from hybridpar.train.shards import ShardLoadPlanner, read_ties
 
 __all__ = ["export_checkpoint", "load_exported"]
 
@@ -44,11 +44,12 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
     metadata = read_metadata(checkpoint)
     keys = sorted((k for k in metadata.state_dict_metadata if k.startswith("model/")),
                   key=lambda k: _layer_order(k.removeprefix("model/")))
+    ties = [k for k in metadata.state_dict_metadata if k.startswith("tied/")]
     if not keys:
         raise CheckpointError(f"{checkpoint} holds no model tensors; is it a hybridpar "
                               "checkpoint (RUN_DIR/checkpoints/step-N)?")
     check_files(checkpoint, metadata)
-    state = allocate_like(metadata, keys)
+    state = allocate_like(metadata, keys + ties)
     try:
         with warnings.catch_warnings():  # DCP warns that it runs without a process group: asked
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -57,7 +58,10 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
     except CheckpointException as e:
         raise CheckpointError(f"{checkpoint} cannot be read ({dcp_failure(e)}); its files are "
                               "damaged: restore them or export an earlier step-N") from None
-    plain = {k.removeprefix("model/"): v for k, v in state.items()}
+    plain = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
+    for alias, canonical in read_ties(state).items():   # saved once: every name gets it
+        plain[alias] = plain[canonical]
+    plain = dict(sorted(plain.items(), key=lambda kv: _layer_order(kv[0])))
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)   # only once the checkpoint read

@@ -6,6 +6,7 @@
     train/step                   int64 scalar                           every rank (one copy)
     data/<epoch|index|step>      int64 scalar: the data position        every rank (one copy)
     layout                       int64 (dp, pp, tp, balance...)          every rank (one copy)
+    tied/<name>                  uint8: the canonical name of a tie      every rank (one copy)
     rng/<dp>.<pp>.<tp>/<...>     this rank's RNG streams                this rank
 
 ``<name>`` is the parameter's name in the unsharded `nn.Sequential` ("3.attn.qkv.weight"),
@@ -36,7 +37,8 @@ from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_ran
 from hybridpar.tensor_parallel.state import full_shape
 
 __all__ = ["Entry", "ShardChunk", "ShardLoadPlanner", "ShardSavePlanner", "check_unique",
-           "flatten", "model_entries", "optimizer_entries", "unflatten"]
+           "flatten", "model_entries", "optimizer_entries", "read_ties", "tie_entries",
+           "unflatten"]
 
 
 class ShardChunk:
@@ -135,6 +137,18 @@ def model_entries(module: nn.Module, group: Any, *,
         out.setdefault(f"model/{_canonical(name, aliases)}", _entry(value, params.get(name),
                                                                     group))
     return out
+
+
+def tie_entries(aliases: Mapping[str, str]) -> dict[str, Tensor]:
+    """``tied/<name>``: the canonical name (UTF-8 bytes) every other name of a tie reads."""
+    return {f"tied/{alias}": torch.tensor(list(canonical.encode()), dtype=torch.uint8)
+            for alias, canonical in aliases.items()}
+
+
+def read_ties(state: Mapping[str, Any]) -> dict[str, str]:
+    """The ``{name: canonical name}`` that `tie_entries` wrote into `state`."""
+    return {key.removeprefix("tied/"): bytes(value.tolist()).decode()
+            for key, value in state.items() if key.startswith("tied/")}
 
 
 def _canonical(name: str, aliases: Mapping[str, str] | None) -> str:

@@ -57,6 +57,7 @@ from hybridpar.train.shards import (
     flatten,
     model_entries,
     optimizer_entries,
+    tie_entries,
     unflatten,
 )
 
@@ -147,6 +148,7 @@ class _Run:
         state: dict[str, Entry] = {
             **model_entries(self.pipe, group, aliases=tied),
             **optimizer_entries(self.pipe, self.optimizer, group, aliases=tied)}
+        state.update(tie_entries(tied))   # lets an export give every tied name its tensor
         state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
         state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)
                                       for k, v in self.batches.state_dict().items()}))
