@@ -4,11 +4,12 @@ from hybridpar.nn import functional, init
 from hybridpar.pipeline.batchnorm import DeferredBatchNorm
 from hybridpar.tensor_parallel.dense import TPDense
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
-from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
+from hybridpar.tensor_parallel.loss import CausalLMLoss, ParallelCrossEntropyLoss
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.tensor_parallel.wrapper import ModelParallelismWrapper
 
 __all__ = [
+    "CausalLMLoss",
     "DeferredBatchNorm",
     "ModelParallelismWrapper",
     "ParallelCrossEntropyLoss",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from hybridpar.tensor_parallel.mappings import group_rank, group_size
 from hybridpar.topology import default_tp_group
 from hybridpar.trace import collective
 
-__all__ = ["ParallelCrossEntropyLoss", "parallel_cross_entropy"]
+__all__ = ["CausalLMLoss", "ParallelCrossEntropyLoss", "parallel_cross_entropy"]
 
 _REDUCTIONS = ("none", "mean", "sum")
 
@@ -25,6 +27,19 @@ _REDUCTIONS = ("none", "mean", "sum")
 def _is_class_sharded(input: Tensor) -> bool:
     """Whether `input` is tagged as sharded on its last (class) dim: parallel dim -1 or 1."""
     return get_parallel_dim(input) in (-1, 1)
+
+
+def _classes_last(input: Tensor, target: Tensor) -> bool:
+    """Whether untagged `input` (*, C) with class-index `target` (*) is what torch would refuse.
+
+    ``F.cross_entropy`` wants the classes on dim 1 (target ``(N, d1, ...)``); logits of a
+    sequence model are ``(B, T, C)`` with target ``(B, T)``, as a class-sharded head leaves
+    them at tp > 1. When the shapes fit torch's reading too (C equal to the dim after N), it
+    wins: a plain `nn.CrossEntropyLoss` call keeps its meaning.
+    """
+    return (input.dim() >= 3 and not target.is_floating_point()
+            and target.shape == input.shape[:-1]
+            and target.shape != (input.shape[0], *input.shape[2:]))
 
 
 # The sharded algorithm, per row r of logits x (classes c split in contiguous rank-ordered
@@ -192,7 +207,10 @@ def parallel_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None 
     """`F.cross_entropy` that also takes logits sharded over the classes of a tp group.
 
     Untagged logits: exactly ``F.cross_entropy`` (classes on dim 1, probability targets, any
-    shape torch takes); no `hybridpar.init` needed. Logits tagged with parallel dim -1 (or 1),
+    shape torch takes); no `hybridpar.init` needed. Untagged ``(*, C)`` logits with a class
+    index target ``(*)`` of a shape torch refuses (``(B, T, C)`` and ``(B, T)``) take the
+    classes on the LAST dim, as sharded logits do, so the same loss runs at tp=1 with a plain
+    head and at tp > 1 with a column-parallel one. Logits tagged with parallel dim -1 (or 1),
     as a column-parallel layer leaves them, are ``(*, C / tp)`` with the classes LAST, each rank
     holding a contiguous slice of the C classes in rank order (uneven slices allowed); the
     target holds class indices of shape ``(*)``, equal on every rank. The result equals
@@ -202,8 +220,15 @@ def parallel_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None 
     parallel group of `hybridpar.init`.
     """
     if not _is_class_sharded(input):
-        return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce,
-                               reduction, label_smoothing)
+        if not _classes_last(input, target):
+            return F.cross_entropy(input, target, weight, size_average, ignore_index, reduce,
+                                   reduction, label_smoothing)
+        if size_average is not None or reduce is not None:
+            reduction = _reduction.legacy_get_string(size_average, reduce)
+        out = F.cross_entropy(input.reshape(-1, input.shape[-1]), target.reshape(-1), weight,
+                              ignore_index=ignore_index, reduction=reduction,
+                              label_smoothing=label_smoothing)            # (R, C) rows
+        return out.reshape(target.shape) if reduction == "none" else out
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     if reduction not in _REDUCTIONS:
@@ -238,3 +263,70 @@ class ParallelCrossEntropyLoss(nn.CrossEntropyLoss):
         return parallel_cross_entropy(input, target, self.weight, ignore_index=self.ignore_index,
                                       reduction=self.reduction,
                                       label_smoothing=self.label_smoothing, group=self.group)
+
+
+class CausalLMLoss(nn.Module):
+    """Next-token cross-entropy of a causal LM, the same module at every tp size.
+
+    ``loss_fn(logits, labels)``: `logits` ``(B, T, V)``, full or class-sharded ``(B, T, V / tp)``
+    (tagged parallel dim -1 by a column-parallel head; never gathered); `labels` ``(B, T)``
+    aligned with the input ids as in Hugging Face (``labels=input_ids``): the loss shifts them
+    inside, so position t is scored against ``labels[:, t + 1]`` and the last position against
+    nothing. Returns the mean over the tokens whose label is not `ignore_index` (0, not NaN,
+    when there is none). Half-precision logits are scored in float32. `group`: the tp group
+    of sharded logits (default: that of `hybridpar.init`).
+
+    Micro-batches: `HybridPipe` weights each micro-batch's mean by its share of the ROWS, so
+    with ignored labels the step's loss (and gradient) equals the token mean of the whole batch
+    only when every micro-batch counts the same number of scored tokens. For the exact token
+    mean, run the step inside ``loss_fn.token_mean_over(labels)``: each micro-batch then
+    returns its token sum divided by the batch's token count (scaled back by its row share),
+    and the step's loss is the batch's token mean. With dp > 1 each replica passes its own
+    labels, so the result is the mean over replicas of each replica's token mean.
+    """
+
+    def __init__(self, ignore_index: int = -100, *, group: ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.group = group
+        self._batch: tuple[int, Tensor] | None = None        # (rows, scored tokens) of a step
+
+    def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
+        if labels.is_floating_point() or labels.dim() < 1 or labels.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"CausalLMLoss takes logits (B, T, V) and integer labels (B, T) aligned with the "
+                f"input ids (it shifts them); got logits {tuple(logits.shape)} and labels "
+                f"{labels.dtype} {tuple(labels.shape)}")
+        # the target of position t is labels[t + 1]; the last position has none
+        target = F.pad(labels[..., 1:], (0, 1), value=self.ignore_index)        # (B, T)
+        if _is_class_sharded(logits):
+            total = parallel_cross_entropy(logits, target, ignore_index=self.ignore_index,
+                                           reduction="sum", group=self.group)
+        else:
+            x = logits.reshape(-1, logits.shape[-1])                           # (B * T, V)
+            if x.dtype in (torch.float16, torch.bfloat16):
+                x = x.float()
+            total = F.cross_entropy(x, target.reshape(-1), ignore_index=self.ignore_index,
+                                    reduction="sum")
+        if self._batch is None:
+            tokens = (target != self.ignore_index).sum().clamp(min=1)
+            return total / tokens
+        rows, batch_tokens = self._batch
+        # the pipe multiplies by rows_mb / rows: what is left is total / batch_tokens
+        return total / batch_tokens.to(total.device).clamp(min=1) * (rows / labels.shape[0])
+
+    @contextmanager
+    def token_mean_over(self, labels: Tensor) -> Iterator[CausalLMLoss]:
+        """Inside: micro-batch losses that add up to the exact token mean of `labels`' batch.
+
+        `labels` is the whole mini-batch this rank passes to ``train_step`` (``(B, T)``).
+        """
+        scored = (labels[..., 1:] != self.ignore_index).sum()
+        previous, self._batch = self._batch, (labels.shape[0], scored)
+        try:
+            yield self
+        finally:
+            self._batch = previous
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}"
