@@ -1,0 +1,26 @@
+"""Hugging Face causal LMs on hybridpar: `to_sequential`, name maps, checkpoints, meta init.
+
+Needs the optional extra ``hybridpar[hf]`` (``transformers``, ``safetensors``) only when its
+functions run; ``import hybridpar`` never imports it.
+"""
+
+from hybridpar.hf.blocks import DecoderBlock, TokenPositionEmbedding
+from hybridpar.hf.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from hybridpar.hf.families import SUPPORTED
+from hybridpar.hf.init import init_fn
+from hybridpar.hf.keys import KeyMap, hf_state_dict, key_map, sequential_state_dict
+from hybridpar.hf.sequential import to_sequential
+
+__all__ = [
+    "SUPPORTED",
+    "DecoderBlock",
+    "KeyMap",
+    "TokenPositionEmbedding",
+    "hf_state_dict",
+    "init_fn",
+    "key_map",
+    "load_hf_checkpoint",
+    "save_hf_checkpoint",
+    "sequential_state_dict",
+    "to_sequential",
+]

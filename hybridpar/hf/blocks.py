@@ -1,0 +1,109 @@
+"""The layers `to_sequential` adds around Hugging Face modules: GPT-2's input, a decoder block."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["DecoderBlock", "TokenPositionEmbedding"]
+
+
+class TokenPositionEmbedding(nn.Module):
+    """GPT-2's input layer: token + learned position embeddings, then dropout.
+
+    ``(B, T)`` token ids -> ``(B, T, D)``, positions ``0 .. T-1`` (no padding, no cache). Holds
+    the model's own ``wte`` / ``wpe`` / ``drop`` modules, so ``"0.wte.weight"`` is the model's
+    ``transformer.wte.weight`` (and the head's tied weight).
+    """
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
+        hidden = self.wte(input_ids) + self.wpe(positions)            # (B, T, D)
+        return self.drop(hidden)
+
+
+class DecoderBlock(nn.Module):
+    """A Hugging Face decoder layer as a layer of one input: ``(B, T, D) -> (B, T, D)``.
+
+    Everything the layer needs besides the hidden states is computed here from the sequence
+    length, so nothing but the hidden states crosses a pipeline stage boundary: positions
+    ``0 .. T-1``, the causal mask of the model's attention implementation (made by Hugging
+    Face's own ``create_causal_mask`` / ``create_sliding_window_causal_mask``) and, for rotary
+    models, cos / sin from this block's copy of the rotary embedding.
+
+    The block is a second view of the layer: it shares the layer's dict of children (so its
+    state-dict names are the layer's, ``"3.self_attn.q_proj.weight"``, and a child replaced
+    on either is replaced on both), and the rotary copy's buffers (``inv_freq``,
+    ``original_inv_freq``; non-persistent) are the block's own buffers, which
+    `reset_parameters` recomputes after a `meta` build.
+    """
+
+    hf_layer: nn.Module
+    hf_rotary: nn.Module | None
+
+    def __init__(self, layer: nn.Module, *, config: Any, attention_type: str,
+                 rotary: nn.Module | None = None) -> None:
+        super().__init__()
+        if layer._parameters or layer._buffers:
+            raise ValueError(f"{type(layer).__name__} holds parameters or buffers of its own; "
+                             "DecoderBlock expects them all in its children")
+        self._modules = layer._modules                    # one dict for both: the same children
+        object.__setattr__(self, "hf_layer", layer)       # not registered: its children are ours
+        object.__setattr__(self, "hf_rotary", rotary)
+        if rotary is not None:
+            if rotary._modules or rotary._parameters:
+                raise ValueError(f"{type(rotary).__name__} holds more than buffers")
+            self._buffers = rotary._buffers               # inv_freq, original_inv_freq
+            self._non_persistent_buffers_set = rotary._non_persistent_buffers_set
+        self.config = config
+        self.attention_type = attention_type
+        self.train(layer.training)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        from transformers import masking_utils
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        make_mask = (masking_utils.create_sliding_window_causal_mask
+                     if self.attention_type == "sliding_attention"
+                     else masking_utils.create_causal_mask)
+        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                         past_key_values=None, position_ids=positions)
+        kwargs: dict[str, Any] = {}
+        if self.hf_rotary is not None:
+            kwargs["position_embeddings"] = self.hf_rotary(hidden, positions)  # cos, sin
+        return self.hf_layer(hidden, attention_mask=mask, position_ids=positions, **kwargs)
+
+    def train(self, mode: bool = True) -> DecoderBlock:
+        super().train(mode)
+        self.hf_layer.training = mode      # the children are set by super(); the views here
+        if self.hf_rotary is not None:
+            self.hf_rotary.training = mode
+        return self
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Recompute the rotary buffers from the config, as Hugging Face's ``_init_weights``."""
+        rotary = self.hf_rotary
+        if rotary is None or any(b.is_meta for b in self._buffers.values() if b is not None):
+            return
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = str(getattr(rotary, "rope_type", "default"))
+        compute = getattr(rotary, f"compute_{rope_type}_rope_parameters", None)
+        if compute is None:
+            compute = ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, _ = compute(getattr(rotary, "config", self.config))
+        for name in ("inv_freq", "original_inv_freq"):       # as Hugging Face's _init_weights
+            buffer = self._buffers.get(name)
+            if buffer is not None:
+                buffer.copy_(inv_freq)
+
+    def extra_repr(self) -> str:
+        rotary = "rotary, " if self.hf_rotary is not None else ""
+        return f"{type(self.hf_layer).__name__}, {rotary}{self.attention_type}"
