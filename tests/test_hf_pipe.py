@@ -12,7 +12,7 @@ pytest.importorskip("transformers", reason="hybridpar.hf needs the optional extr
 from hf_models import tiny, token_batches
 
 import hybridpar
-from hybridpar.hf import hf_state_dict, to_sequential
+from hybridpar.hf import hf_state_dict, init_fn, load_hf_checkpoint, to_sequential
 from hybridpar.nn import CausalLMLoss
 
 STEPS, BATCH, SEQ, TOL = 3, 4, 8, 1e-9
@@ -74,18 +74,29 @@ def _train(kind, ignore, topo, balance, options):
                                                      model.config)}
 
 
-def _llama_worker():
+def _from_checkpoint(topo, directory, ids):
+    """A meta-built pipe materialized by init_fn, loaded from an HF checkpoint: its loss."""
+    with torch.device("meta"):
+        model = tiny("llama")
+    pipe = hybridpar.HybridPipe(to_sequential(model), [2, 3], topology=topo, chunks=2,
+                                loss_fn=CausalLMLoss(), init_fn=init_fn(model))
+    pipe.load_consolidated_state_dict(load_hf_checkpoint(directory))
+    return pipe.eval_step(ids, ids).item()
+
+
+def _llama_worker(directory, ids):
     topo = hybridpar.init(pp=2, timeout=60)
     return {
         "plain": _train("llama", False, topo, [2, 3], {"chunks": 2}),
         "causal_lm_loss": _train("llama", True, topo, [3, 2],
                                  {"chunks": 2, "schedule": "1f1b", "checkpoint": "always"}),
+        "from_checkpoint": _from_checkpoint(topo, directory, ids),
     }
 
 
-def _gpt2_worker():
-    topo = hybridpar.init(pp=1, timeout=60)
-    return _train("gpt2", True, topo, [5], {"chunks": 2})
+def _gpt2_worker(pp, balance):
+    topo = hybridpar.init(pp=pp, timeout=60)
+    return _train("gpt2", True, topo, balance, {"chunks": 2})
 
 
 def _assert_same(got, ref):
@@ -96,16 +107,24 @@ def _assert_same(got, ref):
         torch.testing.assert_close(got["state"][k], v, atol=TOL, rtol=0, msg=k)
 
 
-def test_llama_two_stages_trains_as_the_hf_model():
-    results = hybridpar.spawn(_llama_worker, 2, timeout=120)
+def test_llama_two_stages_trains_as_the_hf_model(tmp_path):
+    model = tiny("llama", seed=5)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")          # sharded safetensors
+    ids = token_batches(1, BATCH, SEQ, seed=7)[0]
+    hf_loss = F.cross_entropy(model(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    results = hybridpar.spawn(_llama_worker, 2, args=(str(tmp_path), ids), timeout=120)
     plain, causal = _reference("llama", False), _reference("llama", True)
     for r in results:
         _assert_same(r["plain"], plain)
         _assert_same(r["causal_lm_loss"], causal)
+        assert r["from_checkpoint"] == pytest.approx(hf_loss.item(), rel=1e-7)
 
 
-def test_gpt2_tied_head_on_one_stage_trains_as_the_hf_model():
-    # TODO: pp=2 with wte and the tied lm_head on different stages, once the pipe ties them
-    (got,) = hybridpar.spawn(_gpt2_worker, 1, timeout=120)
-    _assert_same(got, _reference("gpt2", True))
-    assert torch.equal(got["state"]["lm_head.weight"], got["state"]["transformer.wte.weight"])
+@pytest.mark.parametrize("pp,balance", [(1, [5]), (2, [2, 3])])
+def test_gpt2_tied_head_trains_as_the_hf_model(pp, balance):
+    # pp=2: the embedding (stage 0) and its tied head (stage 1) on different stages
+    got = hybridpar.spawn(_gpt2_worker, pp, args=(pp, balance), timeout=120)
+    ref = _reference("gpt2", True)
+    for r in got:
+        _assert_same(r, ref)
+        assert torch.equal(r["state"]["lm_head.weight"], r["state"]["transformer.wte.weight"])
