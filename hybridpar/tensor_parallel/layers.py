@@ -38,11 +38,12 @@ from hybridpar.tensor_parallel.functional import (
     parallel_embedding,
     parallel_linear,
 )
+from hybridpar.tensor_parallel.fused import FUSED_ATTR, fused_shard_of
 from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_sizes
 from hybridpar.tensor_parallel.state import register_full_shape, shard_of
 from hybridpar.topology import default_tp_group
 
-__all__ = ["ParallelEmbedding", "ParallelLinear", "RegisterParallelDim"]
+__all__ = ["ParallelConv1D", "ParallelEmbedding", "ParallelLinear", "RegisterParallelDim"]
 
 
 class _GroupRef:
@@ -104,17 +105,30 @@ class ParallelLinear(_ParallelLayer):
     Row-parallel (dim=0): columns of the weight, the full bias added after the all-reduce;
     the input may be full (split here) or tagged -1 (used as is); the output is full.
     The sharded features must divide by tp.
+
+    ``fused=k`` (column only): the output is k equal parts (q | k | v), each split over tp;
+    the rank keeps its slice of every part, in order (`fused`): its output is
+    ``[q_r | k_r | v_r]``, so code that splits the output in k parts works on the shard.
     """
 
+    _transposed = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 dim: int | None = None, *, group: ProcessGroup | None = None,
+                 dim: int | None = None, *, fused: int = 1, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self._setup_group(dim, group, "ParallelLinear")
         self.in_features = in_features
         self.out_features = out_features
+        self.fused = fused
         tp = self.tp_size
+        if fused != 1 and (dim not in (1, -1) or type(fused) is not int or fused < 1 or
+                           out_features % (fused * tp)):
+            raise ValueError(
+                f"ParallelLinear(out_features={out_features}, dim={dim}, fused={fused}): a "
+                f"fused layer is column-parallel (dim=-1) with out_features a multiple of "
+                f"fused * tp = {fused} * {tp}")
         sharded = {None: None, 0: ("in_features", in_features),
                    1: ("out_features", out_features), -1: ("out_features", out_features)}[dim]
         if sharded is not None and sharded[1] % tp != 0:
@@ -127,6 +141,8 @@ class ParallelLinear(_ParallelLayer):
         w_shape = ((out_features // tp, in_features) if column else
                    (out_features, in_features // tp) if dim == 0 else
                    (out_features, in_features))
+        if self._transposed:  # stored (in, out), as HF's Conv1D
+            w_shape = (w_shape[1], w_shape[0])
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(w_shape, **kw))
         if bias:
@@ -146,6 +162,12 @@ class ParallelLinear(_ParallelLayer):
         if self.bias is not None:
             register_parallel_attribute(self.bias, -1 if column else None, 0)
             register_full_shape(self.bias, (self.out_features,))
+        self._tag_fused()
+
+    def _tag_fused(self) -> None:
+        for p in (self.weight, self.bias):
+            if p is not None and getattr(self, "fused", 1) > 1:
+                setattr(p, FUSED_ATTR, self.fused)
 
     def reset_parameters(self) -> None:
         """Re-initialize as `nn.Linear` would the full layer, keeping this rank's slice."""
@@ -156,17 +178,41 @@ class ParallelLinear(_ParallelLayer):
         self._load_full(full.weight, full.bias)
 
     def _load_full(self, weight: Tensor, bias: Tensor | None) -> None:
+        slice_of = fused_shard_of if self.fused > 1 else shard_of
         with torch.no_grad():
-            self.weight.copy_(shard_of(weight, self.weight, self.group))
+            self.weight.copy_(slice_of(weight, self.weight, self.group))
             if self.bias is not None and bias is not None:
-                self.bias.copy_(shard_of(bias, self.bias, self.group))
+                self.bias.copy_(slice_of(bias, self.bias, self.group))
 
     def forward(self, x: Tensor) -> Tensor:
         return parallel_linear(x, self.weight, self.bias, self.dim, group=self.group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, dim={self.dim}")
+                f"bias={self.bias is not None}, dim={self.dim}"
+                + (f", fused={self.fused}" if self.fused > 1 else ""))
+
+    @classmethod
+    def from_module(cls, module: nn.Module, dim: int | None, *, fused: int = 1,
+                    group: ProcessGroup | None = None) -> ParallelLinear:
+        """A layer of this class holding its slice of `module`'s values (no random number)."""
+        old_w, old_b = module.weight, module.bias
+        assert isinstance(old_w, Tensor)
+        n_in, n_out = cls._sizes(module)
+        new = cls(n_in, n_out, old_b is not None, dim, fused=fused, group=group, device="meta",
+                  dtype=old_w.dtype)
+        if not old_w.is_meta:
+            new.to_empty(device=old_w.device)
+            new._load_full(old_w, old_b if isinstance(old_b, Tensor) else None)
+        new.weight.requires_grad_(old_w.requires_grad)
+        if new.bias is not None and isinstance(old_b, Tensor):
+            new.bias.requires_grad_(old_b.requires_grad)
+        new.train(module.training)
+        return new
+
+    @staticmethod
+    def _sizes(module: nn.Module) -> tuple[int, int]:
+        return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
 
     @classmethod
     def convert_parallel_linear(cls, module: nn.Module, dim: int | None = None, *,
@@ -179,17 +225,7 @@ class ParallelLinear(_ParallelLayer):
         ``out_proj`` weight directly instead of calling it).
         """
         if isinstance(module, nn.Linear):
-            old_w, old_b = module.weight, module.bias
-            new = cls(module.in_features, module.out_features, old_b is not None, dim,
-                      group=group, device="meta", dtype=old_w.dtype)
-            if not old_w.is_meta:
-                new.to_empty(device=old_w.device)
-                new._load_full(old_w, old_b)
-            new.weight.requires_grad_(old_w.requires_grad)
-            if new.bias is not None and old_b is not None:
-                new.bias.requires_grad_(old_b.requires_grad)
-            new.train(module.training)
-            return new
+            return cls.from_module(module, dim, group=group)
         if isinstance(module, nn.MultiheadAttention):
             return module
         for name, child in module.named_children():
@@ -197,6 +233,78 @@ class ParallelLinear(_ParallelLayer):
             if converted is not child:
                 setattr(module, name, converted)
         return module
+
+
+class ParallelConv1D(ParallelLinear):
+    """Hugging Face's `Conv1D` (GPT-2), sharded: a Linear whose weight is stored transposed.
+
+    ``ParallelConv1D(nf, nx, dim=None)`` takes Conv1D's arguments (out, in); the weight is
+    (in, out) as Conv1D's, y = x W + b. Column (dim=-1): weight (in, out / tp), sharded on
+    its last tensor dim; row (dim=0): (in / tp, out); ``fused=k`` as `ParallelLinear`. State
+    dict keys and full shapes are Conv1D's. Built under a seed, it initializes the full
+    tensors as Conv1D does (weight N(0, 0.02), bias zero) and keeps its slice.
+    """
+
+    _transposed = True
+
+    def __init__(self, nf: int, nx: int, bias: bool = True, dim: int | None = None, *,
+                 fused: int = 1, group: ProcessGroup | None = None,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(nx, nf, bias, dim, fused=fused, group=group, device=device,
+                         dtype=dtype)
+
+    @property
+    def nf(self) -> int:
+        return self.out_features
+
+    @property
+    def nx(self) -> int:
+        return self.in_features
+
+    @staticmethod
+    def _sizes(module: nn.Module) -> tuple[int, int]:
+        return int(module.nx), int(module.nf)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_module(cls, module: nn.Module, dim: int | None, *, fused: int = 1,
+                    group: ProcessGroup | None = None) -> ParallelLinear:
+        n_in, n_out = cls._sizes(module)
+        old_w, old_b = module.weight, module.bias
+        assert isinstance(old_w, Tensor)
+        new = cls(n_out, n_in, isinstance(old_b, Tensor), dim, fused=fused, group=group,
+                  device="meta", dtype=old_w.dtype)
+        if not old_w.is_meta:
+            new.to_empty(device=old_w.device)
+            new._load_full(old_w, old_b if isinstance(old_b, Tensor) else None)
+        new.weight.requires_grad_(old_w.requires_grad)
+        if new.bias is not None and isinstance(old_b, Tensor):
+            new.bias.requires_grad_(old_b.requires_grad)
+        new.train(module.training)
+        return new
+
+    def _tag_parameters(self) -> None:
+        # order type 1: the weight (in, out) is read as is; -1 = out (column), 0 = in (row)
+        column = self.dim in (1, -1)
+        register_parallel_attribute(self.weight, -1 if column else self.dim, 1)
+        register_full_shape(self.weight, (self.in_features, self.out_features))
+        if self.bias is not None:
+            register_parallel_attribute(self.bias, -1 if column else None, 0)
+            register_full_shape(self.bias, (self.out_features,))
+        self._tag_fused()
+
+    def reset_parameters(self) -> None:
+        """Re-initialize as Conv1D would the full layer, keeping this rank's slice."""
+        if self.weight.is_meta:
+            return
+        w = torch.empty(self.in_features, self.out_features, device=self.weight.device,
+                        dtype=self.weight.dtype)
+        b = torch.zeros(self.out_features, device=w.device, dtype=w.dtype)
+        nn.init.normal_(w, std=0.02)
+        self._load_full(w, b)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return parallel_linear(x, self.weight.t(), self.bias, self.dim, group=self.group)
 
 
 class ParallelEmbedding(_ParallelLayer):
