@@ -144,6 +144,14 @@ def _errors_at_tp(group):
     apply_tp_plan(tied, "auto", group=group)
     messages["auto_tied"] = plan_decisions(tied)
     messages["auto_tied_types"] = [type(m).__name__ for m in tied]
+    # a dict plan shards both ends of the tie: one Parameter, the vocab rows of this rank
+    tied = nn.Sequential(nn.Embedding(8, 8), nn.Linear(8, 8, bias=False))
+    tied[1].weight = tied[0].weight
+    full = tied[0].weight.detach().clone()
+    apply_tp_plan(tied, {"0": "vocab", "1": "column"}, group=group)
+    messages["dict_tied_shared"] = tied[1].weight is tied[0].weight and \
+        torch.equal(gather_full(tied[0].weight, tied[0].weight, group), full)
+    messages["dict_tied"] = plan_decisions(tied)
     return messages
 
 
@@ -178,7 +186,7 @@ def _more_auto(group):
     out["attention_decisions"] = plan_decisions(attn)
     x = torch.randn(2, 3, 8)
     out["attention_error"] = (_full(attn(x), group) - ref(x)).abs().max().item()
-    head = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), LogSoftmaxHead())
+    head = nn.Sequential(nn.LayerNorm(8), LogSoftmaxHead())
     apply_tp_plan(head, "auto", group=group)
     try:
         head(x)
@@ -245,8 +253,9 @@ def test_auto_mlp_decisions(direct):
     tp, results = direct
     r = results[0]["auto_mlp"]
     assert r["decisions"][:5] == [
-        "0.0 (Linear 8->16): column", "0.3 (Linear 16->8): row",
-        "1.0 (Linear 8->16): column", "1.2 (Linear 16->8): row",
+        "0.0 (Linear 8->16): column - feeds 0.3", "0.3 (Linear 16->8): row - reads the "
+        "shards of 0.0", "1.0 (Linear 8->16): column - feeds 1.2",
+        "1.2 (Linear 16->8): row - reads the shards of 1.0",
         "2 (Linear 8->4): column - class-sharded logits (tagged -1): train with "
         "ParallelCrossEntropyLoss"]
     assert "0.1, 0.2, 1.1" in r["decisions"][5]
@@ -255,11 +264,13 @@ def test_auto_mlp_decisions(direct):
     assert types["0.0"] == types["0.3"] == types["2"] == ParallelLinear.__name__
     assert types["0.2"] == ParallelDropout.__name__ and types["0.1"] == "ReLU"
     uneven = results[0]["auto_mlp_uneven_hidden"]["decisions"]
-    if tp == 4:
-        assert "1.0 (Linear 8->6): replicate - pair 1.0 -> 1.2 left replicated ('1.0': " \
-               "out_features 6 is not divisible by tp=4)" in uneven
+    if tp == 4:  # the data flow pairs the next Linear with the classifier instead
+        assert uneven[2:5] == [
+            "1.0 (Linear 8->6): replicate - out_features 6 is not divisible by tp=4",
+            "1.2 (Linear 6->8): column - feeds 2", "2 (Linear 8->4): row - reads the shards "
+            "of 1.2"]
     else:
-        assert "1.0 (Linear 8->6): column" in uneven
+        assert "1.0 (Linear 8->6): column - feeds 1.2" in uneven
     log = results[0]["log"]
     assert len(log) == 1 and f"tp_plan 'auto' (tp={tp})" in log[0]
     assert "ParallelCrossEntropyLoss" in log[0]
@@ -270,8 +281,8 @@ def test_auto_embedding_and_functional_activation(direct):
     _, results = direct
     r = results[0]["auto_embedding"]
     assert r["decisions"][:4] == [
-        "0 (Embedding 10x8): vocab", "1.fc1 (Linear 8->16): column",
-        "1.fc2 (Linear 16->8): row",
+        "0 (Embedding 10x8): vocab", "1.fc1 (Linear 8->16): column - feeds 1.fc2",
+        "1.fc2 (Linear 16->8): row - reads the shards of 1.fc1",
         "3 (Linear 8->12): column - class-sharded logits (tagged -1): train with "
         "ParallelCrossEntropyLoss"]
     assert r["types"]["0"] == ParallelEmbedding.__name__
@@ -303,16 +314,23 @@ def test_errors_that_need_tp(direct):
     assert "tied" in m["tied"] and "'1'" in m["tied"]
     assert m["auto_tied_types"] == ["Embedding", "Linear"]
     assert any("tied" in d for d in m["auto_tied"])
+    assert m["dict_tied_shared"]
+    assert m["dict_tied"][0].startswith("0 (Embedding 8x8): vocab - its weight is one "
+                                        "Parameter with '1.weight'")
 
 
 def test_auto_leaves_side_by_side_linears_and_guards_the_logits(direct):
     _, results = direct
     m = results[0]["more"]
-    assert m["attention_decisions"][:3] == [f"0.{n} (Linear 8->8): replicate - not in the plan"
-                                           for n in "qkv"]
+    # q @ k^T contracts the features: a shard of q or k gives partial scores
+    assert m["attention_decisions"][:2] == [
+        f"0.{n} (Linear 8->8): replicate - matmul reduces over the sharded features (each "
+        f"rank would hold a partial result)" for n in "qk"]
+    assert m["attention_decisions"][2].startswith("0.v (Linear 8->8): replicate - add fails "
+                                                  "on the shard")
     assert m["attention_error"] < 1e-6
     assert "column - class-sharded" in m["attention_decisions"][3]
-    assert m["guard"].startswith("tp_plan 'auto' made the final Linear '2.proj' column-parallel")
+    assert m["guard"].startswith("tp_plan 'auto' made the final Linear '1.proj' column-parallel")
     assert m["meta_is_meta"] and m["meta_error"] == 0
 
 
@@ -324,7 +342,12 @@ def test_tp1_changes_nothing(direct):
 # errors found before any group is needed ----------------------------------------------------
 
 @pytest.mark.parametrize("plan,match", [
-    ({"0.0": "colwise"}, r"tp_plan\['0.0'\] = 'colwise' is not a style; valid styles"),
+    ({"0.0": "col"}, r"tp_plan\['0.0'\] = 'col' is not a style; valid styles"),
+    ({"0.0": "sequence_parallel"}, r"'sequence_parallel' is a Hugging Face style hybridpar "
+                                   r"does not support; supported: colwise"),
+    ({"0.*.x": "colwise"}, r"key '0.\*.x' \('colwise', a Hugging Face style: '\*' is one "
+                           r"layer index\) matches no module"),
+    ({"*.1": "colwise"}, r"'colwise' does not apply to '0.1' \(ReLU\)"),
     ({"9.fc": "column"}, r"pattern '9.fc' matches no module.*valid styles"),
     ({"0.1": "column"}, r"'column' applies to nn.Linear only, but '0.1' matched '0.1' \(ReLU\)"),
     ({"0.0": "vocab"}, r"'vocab' applies to nn.Embedding only.*'0.0' \(Linear 8->16\)"),

@@ -9,11 +9,14 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.tensor_parallel.flow import is_conv1d
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
+from hybridpar.tensor_parallel.mappings import gather_from_group
 from hybridpar.tensor_parallel.state import shard_of
 
-__all__ = ["DECISIONS_ATTR", "ELEMENTWISE", "ExpectShardedOutput", "KeepTag", "Layers",
-           "TagShardedInput", "is_elementwise", "to_parallel_embedding"]
+__all__ = ["DECISIONS_ATTR", "ELEMENTWISE", "ExpectShardedOutput", "GatherOutput", "KeepTag",
+           "Layers", "RefuseLabels", "TagShardedInput", "is_elementwise",
+           "to_parallel_embedding"]
 
 ELEMENTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.ELU,
                 nn.SELU, nn.CELU, nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish,
@@ -46,6 +49,33 @@ class KeepTag:
             register_parallel_dim(output, get_parallel_dim(x))
 
 
+class GatherOutput:
+    """Forward hook of a column layer whose output must be full (HF's colwise_gather_output)."""
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        assert isinstance(module, ParallelLinear)
+        full = gather_from_group(output, module.group, dim=-1)
+        register_parallel_dim(full, None)
+        return full
+
+
+class RefuseLabels:
+    """Forward pre-hook (with kwargs) of a model with class-sharded logits: no labels= loss."""
+
+    def __init__(self, layer: str) -> None:
+        self.layer = layer
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> None:
+        if kwargs.get("labels") is not None:
+            raise ValueError(
+                f"tp_plan made '{self.layer}' column-parallel: the logits hold only this "
+                f"rank's classes, so a loss the model computes from labels= would be wrong; "
+                f"call the model without labels and give its logits (shifted as the model "
+                f"would) to hybridpar's ParallelCrossEntropyLoss, or mark '{self.layer}' "
+                f"'replicate' in a dict plan")
+
+
 class ExpectShardedOutput:
     """Forward hook guarding "auto"'s class-sharded logits: the output must still be tagged."""
 
@@ -53,6 +83,9 @@ class ExpectShardedOutput:
         self.layer = layer
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not isinstance(output, Tensor) and isinstance(getattr(output, "logits", None),
+                                                         Tensor):
+            output = output.logits  # a Hugging Face ModelOutput
         if isinstance(output, Tensor) and get_parallel_dim(output) not in (-1, 1):
             raise RuntimeError(
                 f"tp_plan 'auto' made the final Linear '{self.layer}' column-parallel "
@@ -63,9 +96,13 @@ class ExpectShardedOutput:
 
 
 def is_elementwise(module: nn.Module) -> bool:
+    """A known elementwise module, or a parameter-free one named like HF's activations."""
     if isinstance(module, RegisterParallelDim):
         return module.dim in (-1, 1)
-    return isinstance(module, ELEMENTWISE)
+    if isinstance(module, ELEMENTWISE):
+        return True
+    return type(module).__name__.endswith("Activation") and \
+        next(module.parameters(), None) is None and next(module.children(), None) is None
 
 
 # the model's layers ---------------------------------------------------------------------------
@@ -95,11 +132,20 @@ class Layers:
         m = self.by_name[name]
         if isinstance(m, nn.Linear):
             return f"Linear {m.in_features}->{m.out_features}"
+        if is_conv1d(m):
+            return f"Conv1D {m.nx}->{m.nf}"
         if isinstance(m, nn.Embedding):
             return f"Embedding {m.num_embeddings}x{m.embedding_dim}"
         return type(m).__name__
 
-    def unshardable(self, name: str) -> str | None:
+    def tied(self, name: str) -> list[str]:
+        """The other names of `name`'s weight (a tie), in order; [] if it has none."""
+        w = getattr(self.by_name[name], "weight", None)
+        if not isinstance(w, nn.Parameter) or id(w) not in self.owners:
+            return []
+        return [o for o in self.owners[id(w)] if o != f"{name}.weight"]
+
+    def unshardable(self, name: str, *, ignore_ties: bool = False) -> str | None:
         """Why the layer `name` cannot be replaced by a sharded one (None: it can)."""
         m = self.by_name[name]
         if name in self.in_mha:
@@ -111,7 +157,7 @@ class Layers:
             if isinstance(p, nn.parameter.UninitializedParameter):
                 return "it has uninitialized (lazy) parameters; run a forward first"
             tied = [o for o in self.owners[id(p)] if o != f"{name}.{pname}"]
-            if tied:
+            if tied and not (ignore_ties and pname == "weight"):
                 return f"its {pname} is tied to {tied}"
         return None
 
