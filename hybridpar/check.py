@@ -97,6 +97,11 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if cfg.model.name.startswith("hf:"):
+        raise CheckError(f"hybridpar check cannot dry-run model {cfg.model.name!r}: "
+                         "transformers' modules read the data pointers of tensors, which fake "
+                         "tensors do not have (torch crashes); check the layout with a short "
+                         "real run instead: hybridpar run CONFIG --set train.steps=2")
     if not isolate:
         return _Run(cfg, device=device, memory_gib=memory_gib, model=model).all_ranks()
     job = {"config": cfg.to_dict(), "device": device, "memory_gib": memory_gib, "model": model}
@@ -375,7 +380,7 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
     choice and reads it on the host: no data in a fake run). "time" and "size" profile real
     kernels, so the dry run splits by "params" and says so."""
     from hybridpar.balance import balance_by
-    from hybridpar.models import build_model
+    from hybridpar.models.registry import build
 
     par = config.parallel
     if not isinstance(par.balance, str):
@@ -384,7 +389,7 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
     args = dict(config.model.args)
     if par.tp > 1 and par.tp_plan is None:   # as train.trainer.build_pipe
         args.update(tp=par.tp, group=topo.tp_group)
-    module = build_model(config.model.name, **args)
+    module, _ = build(config.model.name, **args)
     if par.tp_plan is not None:
         from hybridpar.tensor_parallel.plan import apply_tp_plan
 

@@ -61,7 +61,14 @@ def _add_export(commands: Any) -> None:
                             "single-device state dict of the unsharded nn.Sequential.")
     p.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/quickstart/checkpoints/"
                    "step-200")
-    p.add_argument("out", help="the .pt file to write (torch.load(..., weights_only=True))")
+    p.add_argument("out", help="the .pt file to write (torch.load(..., weights_only=True)), "
+                   "or with --format hf the directory to create")
+    p.add_argument("--format", choices=("pt", "hf"), default="pt",
+                   help="pt: one state-dict file; hf: a Hugging Face checkpoint directory "
+                   "(config.json + model.safetensors) of an hf:<family> run, for "
+                   "from_pretrained")
+    p.add_argument("--config", default=None, help="with --format hf: the run's config.json "
+                   "(default: RUN_DIR/config.json next to RUN_DIR/checkpoints)")
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -88,9 +95,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hybridpar.train.export import export_checkpoint
+    from hybridpar.train.export import export_checkpoint, export_hf
 
-    state = export_checkpoint(args.checkpoint, args.out)
+    if args.format == "hf":
+        state = export_hf(args.checkpoint, args.out, config=args.config)
+    else:
+        state = export_checkpoint(args.checkpoint, args.out)
     count = sum(t.numel() for t in state.values())
     print(f"wrote {args.out}: {len(state)} tensors, {count:,} values")
     return 0

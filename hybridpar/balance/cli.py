@@ -39,8 +39,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Profile, print the table and the balance; with ``--write`` update the file."""
-    from hybridpar.models import build_model, example_batch
+    from hybridpar.models.registry import build
     from hybridpar.train import load_config
+    from hybridpar.train.data import make_batches
 
     cfg = load_config(args.config, args.set)
     partitions = args.partitions if args.partitions is not None else cfg.parallel.pp
@@ -54,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--write stores a balance for parallel.pp = {cfg.parallel.pp} stages; "
                          f"drop --partitions {partitions}, or also --set parallel.pp={partitions}")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model.name, **cfg.model.args)
+    model, _ = build(cfg.model.name, **cfg.model.args)
     if not 1 <= partitions <= len(model):
         raise ValueError(f"cannot split {len(model)} layers into {partitions} stages; "
                          f"choose --partitions between 1 and {len(model)}")
     # one micro-batch of one replica: what a stage computes at a time
     rows = max(1, cfg.train.batch_size // (cfg.parallel.dp or 1) // cfg.parallel.chunks)
-    sample, _ = example_batch(cfg.model.name, rows, seed=cfg.data.seed, **cfg.model.args)
+    sample = make_batches(cfg).next_batch()[0][:rows]
     profiles = profile_layers(model, sample, timeout=args.timeout, chunks=1, tp=tp,
                               progress=True)
     bandwidth = DEFAULT_BANDWIDTH["cpu"]

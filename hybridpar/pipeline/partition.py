@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["check_balance", "check_sequential", "free_layers", "materialize", "split",
            "stage_bounds"]
@@ -126,6 +127,8 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
                 if callable(reset):
                     reset()  # nn.BatchNorm's covers its running statistics too
     for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+        if is_fake(t):   # a dry run (`hybridpar check`): no values to look at
+            continue
         if (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any()):
             how = "init_fn" if init_fn is not None else "reset_parameters()"
             raise ValueError(

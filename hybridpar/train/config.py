@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from hybridpar.balance import BALANCERS
-from hybridpar.models import MODELS
 from hybridpar.models.gpt import check_gpt_config
+from hybridpar.models.registry import build, builder, has_synthetic_data, takes_tokens
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
 from hybridpar.pipeline.schedule import SCHEDULES
 from hybridpar.tensor_parallel.plan import STYLES
@@ -53,7 +53,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """[model]: ``name`` of `hybridpar.models.MODELS`; every other key is a keyword option."""
+    """[model]: ``name`` (`hybridpar.models.registry`); every other key is a keyword option."""
 
     name: str = "gpt"
     args: dict[str, Any] = field(default_factory=dict)  # resolved: all options, defaults filled
@@ -259,10 +259,13 @@ def _section(cls: type, section: str, table: Mapping[str, Any], where: _Where) -
 
 def _model_section(table: Mapping[str, Any], where: _Where) -> ModelConfig:
     name = table.get("name", "gpt")
-    if not isinstance(name, str) or name not in MODELS:
-        raise where.error(f"unknown model.name {name!r}; choose one of "
-                          f"{', '.join(sorted(MODELS))}", "model.name")
-    fn = MODELS[name]
+    try:
+        fn = builder(name)
+    except ValueError as e:
+        message = str(e)
+        message = message.replace("unknown model ", "unknown model.name ", 1) \
+            if message.startswith("unknown model ") else f"model.name: {message}"
+        raise where.error(message, "model.name") from None
     options = {n: p for n, p in inspect.signature(fn).parameters.items()
                if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in _SET_BY_PARALLEL}
     try:
@@ -289,8 +292,8 @@ def _count_layers(model: ModelConfig, where: _Where) -> int:
     """The model's nn.Sequential length, built on the meta device (no memory, no init cost)."""
     try:
         with torch.device("meta"):
-            return len(MODELS[model.name](**model.args))
-    except (ValueError, TypeError) as e:
+            return len(build(model.name, **model.args)[0])
+    except (ValueError, TypeError, OSError) as e:
         message = str(e).removeprefix(f"{model.name}: ")
         raise where.error(f"model {model.name!r}: {message}",
                           *[f"model.{k}" for k in model.args]) from None
@@ -317,7 +320,7 @@ def _check_layout(cfg: Config, where: _Where) -> Config:
     model, par, data, train = cfg.model, cfg.parallel, cfg.data, cfg.train
     layers = _count_layers(model, where)
     if par.tp > 1 and par.tp_plan is None:
-        if "tp" not in inspect.signature(MODELS[model.name]).parameters:
+        if "tp" not in inspect.signature(builder(model.name)).parameters:
             raise where.error(f"parallel.tp={par.tp} but model {model.name!r} has no tensor-"
                               "parallel layers; set parallel.tp_plan = \"auto\" (or a table of "
                               "layer globs), or parallel.tp = 1", "parallel.tp")
@@ -359,12 +362,16 @@ def _check_layout(cfg: Config, where: _Where) -> Config:
 
 
 def _check_data(model: ModelConfig, data: DataConfig, where: _Where) -> DataConfig:
+    if data.source == "synthetic" and not has_synthetic_data(model.name):
+        raise where.error(f"data.source = 'synthetic' has batches for the zoo's models only; "
+                          f"model {model.name!r} trains on tokens: set data.source = 'corpus' "
+                          "(or 'text' with data.path)", "data.source", "model.name")
     if data.source != "synthetic":
-        if model.name != "gpt":
-            raise where.error(f"data.source={data.source!r} gives byte tokens for model 'gpt'; "
-                              f"model {model.name!r} takes data.source = 'synthetic'",
+        if not takes_tokens(model.name):
+            raise where.error(f"data.source={data.source!r} gives byte tokens; model "
+                              f"{model.name!r} takes data.source = 'synthetic'",
                               "data.source", "model.name")
-        if model.args["vocab_size"] < 256:
+        if model.args.get("vocab_size", 256) < 256:
             raise where.error(f"data.source={data.source!r} gives bytes (256 values) but "
                               f"model.vocab_size={model.args['vocab_size']}; use at least 256",
                               "data.source", "model.vocab_size")
@@ -373,6 +380,9 @@ def _check_data(model: ModelConfig, data: DataConfig, where: _Where) -> DataConf
             raise where.error("data.path is required with data.source = 'text'", "data.source")
         if not Path(data.path).is_file():
             raise where.error(f"data.path {data.path!r}: no such file", "data.path")
+    if data.source != "synthetic" and model.name != "gpt" and data.seq_len is None:
+        raise where.error(f"model {model.name!r} needs the sequence length of its samples: "
+                          "set data.seq_len (e.g. 64)", "data.seq_len")
     if model.name == "gpt":
         block = model.args["block_size"]
         if data.seq_len is None:

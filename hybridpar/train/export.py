@@ -1,11 +1,15 @@
-"""`hybridpar export`: a checkpoint folder as the plain single-device state dict (one file)."""
+"""`hybridpar export`: a checkpoint folder as the plain single-device state dict (one file),
+or, for ``model.name = "hf:<family>"`` runs, as a Hugging Face checkpoint directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,7 +25,7 @@ from hybridpar.train.checkpoint import (
 )
 from hybridpar.train.shards import ShardLoadPlanner, read_ties
 
-__all__ = ["export_checkpoint", "load_exported"]
+__all__ = ["export_checkpoint", "export_hf", "load_exported", "read_state"]
 
 
 def _layer_order(key: str) -> tuple[int, str]:
@@ -29,18 +33,11 @@ def _layer_order(key: str) -> tuple[int, str]:
     return (int(head.group(1)) if head else -1, key)
 
 
-def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]
-                      ) -> dict[str, Tensor]:
-    """Gather a checkpoint's model tensors (any layout) into `out` with `torch.save`.
+def read_state(checkpoint: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """A checkpoint's model tensors (any layout) as the plain model's ``{name: tensor}``.
 
-    The file holds ``{name: tensor}`` with the names and full shapes of the unsharded
-    `nn.Sequential`'s ``state_dict()``, so ``model.load_state_dict(torch.load(out,
-    weights_only=True))`` works on the plain model. Runs in one process (no process group).
-    Written to a temporary file first, so `out` is either the old file or the whole new one.
+    Every name of a tied parameter gets its tensor. Runs in one process (no process group).
     """
-    target = Path(out)
-    if target.is_dir():
-        raise ValueError(f"{out} is a folder; give the path of the .pt file to write")
     metadata = read_metadata(checkpoint)
     keys = sorted((k for k in metadata.state_dict_metadata if k.startswith("model/")),
                   key=lambda k: _layer_order(k.removeprefix("model/")))
@@ -61,7 +58,22 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
     plain = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
     for alias, canonical in read_ties(state).items():   # saved once: every name gets it
         plain[alias] = plain[canonical]
-    plain = dict(sorted(plain.items(), key=lambda kv: _layer_order(kv[0])))
+    return dict(sorted(plain.items(), key=lambda kv: _layer_order(kv[0])))
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]
+                      ) -> dict[str, Tensor]:
+    """Gather a checkpoint's model tensors (any layout) into `out` with `torch.save`.
+
+    The file holds ``{name: tensor}`` with the names and full shapes of the unsharded
+    `nn.Sequential`'s ``state_dict()``, so ``model.load_state_dict(torch.load(out,
+    weights_only=True))`` works on the plain model. Runs in one process (no process group).
+    Written to a temporary file first, so `out` is either the old file or the whole new one.
+    """
+    target = Path(out)
+    if target.is_dir():
+        raise ValueError(f"{out} is a folder; give the path of the .pt file to write")
+    plain = read_state(checkpoint)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)   # only once the checkpoint read
@@ -71,6 +83,50 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
         raise ValueError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
         tmp.unlink(missing_ok=True)
+    return plain
+
+
+def _run_model(checkpoint: Path, config: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The ``[model]`` table of the run that wrote `checkpoint` (its RUN_DIR/config.json)."""
+    file = Path(config) if config is not None else checkpoint.parent.parent / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{file}: no run config; --format hf reads the model from the run's "
+                         "config.json (RUN_DIR/checkpoints/step-N -> RUN_DIR/config.json): "
+                         "pass --config RUN_DIR/config.json")
+    model = json.loads(file.read_text(encoding="utf-8")).get("model", {})
+    if not isinstance(model, dict) or not str(model.get("name", "")).startswith("hf:"):
+        raise ValueError(f"--format hf exports Hugging Face models (model.name = 'hf:...'); "
+                         f"the run in {file} trained model {model.get('name')!r}: export it "
+                         "as a .pt state dict (without --format hf)")
+    return model
+
+
+def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
+              config: str | os.PathLike[str] | None = None) -> dict[str, Tensor]:
+    """Write an ``hf:<family>`` run's checkpoint as a Hugging Face checkpoint directory.
+
+    ``config.json`` + ``model.safetensors`` (`hybridpar.hf.save_hf_checkpoint`), which
+    ``AutoModelForCausalLM.from_pretrained(out)`` loads. The directory is written next to
+    `out` and renamed into place: `out` is whole or absent (an existing `out` is refused).
+    """
+    from hybridpar.hf import save_hf_checkpoint
+    from hybridpar.models.hf import hf_config
+
+    target = Path(out)
+    if target.exists():
+        raise ValueError(f"{out} exists; give a new directory for the Hugging Face checkpoint")
+    model = _run_model(Path(checkpoint), config)
+    options = {k: v for k, v in model.items() if k != "name"}
+    plain = read_state(checkpoint)
+    hf = hf_config(str(model["name"]).removeprefix("hf:"), options)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        save_hf_checkpoint(plain, hf, tmp)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise ValueError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return plain
 
 

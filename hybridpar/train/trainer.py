@@ -28,7 +28,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hybridpar.agreement import fail_together
-from hybridpar.models import build_model, generate, loss_fn
+from hybridpar.models import generate
+from hybridpar.models.registry import build, takes_tokens
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.trace_report import traced_step
 from hybridpar.tensor_parallel.random import (
@@ -92,13 +93,13 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
         args.update(tp=par.tp, group=topo.tp_group)
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
-    model = build_model(name, **args)
+    model, loss = build(name, **args)
     # balance = "time" profiles under the precision the run trains in
     bf16 = config.train.precision == "bf16"
     with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=bf16):
         return HybridPipe(model, par.balance, chunks=par.chunks, topology=topo,
                           schedule=par.schedule, checkpoint=par.checkpoint,
-                          loss_fn=loss_fn(name), tp_plan=par.tp_plan,
+                          loss_fn=loss, tp_plan=par.tp_plan,
                           deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample)
 
 
@@ -221,7 +222,7 @@ def _resume_step(root: Path) -> int:
 
 
 def _tokens_per_sample(config: Config) -> int:
-    return int(config.data.seq_len or 1) if config.model.name == "gpt" else 1
+    return int(config.data.seq_len or 1) if takes_tokens(config.model.name) else 1
 
 
 def _evaluate(run: _Run) -> float:
@@ -238,9 +239,10 @@ def _evaluate(run: _Run) -> float:
 
 
 def _sample(run: _Run) -> str | None:
-    """A gpt text sample through the pipeline, from the start of the validation text."""
+    """A text sample through the pipeline, from the start of the validation text."""
     cfg = run.config
-    if cfg.model.name != "gpt" or cfg.train.sample_tokens == 0 or cfg.data.source == "synthetic":
+    if not takes_tokens(cfg.model.name) or cfg.train.sample_tokens == 0 \
+            or cfg.data.source == "synthetic":
         return None
     val = make_batches(cfg, split="val")
     assert isinstance(val, TokenBatches)
@@ -249,7 +251,7 @@ def _sample(run: _Run) -> str | None:
     with torch.no_grad():
         out = generate(run.pipe, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=32,
                        generator=torch.Generator().manual_seed(cfg.train.seed),
-                       block_size=cfg.model.args["block_size"])          # (1, 8 + n)
+                       block_size=cfg.data.seq_len)                       # (1, 8 + n)
     run.pipe.train()
     return decode(out[0])
 
@@ -266,7 +268,7 @@ class _Reporter:
                         disable=not (self.active and progress), file=sys.stderr,
                         dynamic_ncols=True, mininterval=0.5)
         self.items = cfg.train.batch_size * _tokens_per_sample(cfg)    # per step, global
-        self.unit = "tokens_per_s" if cfg.model.name == "gpt" else "samples_per_s"
+        self.unit = "tokens_per_s" if takes_tokens(cfg.model.name) else "samples_per_s"
         self.window_time, self.window_steps = 0.0, 0
 
     def step(self, record: dict[str, Any], elapsed: float, *, log: bool) -> None:

@@ -1,0 +1,139 @@
+"""``model.name = "hf:<family>"``: a Hugging Face causal LM as the config's model.
+
+    family    config class                 default size (a tiny model that trains on bytes)
+    llama     LlamaConfig                  4 blocks, width 64, 4 query / 2 key-value heads
+    mistral   MistralConfig                the same
+    qwen2     Qwen2Config                  the same
+    qwen3     Qwen3Config                  the same (head_dim 16)
+    gpt2      GPT2Config                   4 blocks, width 64, 4 heads, tied embedding / head
+
+Every ``[model]`` key but ``pretrained`` is a field of the family's config class; the model
+is random-init from the run's seed. ``pretrained = "PATH"`` reads a local checkpoint
+directory instead (its ``config.json`` gives the architecture, the other keys are not used;
+its ``*.safetensors`` the weights). Built with `hybridpar.hf.to_sequential`; trained with
+`next_token_loss` on token ids (``data.source = "corpus"`` gives bytes: vocab_size >= 256).
+Needs ``pip install 'hybridpar[hf]'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from hybridpar.models.gpt import gpt_loss
+
+__all__ = ["FAMILIES", "gpt2", "hf_config", "llama", "mistral", "next_token_loss", "qwen2",
+           "qwen3"]
+
+Built = tuple[nn.Sequential, Callable[[Tensor, Tensor], Tensor]]
+
+_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+            "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
+
+
+def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of logits (B, T, V), class-sharded or not, against the next ids."""
+    return gpt_loss(logits, targets)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("model 'hf:...' needs Hugging Face transformers: pip install "
+                         "'hybridpar[hf]'") from None
+    return transformers
+
+
+def hf_config(family: str, options: dict[str, Any]) -> Any:
+    """The `PretrainedConfig` of `family` built from `options` (the ``[model]`` keys)."""
+    transformers = _transformers()
+    options = dict(options)
+    pretrained = options.pop("pretrained", None)
+    if pretrained is not None:
+        config = transformers.AutoConfig.from_pretrained(pretrained)
+        expected = getattr(transformers, _CLASSES[family][0]).model_type
+        if config.model_type != expected:
+            raise ValueError(f"model.pretrained {pretrained!r} holds a {config.model_type!r} "
+                             f"model, not {expected!r}: use model.name = "
+                             f"'hf:{_family_of_type(config.model_type)}'")
+        return config
+    return getattr(transformers, _CLASSES[family][0])(**options)
+
+
+def _family_of_type(model_type: str) -> str:
+    return {"gpt2": "gpt2", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
+            "qwen3": "qwen3"}.get(model_type, f"<one of {', '.join(_CLASSES)}>")
+
+
+def _build(family: str, options: dict[str, Any]) -> Built:
+    """The family's model from `options`, as an nn.Sequential, with `next_token_loss`."""
+    from hybridpar.hf import load_hf_checkpoint, to_sequential
+
+    transformers = _transformers()
+    config = hf_config(family, options)
+    model = getattr(transformers, _CLASSES[family][1])(config)
+    sequential = to_sequential(model)
+    pretrained = options.get("pretrained")
+    on_meta = any(p.is_meta for p in sequential.parameters())
+    if pretrained is not None and not on_meta:
+        sequential.load_state_dict(load_hf_checkpoint(pretrained, config=config), strict=True)
+    return sequential, next_token_loss
+
+
+def llama(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: int = 176,
+          num_hidden_layers: int = 4, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+          max_position_embeddings: int = 1024, rope_theta: float = 10000.0,
+          rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
+          pretrained: str | None = None) -> Built:
+    """A Llama causal LM (rotary positions, grouped-query attention, RMSNorm, SwiGLU)."""
+    return _build("llama", _options(locals()))
+
+
+def mistral(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: int = 176,
+            num_hidden_layers: int = 4, num_attention_heads: int = 4,
+            num_key_value_heads: int = 2, max_position_embeddings: int = 1024,
+            rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
+            tie_word_embeddings: bool = False, pretrained: str | None = None) -> Built:
+    """A Mistral causal LM (Llama's architecture; no sliding window at these lengths)."""
+    return _build("mistral", _options(locals()))
+
+
+def qwen2(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: int = 176,
+          num_hidden_layers: int = 4, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+          max_position_embeddings: int = 1024, rope_theta: float = 10000.0,
+          rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
+          pretrained: str | None = None) -> Built:
+    """A Qwen2 causal LM (Llama's architecture with biases on q, k, v)."""
+    return _build("qwen2", _options(locals()))
+
+
+def qwen3(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: int = 176,
+          num_hidden_layers: int = 4, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+          head_dim: int = 16, max_position_embeddings: int = 1024, rope_theta: float = 10000.0,
+          rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
+          pretrained: str | None = None) -> Built:
+    """A Qwen3 causal LM (q / k RMSNorm per head)."""
+    return _build("qwen3", _options(locals()))
+
+
+def gpt2(*, vocab_size: int = 256, n_embd: int = 64, n_layer: int = 4, n_head: int = 4,
+         n_positions: int = 1024, resid_pdrop: float = 0.0, embd_pdrop: float = 0.0,
+         attn_pdrop: float = 0.0, tie_word_embeddings: bool = True,
+         pretrained: str | None = None) -> Built:
+    """GPT-2 (learned positions, Conv1D layers, fused q|k|v, tied embedding and head)."""
+    return _build("gpt2", _options(locals()))
+
+
+def _options(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A builder's keyword arguments (its locals at entry) as the config's fields."""
+    return {k: v for k, v in arguments.items() if not k.startswith("_")}
+
+
+FAMILIES: dict[str, Callable[..., Built]] = {
+    "llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gpt2": gpt2}
