@@ -334,4 +334,4 @@ def test_optimizer_entries_reject_unsupported_optimizers():
 def test_shard_chunk_reports_the_full_size():
     chunk = ShardChunk(torch.zeros(5, 4), torch.Size([11, 4]), torch.Size([6, 0]))
     assert chunk.size() == torch.Size([11, 4])
-    assert "offsets=(6, 0)" in repr(chunk) and "global=(11, 4)" in repr(chunk)
+    assert "offsets=[(6, 0)]" in repr(chunk) and "global=(11, 4)" in repr(chunk)

@@ -71,7 +71,8 @@ def _train(kind, ignore, topo, balance, options):
             losses.append(pipe.train_step(ids, y).item())
         opt.step()
     return {"losses": losses, "state": hf_state_dict(pipe.consolidated_state_dict(),
-                                                     model.config)}
+                                                     model.config),
+            "decisions": pipe.tp_plan_decisions}
 
 
 def _from_checkpoint(topo, directory, ids):

@@ -72,8 +72,10 @@ class DecoderBlock(nn.Module):
         make_mask = (masking_utils.create_sliding_window_causal_mask
                      if self.attention_type == "sliding_attention"
                      else masking_utils.create_causal_mask)
+        # no position_ids: with them HF looks for packed sequences, a host sync (and no meta
+        # trace) per block; ours are 0..T-1 in every row, never packed
         mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                         past_key_values=None, position_ids=positions)
+                         past_key_values=None, position_ids=None)
         kwargs: dict[str, Any] = {}
         if self.hf_rotary is not None:
             kwargs["position_embeddings"] = self.hf_rotary(hidden, positions)  # cos, sin

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import tensor_shard_dim
+from hybridpar.tensor_parallel.fused import fused_gather_full, fused_parts, fused_shard_of
 from hybridpar.tensor_parallel.mappings import (
     all_gather_along,
     group_rank,
@@ -103,6 +104,8 @@ def shard_of(full_tensor: Tensor, param: Tensor, group: ProcessGroup | None = No
     if full_tensor.shape != expected:
         raise ValueError(f"expected a full tensor of shape {tuple(expected)}, got "
                          f"{tuple(full_tensor.shape)}")
+    if fused_parts(param) > 1:   # q | k | v: this rank's slice of every part
+        return fused_shard_of(full_tensor, param, g)
     start, stop = shard_range(expected[dim], group_size(g), group_rank(g))
     return full_tensor.detach().narrow(dim, start, stop - start).clone(
         memory_format=torch.contiguous_format)
@@ -120,6 +123,8 @@ def gather_full(tensor: Tensor, param: Tensor, group: ProcessGroup | None = None
         raise ValueError(f"expected a shard of shape {tuple(param.shape)}, got "
                          f"{tuple(tensor.shape)} (is it already full?)")
     g = _resolve(group)
+    if fused_parts(param) > 1:   # q | k | v: gathered part by part
+        return fused_gather_full(tensor, param, g)
     with torch.no_grad():
         return all_gather_along(tensor.detach(), dim, g, length=full_shape(param, g)[dim])
 

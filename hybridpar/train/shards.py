@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, tensor_shard_dim
+from hybridpar.tensor_parallel.fused import fused_parts
 from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_range
 from hybridpar.tensor_parallel.state import full_shape
 
@@ -42,40 +43,45 @@ __all__ = ["Entry", "ShardChunk", "ShardLoadPlanner", "ShardSavePlanner", "check
 
 
 class ShardChunk:
-    """A tp shard as DCP sees it: `local`, the block at `offsets` of a tensor of `global_size`.
+    """A tp shard as DCP sees it: blocks of `local` at their offsets in a tensor of `global_size`.
 
     Implements DCP's checkpointable protocol (what DTensor implements), so uneven shards
     (``shard_sizes``: the first ``n % tp`` ranks hold one more row) keep their exact offsets.
-    Save and load with `ShardSavePlanner` / `ShardLoadPlanner`, which hand DCP the local
-    tensor; loading copies into `local` in place.
+    A plain shard is one block; a fused one (q | k | v, `tensor_parallel.fused`) is one block
+    per part. Save and load with `ShardSavePlanner` / `ShardLoadPlanner`, which hand DCP the
+    blocks (views of `local`); loading copies into them in place.
     """
 
-    def __init__(self, local: Tensor, global_size: torch.Size, offsets: torch.Size) -> None:
+    def __init__(self, local: Tensor, global_size: torch.Size, offsets: torch.Size, *,
+                 blocks: list[tuple[Tensor, torch.Size]] | None = None) -> None:
         self.local, self.global_size, self.offsets = local, global_size, offsets
+        self.blocks = blocks if blocks is not None else [(local, offsets)]
 
     def size(self) -> torch.Size:
         """The full tensor's size (DCP compares it with the saved one)."""
         return self.global_size
 
-    def _chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.size())
-
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(
-                              chunk=self._chunk(),
+                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=block.size()),
                               properties=TensorProperties.create_from_tensor(self.local),
-                              size=self.global_size))]
+                              size=self.global_size))
+                for block, offsets in self.blocks]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [self._chunk()]
+        return [ChunkStorageMetadata(offsets=offsets, sizes=block.size())
+                for block, offsets in self.blocks]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        return self.local
+        for block, offsets in self.blocks:
+            if index.offset is None or torch.Size(index.offset) == offsets:
+                return block
+        raise KeyError(f"no block of {index.fqn} at offsets {index.offset}")
 
     def __repr__(self) -> str:
         return (f"ShardChunk(local={tuple(self.local.shape)}, global={tuple(self.global_size)}, "
-                f"offsets={tuple(self.offsets)})")
+                f"offsets={[tuple(o) for _, o in self.blocks]})")
 
 
 Entry = Tensor | ShardChunk
@@ -89,7 +95,8 @@ class ShardSavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict.get(index.fqn)
-        return obj.local if isinstance(obj, ShardChunk) else super().lookup_object(index)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, ShardChunk) \
+            else super().lookup_object(index)
 
 
 class ShardLoadPlanner(DefaultLoadPlanner):
@@ -107,7 +114,8 @@ class ShardLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
         obj = self.state_dict.get(index.fqn)
-        return obj.local if isinstance(obj, ShardChunk) else super().lookup_tensor(index)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, ShardChunk) \
+            else super().lookup_tensor(index)
 
 
 def _entry(tensor: Tensor, param: Tensor | None, group: Any) -> Tensor | ShardChunk:
@@ -118,10 +126,22 @@ def _entry(tensor: Tensor, param: Tensor | None, group: Any) -> Tensor | ShardCh
     if dim is None or group is None or group_size(group) == 1:
         return tensor
     size = full_shape(param, group)
+    parts = fused_parts(param)
+    if parts > 1:   # q | k | v: this rank's slice of each part, one block each
+        step, whole = tensor.shape[dim] // parts, size[dim] // parts
+        rank = group_rank(group)
+        blocks = [(tensor.narrow(dim, p * step, step),
+                   _at(tensor.dim(), dim, p * whole + rank * step)) for p in range(parts)]
+        return ShardChunk(tensor, size, blocks[0][1], blocks=blocks)
     start, _ = shard_range(size[dim], group_size(group), group_rank(group))
-    offsets = [0] * tensor.dim()
+    return ShardChunk(tensor, size, _at(tensor.dim(), dim, start))
+
+
+def _at(ndim: int, dim: int, start: int) -> torch.Size:
+    """Offsets of a block starting at `start` on `dim`, 0 elsewhere."""
+    offsets = [0] * ndim
     offsets[dim] = start
-    return ShardChunk(tensor, size, torch.Size(offsets))
+    return torch.Size(offsets)
 
 
 def model_entries(module: nn.Module, group: Any, *,

@@ -1,0 +1,79 @@
+"""Hugging Face GPT-2 (tied embedding / head, Conv1D, fused q|k|v) and Llama (GQA) in every
+layout: pipeline stages, tensor-parallel "auto" sharding and both schedules train as the
+single-device HF model does (float64, 3 AdamW steps, parameters to 1e-9)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="hybridpar.hf needs the optional extra hybridpar[hf]")
+
+from hf_models import tiny
+from test_hf_pipe import _assert_same, _reference, _train
+
+import hybridpar
+from hybridpar.hf import hf_state_dict, to_sequential
+from hybridpar.tensor_parallel.fused import fused_parts
+from hybridpar.train.shards import model_entries
+
+# (model, (pp, tp), balance, schedule): GPT-2's 5 layers are wte+wpe, 2 blocks, ln_f, head
+LAYOUTS = [
+    ("gpt2", (2, 1), [2, 3], "1f1b"),
+    ("gpt2", (4, 1), [2, 1, 1, 1], "gpipe"),
+    ("gpt2", (4, 1), [2, 1, 1, 1], "1f1b"),
+    ("gpt2", (2, 2), [2, 3], "gpipe"),
+    ("gpt2", (2, 2), [2, 3], "1f1b"),
+    ("llama", (1, 2), [5], "gpipe"),
+    ("llama", (2, 2), [2, 3], "1f1b"),
+]
+
+
+def _worker(kind, layout, balance, schedule):
+    pp, tp = layout
+    topo = hybridpar.init(pp=pp, tp=tp, timeout=60)
+    result = _train(kind, True, topo, balance, {"chunks": 2, "schedule": schedule,
+                                                "tp_plan": "auto" if tp > 1 else None})
+    return result
+
+
+@pytest.mark.parametrize("kind,layout,balance,schedule", LAYOUTS,
+                         ids=[f"{k}-pp{g[0]}tp{g[1]}-{s}" for k, g, _, s in LAYOUTS])
+def test_hugging_face_models_train_as_on_one_device(kind, layout, balance, schedule):
+    got = hybridpar.spawn(_worker, layout[0] * layout[1], args=(kind, layout, balance,
+                                                                schedule), timeout=180)
+    ref = _reference(kind, True)
+    for r in got:
+        _assert_same(r, ref)
+        if layout[1] > 1:   # "auto" shards every attention and MLP projection
+            projections = [d for d in r["decisions"] if "attn." in d or "mlp." in d]
+            assert projections and all(": column" in d or ": row" in d for d in projections), \
+                projections
+        worst = max(float((r["state"][k] - v).abs().max()) for k, v in ref[1].items())
+        print(f"{kind} pp={layout[0]} tp={layout[1]} {schedule}: max |diff| {worst:.1e}")
+
+
+def _checkpoint_worker(folder, tp):
+    from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
+
+    topo = hybridpar.init(tp=tp, timeout=60)
+    model = tiny("gpt2", seed=0 if tp == 2 else 9)
+    pipe = hybridpar.HybridPipe(to_sequential(model), [5], topology=topo, tp_plan="auto")
+    group = topo.tp_group if tp > 1 else None
+    c_attn = dict(pipe.named_parameters())["1.attn.c_attn.weight"]
+    assert fused_parts(c_attn) == (3 if tp == 2 else 1)
+    entries = model_entries(pipe, group, aliases=pipe.tied_aliases)
+    if tp == 2:
+        save_checkpoint(folder, 1, entries, keep=1)
+    else:
+        load_checkpoint(f"{folder}/step-1", entries)
+    return hf_state_dict(pipe.consolidated_state_dict(), model.config)
+
+
+def test_a_fused_qkv_shard_saves_and_gathers_part_by_part(tmp_path):
+    """GPT-2's c_attn at tp=2 holds [q_r | k_r | v_r]: consolidated and checkpointed, it is
+    the one-device [q | k | v], and it loads into tp=1."""
+    expected = tiny("gpt2", seed=0).state_dict()
+    saved = hybridpar.spawn(_checkpoint_worker, 2, args=(str(tmp_path), 2), timeout=120)
+    (loaded,) = hybridpar.spawn(_checkpoint_worker, 1, args=(str(tmp_path), 1), timeout=120)
+    for state in (*saved, loaded):
+        for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"):
+            torch.testing.assert_close(state[key], expected[key], atol=0, rtol=0, msg=key)
