@@ -121,3 +121,52 @@ def test_hugging_face_norms_and_rotary_buffers_initialize_with_its_init_weights(
     materialize(stage, "cpu", init_fn=hf._init_weights)
     assert torch.equal(stage[0].weight, cpu.norm.weight)
     assert torch.equal(stage[1].inv_freq, cpu.rotary_emb.inv_freq)
+
+
+def test_a_tie_within_a_stage_survives_materialization():
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    net[1].weight = net[0].weight
+    materialize(net, "cpu")
+    assert net[1].weight is net[0].weight and not torch.isnan(net[0].weight).any()
+
+
+def gpt2_meta_worker(pp, state):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from hf_models import tiny
+
+    from hybridpar.hf import init_fn, to_sequential
+
+    topo = hybridpar.init(pp=pp, timeout=60)
+    with torch.device("meta"):
+        model = tiny("gpt2")
+    pipe = hybridpar.HybridPipe(to_sequential(model), [5] if pp == 1 else [2, 3],
+                                topology=topo, init_fn=init_fn(model))
+    fresh = pipe.consolidated_state_dict()
+    layers = dict(pipe.named_children())
+    tied = pp == 2 or layers["4"].weight is layers["0"].wte.weight   # one Parameter in a stage
+    pipe.load_consolidated_state_dict(state)
+    ids = torch.arange(16).view(2, 8) % 64
+    return {"fresh": fresh, "logits": pipe(ids), "tied": tied}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_meta_built_hugging_face_gpt2_keeps_its_tie_and_equals_the_cpu_build(pp):
+    pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import tiny
+
+    from hybridpar.hf import sequential_state_dict
+
+    cpu = tiny("gpt2")
+    state = sequential_state_dict(cpu.state_dict(), cpu.config)
+    ids = torch.arange(16).view(2, 8) % 64
+    for r in hybridpar.spawn(gpt2_meta_worker, pp, args=(pp, state), timeout=120):
+        assert r["tied"]
+        assert all(not torch.isnan(v).any() for v in r["fresh"].values())
+        torch.testing.assert_close(r["logits"], cpu(ids).logits, atol=1e-12, rtol=0)

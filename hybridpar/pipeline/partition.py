@@ -114,7 +114,16 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
                 "(for a Hugging Face model: init_fn=model._init_weights, or "
                 f"hybridpar.hf.init_fn(model)), or give {type(sub).__name__} a "
                 "reset_parameters(); or build the model on a real device")
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}   # a tied Parameter's users
+    for module in stage.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, key))
     stage.to_empty(device=device)
+    for users in holders.values():   # to_empty gives each user its own copy: tie them again
+        first_module, first_key = users[0]
+        for module, key in users[1:]:
+            module._parameters[key] = first_module._parameters[first_key]
     with torch.no_grad():
         for t in [*stage.parameters(), *stage.buffers()]:
             if t.is_floating_point() or t.is_complex():
