@@ -77,3 +77,45 @@ def test_a_fused_qkv_shard_saves_and_gathers_part_by_part(tmp_path):
     for state in (*saved, loaded):
         for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"):
             torch.testing.assert_close(state[key], expected[key], atol=0, rtol=0, msg=key)
+
+
+def _hf_plan_worker():
+    from test_hf_pipe import _batches
+
+    from hybridpar.hf import tp_plan
+    from hybridpar.nn import CausalLMLoss
+
+    topo = hybridpar.init(pp=2, tp=2, timeout=60)
+    model = tiny("llama")
+    sequential = to_sequential(model)
+    loss_fn = CausalLMLoss()
+    pipe = hybridpar.HybridPipe(sequential, [2, 3], topology=topo, chunks=2, loss_fn=loss_fn,
+                                schedule="1f1b", tp_plan=tp_plan(sequential))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses = []
+    for ids, y in _batches(True):
+        opt.zero_grad()
+        with loss_fn.token_mean_over(y):
+            losses.append(pipe.train_step(ids, y).item())
+        opt.step()
+    return {"losses": losses, "decisions": pipe.tp_plan_decisions,
+            "state": hf_state_dict(pipe.consolidated_state_dict(), model.config)}
+
+
+def test_the_models_own_hugging_face_plan_trains_as_on_one_device():
+    ref = _reference("llama", True)
+    for r in hybridpar.spawn(_hf_plan_worker, 4, timeout=180):
+        _assert_same(r, ref)
+        sharded = [d for d in r["decisions"] if "proj" in d]
+        assert len(sharded) == 14 and all(": column" in d or ": row" in d for d in sharded), \
+            sharded
+
+
+def test_tp_plan_maps_the_hugging_face_plan_to_the_sequential_names():
+    from hybridpar.hf import tp_plan
+
+    plan = tp_plan(to_sequential(tiny("llama")))
+    assert plan["1.self_attn.q_proj"] == "colwise" and plan["2.mlp.down_proj"] == "rowwise"
+    assert plan["4"] == "colwise_gather_output"
+    with pytest.raises(ValueError, match="has no tensor-parallel plan"):
+        tp_plan(tiny("gpt2"))

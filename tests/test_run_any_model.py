@@ -136,3 +136,17 @@ def test_export_as_hugging_face_refuses_a_run_of_another_model(tmp_path):
     assert done.returncode != 0
     assert "--format hf exports Hugging Face models" in done.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_hugging_face_models_own_plan_trains_from_a_config(tmp_path):
+    pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
+    cfg = load_config(LLAMA, ["parallel.tp_plan=hf", "train.steps=2", *SHORT])
+    hybridpar.spawn(_train_worker, 4, args=(cfg, tmp_path / "run"), timeout=120)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+              if "loss" in r]
+    assert len(losses) == 2 and all(v == v for v in losses)
+
+
+def test_the_hf_plan_of_a_model_that_is_not_hugging_faces_is_a_config_error():
+    with pytest.raises(ConfigError, match="tp_plan = 'hf' is a Hugging Face model's own plan"):
+        load_config(ROOT / "configs" / "quickstart.toml", ["parallel.tp_plan=hf"])

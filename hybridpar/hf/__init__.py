@@ -9,6 +9,7 @@ from hybridpar.hf.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from hybridpar.hf.families import SUPPORTED
 from hybridpar.hf.init import init_fn
 from hybridpar.hf.keys import KeyMap, hf_state_dict, key_map, sequential_state_dict
+from hybridpar.hf.plan import config_of, tp_plan
 from hybridpar.hf.sequential import to_sequential
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "DecoderBlock",
     "KeyMap",
     "TokenPositionEmbedding",
+    "config_of",
     "hf_state_dict",
     "init_fn",
     "key_map",
@@ -23,4 +25,5 @@ __all__ = [
     "save_hf_checkpoint",
     "sequential_state_dict",
     "to_sequential",
+    "tp_plan",
 ]

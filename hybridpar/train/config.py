@@ -37,6 +37,7 @@ from hybridpar.models.gpt import check_gpt_config
 from hybridpar.models.registry import build, builder, has_synthetic_data, takes_tokens
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
 from hybridpar.pipeline.schedule import SCHEDULES
+from hybridpar.tensor_parallel.hf_plan import HF_STYLES
 from hybridpar.tensor_parallel.plan import STYLES
 from hybridpar.tensor_parallel.strategy import strategy_problem
 
@@ -82,7 +83,8 @@ class ParallelConfig:
     checkpoint: str = "except_last"   # "always" | "except_last" | "never"
     balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
     tp_plan: dict[str, str | list[int]] | str | None = None   # None: the model's own tp
-    # layers; "auto"; or a table: layer glob = "style", parameter name = [slices per dim]
+    # layers; "auto"; "hf" (an hf:<family> model's own plan, `hybridpar.hf.tp_plan`); or a
+    # table: layer glob = "style" (ours or Hugging Face's), parameter name = [slices per dim]
     deferred_batch_norm: bool = False   # BatchNorm statistics of the whole mini-batch
     timeout: float = 600.0        # seconds any rank waits for another before failing
 
@@ -120,7 +122,7 @@ _CLASSES: dict[str, type] = {"data": DataConfig, "parallel": ParallelConfig,
 _CHOICES: dict[str, Sequence[str]] = {
     "data.source": ("synthetic", "text", "corpus"), "parallel.schedule": tuple(SCHEDULES),
     "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
-    "parallel.tp_plan": ("auto",), "train.precision": ("fp32", "bf16"),
+    "parallel.tp_plan": ("auto", "hf"), "train.precision": ("fp32", "bf16"),
     "train.nonfinite": ("stop", "skip")}
 _POSITIVE = {"data.seq_len", "parallel.pp", "parallel.tp", "parallel.dp", "parallel.chunks",
              "parallel.timeout", "train.steps", "train.batch_size", "train.lr", "train.log_every",
@@ -325,6 +327,10 @@ def _check_layout(cfg: Config, where: _Where) -> Config:
                               "parallel layers; set parallel.tp_plan = \"auto\" (or a table of "
                               "layer globs), or parallel.tp = 1", "parallel.tp")
         _check_tp(model, par.tp, where)
+    if par.tp_plan == "hf" and not model.name.startswith("hf:"):
+        raise where.error(f"parallel.tp_plan = 'hf' is a Hugging Face model's own plan; model "
+                          f"{model.name!r} is not one (model.name = 'hf:...'): use 'auto'",
+                          "parallel.tp_plan", "model.name")
     if isinstance(par.tp_plan, dict):
         for glob, style in par.tp_plan.items():
             if isinstance(style, list):   # a strategy: slices per dimension (hybridpar.shard)
@@ -332,9 +338,10 @@ def _check_layout(cfg: Config, where: _Where) -> Config:
                 if problem:
                     raise where.error(f"parallel.tp_plan[{glob!r}] = {style}: {problem}",
                                       "parallel.tp_plan", "parallel.tp")
-            elif style not in STYLES:
+            elif style not in STYLES and style not in HF_STYLES:
                 raise where.error(f"parallel.tp_plan[{glob!r}] must be one of "
-                                  f"{', '.join(map(repr, STYLES))}, got {style!r}",
+                                  f"{', '.join(map(repr, STYLES))} or a Hugging Face style "
+                                  f"({', '.join(map(repr, HF_STYLES))}), got {style!r}",
                                   "parallel.tp_plan")
     if par.pp > layers:
         raise where.error(f"parallel.pp={par.pp} is more stages than the {layers} layers of "
