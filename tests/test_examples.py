@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,3 +48,13 @@ def test_export_example_samples_the_pipelines_text_from_the_plain_model():
     assert re.search(r"exported step-4: \d+ tensors, [\d,]+ values", out), out
     assert "plain model sample:\n" in out
     assert "same text as the pipeline's sample: True" in out
+
+
+def test_hugging_face_llama_example_trains_on_four_ranks_and_is_the_readmes():
+    pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
+    code = (ROOT / "examples" / "hf_llama.py").read_text()
+    assert f"```python\n{code}```" in (ROOT / "README.md").read_text()   # shown verbatim
+    out = subprocess.run([sys.executable, "examples/hf_llama.py"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 6 and losses[-1] < 0.6 * losses[0], out
