@@ -176,7 +176,8 @@ def test_wrong_types_name_the_key_and_the_type(small, override, expected):
     ("parallel.balance=fast", "'time', 'size', 'params', 'uniform', got 'fast'"),
     ("data.source=web", "data.source must be one of 'synthetic', 'text', 'corpus'"),
     ("parallel.tp_plan=manual", "parallel.tp_plan must be one of 'auto'"),
-    ('parallel.tp_plan={"*.fc" = "col"}', "'column', 'row', 'vocab', 'replicate', got 'col'"),
+    ('parallel.tp_plan={"*.fc" = "col"}',
+     "'column', 'row', 'vocab', 'replicate' or a Hugging Face style"),
 ])
 def test_values_outside_their_choices_list_the_choices(small, override, expected):
     assert expected in error_of(small, override)
