@@ -199,8 +199,8 @@ class ParallelLinear(_ParallelLayer):
         old_w, old_b = module.weight, module.bias
         assert isinstance(old_w, Tensor)
         n_in, n_out = cls._sizes(module)
-        new = cls(n_in, n_out, old_b is not None, dim, fused=fused, group=group, device="meta",
-                  dtype=old_w.dtype)
+        new = cls._on_meta(n_in, n_out, isinstance(old_b, Tensor), dim, fused=fused,
+                           group=group, dtype=old_w.dtype)
         if not old_w.is_meta:
             new.to_empty(device=old_w.device)
             new._load_full(old_w, old_b if isinstance(old_b, Tensor) else None)
@@ -213,6 +213,12 @@ class ParallelLinear(_ParallelLayer):
     @staticmethod
     def _sizes(module: nn.Module) -> tuple[int, int]:
         return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
+
+    @classmethod
+    def _on_meta(cls, n_in: int, n_out: int, bias: bool, dim: int | None, *, fused: int,
+                 group: ProcessGroup | None, dtype: torch.dtype) -> ParallelLinear:
+        """An empty layer of this class on `meta` (its constructor's argument order)."""
+        return cls(n_in, n_out, bias, dim, fused=fused, group=group, device="meta", dtype=dtype)
 
     @classmethod
     def convert_parallel_linear(cls, module: nn.Module, dim: int | None = None, *,
@@ -267,21 +273,9 @@ class ParallelConv1D(ParallelLinear):
         return int(module.nx), int(module.nf)  # type: ignore[arg-type]
 
     @classmethod
-    def from_module(cls, module: nn.Module, dim: int | None, *, fused: int = 1,
-                    group: ProcessGroup | None = None) -> ParallelLinear:
-        n_in, n_out = cls._sizes(module)
-        old_w, old_b = module.weight, module.bias
-        assert isinstance(old_w, Tensor)
-        new = cls(n_out, n_in, isinstance(old_b, Tensor), dim, fused=fused, group=group,
-                  device="meta", dtype=old_w.dtype)
-        if not old_w.is_meta:
-            new.to_empty(device=old_w.device)
-            new._load_full(old_w, old_b if isinstance(old_b, Tensor) else None)
-        new.weight.requires_grad_(old_w.requires_grad)
-        if new.bias is not None and isinstance(old_b, Tensor):
-            new.bias.requires_grad_(old_b.requires_grad)
-        new.train(module.training)
-        return new
+    def _on_meta(cls, n_in: int, n_out: int, bias: bool, dim: int | None, *, fused: int,
+                 group: ProcessGroup | None, dtype: torch.dtype) -> ParallelLinear:
+        return cls(n_out, n_in, bias, dim, fused=fused, group=group, device="meta", dtype=dtype)
 
     def _tag_parameters(self) -> None:
         # order type 1: the weight (in, out) is read as is; -1 = out (column), 0 = in (row)
