@@ -109,6 +109,8 @@ def test_tied_embedding_and_head_on_two_stages_train_as_on_one_device(
         for key, value in ref_state.items():
             torch.testing.assert_close(r["state"][key], value, atol=1e-12, rtol=0)
         assert r["aliases"] == [("6.weight", "0.tok.weight")]
+        worst = max(float((r["state"][k] - v).abs().max()) for k, v in ref_state.items())
+        print(f"tied lm {layout} {schedule}: max |diff| {worst:.1e}")
     # every copy of the tie is the trained value, on the first and on the last stage
     first, last = results[0]["local"], results[-1]["local"]
     torch.testing.assert_close(first["0.tok.weight"], ref_state["0.tok.weight"],
