@@ -137,6 +137,8 @@ def _shapes_worker(mode):
             pipe.train_step(-x, torch.zeros(4))
     except hybridpar.PipelineError as e:
         return str(e)
+    except ValueError as e:   # the failing stage: its own error, the step's block as a note
+        return "\n".join(getattr(e, "__notes__", [])) + "\n" + str(e)
     return "no error"
 
 

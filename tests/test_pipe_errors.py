@@ -172,9 +172,16 @@ def _four_stages(mode, schedule):
     start = time.monotonic()
     try:
         pipe.train_step(x, y)
-    except hybridpar.PipelineError as e:
-        return [time.monotonic() - start, str(e)]
-    return [time.monotonic() - start, "no error"]
+    except Exception as e:   # peers: PipelineError; the failing rank: its own error + the block
+        return [time.monotonic() - start, _block_of(e), type(e).__name__]
+    return [time.monotonic() - start, "no error", ""]
+
+
+def _block_of(error):
+    """The step's block: a PipelineError's message, or the note on the failing rank's error."""
+    if isinstance(error, hybridpar.PipelineError):
+        return str(error)
+    return "\n".join(getattr(error, "__notes__", [])) or f"no block on {error!r}"
 
 
 def _block(message):
@@ -191,7 +198,7 @@ def test_a_stuck_stage_makes_every_other_rank_report_where_it_waits(schedule):
     results = hybridpar.spawn(_four_stages, 4, args=("sleep", schedule), timeout=60)
     assert time.monotonic() - start < TIMEOUT + 6           # spawn returned promptly
     for rank in (0, 2, 3):
-        waited, message = results[rank]
+        waited, message, _ = results[rank]
         _, fields = _block(message)
         assert waited < TIMEOUT + 3, (rank, waited)
         assert fields["stage"] == f"{rank} of 4 (rank {rank})", message
@@ -232,15 +239,17 @@ def test_a_skipped_send_is_reported_by_both_ends_with_the_last_completed_action(
     head1, f1 = _block(results[1][1])          # stage 1 itself waits for a gradient
     assert head1.startswith("stage 1 (rank 1) gave up at B(1)"), head1
     assert f1["waiting for"].endswith("from stage 2 (rank 2)")
-    assert all(waited < TIMEOUT + 4 for waited, _ in results), results
+    assert all(waited < TIMEOUT + 4 for waited, _, _ in results), results
 
 
 def test_an_exception_on_one_stage_stops_every_stage_promptly_with_that_error():
     results = hybridpar.spawn(_four_stages, 4, args=("raise", "1f1b"), timeout=60)
     original = "stage 1 (rank 1) failed at F(0) of train_step: TypeError: stage 1 returned dict"
     assert results[1][1].startswith(original), results[1][1]
+    assert results[1][2] == "TypeError"      # the failing rank raises its own exception
     for rank in (0, 2, 3):
-        waited, message = results[rank]
+        waited, message, kind = results[rank]
+        assert kind == "PipelineError"
         assert waited < TIMEOUT, (rank, waited)          # an abort, not the timeout
         head, fields = _block(message)
         assert head.startswith(f"stage {rank} (rank {rank}) stopped at "), head

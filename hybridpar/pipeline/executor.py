@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -232,7 +232,7 @@ class StageExecutor:
                         if index not in self.prefetched:
                             handlers[action.kind](action)
                     except Exception as e:
-                        raise self._fail(e, index) from e
+                        self._raise(e, index)
                     self.last_done = action
                     if self.watchdog is not None:
                         self.watchdog.beat()
@@ -244,7 +244,7 @@ class StageExecutor:
                         for works, what_, stage in self.sends:
                             self._wait(works, what_, stage)
                 except Exception as e:
-                    raise self._fail(e, len(self.actions)) from e
+                    self._raise(e, len(self.actions))
         finally:
             if self.watchdog is not None:
                 self.watchdog.leave()
@@ -447,8 +447,18 @@ class StageExecutor:
             self.book.clear()
             raise failure.collective_error(operation, ranks, self._place(), e) from e
 
-    def _fail(self, error: Exception, index: int) -> PipelineError:
-        """The error block of a failure at action `index`, after telling the peers (aborts)."""
+    def _raise(self, error: Exception, index: int) -> NoReturn:
+        """Raise the failure at action `index` after telling the peers (as torchgpipe, the
+        failing rank raises its own exception, the step's block added as a note; a wait on a
+        peer that failed or went away raises the `PipelineError` block)."""
+        failed = self._fail(error, index)
+        if failed is error:
+            raise error
+        raise failed from error
+
+    def _fail(self, error: Exception, index: int) -> Exception:
+        """The exception a failure at action `index` raises, after telling the peers (aborts):
+        this rank's own error with the step's block as a note, or a `PipelineError` block."""
         self.book.clear()  # this step's messages were not all exchanged
         self.wire.pending.clear()
         self.incoming = []
@@ -459,7 +469,10 @@ class StageExecutor:
         report = failure.describe(error, place, hint=hint)
         failure.send_aborts(self._owed(), report, self.spec.timeout, step=self.steps,
                             dummies=self.spec.device.type == "cpu")
-        return PipelineError(report.message)
+        if isinstance(error, WaitFailed):
+            return PipelineError(report.message)
+        error.add_note(report.message)
+        return error
 
     def _owed(self) -> list[tuple[int, int, Tensor]]:
         """(rank, channel, abort dummy) of the next message this stage owes each peer.
