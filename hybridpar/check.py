@@ -346,7 +346,7 @@ def _sends(pipe: HybridPipe, s: int, first_input: Any, received: dict[SpecKey, A
 
     ex = pipe._executor
     x = first_input if s == 0 else _fake_message(received[FWD, s - 1, i], pipe.device)
-    incoming: dict[Any, Tensor] = {}
+    incoming: dict[Any, Tensor | None] = {}
     for src, routes in ex.skip_in.items():
         tensors = _fake_message(received[SKIP, src, i], pipe.device)
         incoming.update((r.key, t) for r, t in zip(routes, tensors))
@@ -366,8 +366,11 @@ def _fake_message(spec: Any, device: torch.device) -> Any:
     """The tensors `comm.Incoming.finish` delivers for a message of `spec`."""
     from hybridpar.tensor_parallel.attrs import register_parallel_dim
 
-    out = []
+    out: list[Tensor | None] = []
     for s in spec.tensors:
+        if s.absent:
+            out.append(None)
+            continue
         t = torch.empty(s.shape, dtype=s.dtype, device=device)
         if s.tag is not None:
             register_parallel_dim(t, s.tag)

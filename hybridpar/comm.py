@@ -121,6 +121,7 @@ class TensorSpec(NamedTuple):
     tag: int | None          # parallel-dim tag (None: replicated)
     requires_grad: bool      # the receiver makes it a leaf that requires grad
     scattered: bool          # travels as this tp rank's 1/tp slice of the flattened tensor
+    absent: bool = False     # None (a skip stashed as None): nothing travels, None arrives
 
 
 class MessageSpec(NamedTuple):
@@ -135,15 +136,23 @@ class MessageSpec(NamedTuple):
                                  if t.dtype.is_floating_point), False)
 
 
+ABSENT = TensorSpec(torch.uint8, (), None, False, False, True)   # a None in a message
+
+
 def _scatters(t: Tensor, tp: int) -> bool:
     """Whether `t` travels as 1/tp slices: replicated, floating and at least tp elements."""
     return tp > 1 and get_parallel_dim(t) is None and t.is_floating_point() and t.numel() >= tp
 
 
-def spec_of(tensors: Sequence[Tensor], tp: int, *, grads: bool, single: bool) -> MessageSpec:
-    """The spec of a message of `tensors` (`grads`: floating ones will require grad)."""
+def spec_of(tensors: Sequence[Tensor | None], tp: int, *, grads: bool, single: bool
+            ) -> MessageSpec:
+    """The spec of a message of `tensors` (`grads`: floating ones will require grad; None:
+    an absent tensor, as torchgpipe allows for skips)."""
     specs = []
     for t in tensors:
+        if t is None:
+            specs.append(ABSENT)
+            continue
         if t.dtype not in DTYPES:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages; stage "
                             f"outputs must have one of {', '.join(str(d) for d in DTYPES)} "
@@ -157,11 +166,13 @@ def spec_of(tensors: Sequence[Tensor], tp: int, *, grads: bool, single: bool) ->
 
 
 def _encode(spec: MessageSpec, signature: int) -> list[int]:
-    """Header slots: [signature, count, single, (dtype, tag, grad, scattered, ndim, *shape)...]."""
+    """Header slots: [signature, count, single, (dtype, tag, grad, how, ndim, *shape)...], how
+    = 0 whole, 1 scattered, 2 absent."""
     values = [signature, len(spec.tensors), int(spec.single)]
     for t in spec.tensors:
+        how = 2 if t.absent else int(t.scattered)
         values += [DTYPES.index(t.dtype), _NO_TAG if t.tag is None else t.tag,
-                   int(t.requires_grad), int(t.scattered), len(t.shape), *t.shape]
+                   int(t.requires_grad), how, len(t.shape), *t.shape]
     return values
 
 
@@ -181,11 +192,11 @@ def _decode(header: Tensor) -> tuple[MessageSpec, int]:
     signature, count, single = values[:3]
     specs, pos = [], 3
     for _ in range(count):
-        dtype, tag, grad, scattered, ndim = values[pos:pos + 5]
+        dtype, tag, grad, how, ndim = values[pos:pos + 5]
         shape = tuple(values[pos + 5:pos + 5 + ndim])
         pos += 5 + ndim
         specs.append(TensorSpec(DTYPES[dtype], shape, None if tag == _NO_TAG else tag,
-                                bool(grad), bool(scattered)))
+                                bool(grad), how == 1, how == 2))
     return MessageSpec(tuple(specs), bool(single)), signature
 
 
@@ -309,11 +320,14 @@ def _local_slice(flat: Tensor, tp_group: ProcessGroup | None) -> Tensor:
     return flat[start:stop]
 
 
-def payloads(tensors: Sequence[Tensor], spec: MessageSpec,
-             tp_group: ProcessGroup | None) -> list[Tensor]:
-    """What travels of each tensor: itself, or its 1/tp slice when scattered."""
-    out = []
+def payloads(tensors: Sequence[Tensor | None], spec: MessageSpec,
+             tp_group: ProcessGroup | None) -> list[Tensor | None]:
+    """What travels of each tensor: itself, its 1/tp slice when scattered, None if absent."""
+    out: list[Tensor | None] = []
     for t, s in zip(tensors, spec.tensors):
+        if t is None:
+            out.append(None)
+            continue
         payload = t.detach().contiguous()
         if s.scattered:
             payload = _local_slice(payload.view(-1), tp_group).contiguous()
@@ -321,15 +335,17 @@ def payloads(tensors: Sequence[Tensor], spec: MessageSpec,
     return out
 
 
-def send_message(wire: Wire, tensors: Sequence[Tensor], spec: MessageSpec, dst: int,
+def send_message(wire: Wire, tensors: Sequence[Tensor | None], spec: MessageSpec, dst: int,
                  channel: int, label: str, *, tp_group: ProcessGroup | None,
-                 header: Tensor | None = None) -> list[Tensor]:
+                 header: Tensor | None = None) -> list[Tensor | None]:
     """Queue a message's sends (its header first when given); returns what it sends."""
     sent = payloads(tensors, spec, tp_group)
     if header is not None:
         wire.add(True, header, dst, channel, label, -1)
         record("p2p_header", _nbytes(header))
     for k, payload in enumerate(sent):
+        if payload is None:   # absent: both ends know it from the spec, nothing travels
+            continue
         wire.add(True, payload, dst, channel, label, k)
         record("p2p_send", _nbytes(payload))
     return sent
@@ -361,6 +377,8 @@ class Incoming:
     def _queue_payloads(self) -> None:
         assert self.spec is not None
         for k, s in enumerate(self.spec.tensors):
+            if s.absent:
+                continue
             full = torch.empty(s.shape, dtype=s.dtype, device=self.device)
             target = _local_slice(full.view(-1), self.tp_group) if s.scattered else full
             buf = torch.empty_like(target) if s.scattered else target
@@ -399,10 +417,11 @@ class Incoming:
             if failed is not None:
                 raise failed
 
-    def finish(self, timeout: datetime.timedelta | None) -> tuple[Tensor, ...]:
-        """Wait for the payloads; return the tensors (full size, tags, requires_grad)."""
+    def finish(self, timeout: datetime.timedelta | None) -> tuple[Tensor | None, ...]:
+        """Wait for the payloads; return the tensors (full size, tags, requires_grad; None
+        where the spec says absent)."""
         with trace.span("recv", peer=self.src, channel=self.channel) as span:
-            out = []
+            out: list[Tensor | None] = []
             for works, (s, full, buf) in zip(self.works, self.buffers):
                 with trace.span("wait", peer=self.src, channel=self.channel):
                     for work in works:
@@ -417,6 +436,10 @@ class Incoming:
                 if s.requires_grad:
                     full.requires_grad_()
                 out.append(full)
+            assert self.spec is not None
+            for k, s in enumerate(self.spec.tensors):   # absent tensors: None in their place
+                if s.absent:
+                    out.insert(k, None)
             return tuple(out)
 
 

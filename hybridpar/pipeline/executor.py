@@ -125,8 +125,8 @@ class _MicroBatch:
     inputs: TensorOrTensors | None = None
     outputs: TensorOrTensors | None = None
     loss: Tensor | None = None
-    skips_in: dict[SkipKey, Tensor] = field(default_factory=dict)
-    skips_out: dict[SkipKey, Tensor] = field(default_factory=dict)
+    skips_in: dict[SkipKey, Tensor | None] = field(default_factory=dict)   # None: absent
+    skips_out: dict[SkipKey, Tensor | None] = field(default_factory=dict)
     rng: Any = None
     input_grads: tuple[Tensor, ...] = ()
     skip_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
@@ -140,8 +140,9 @@ def _as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
     return x if isinstance(x, tuple) else (x,)
 
 
-def _floating(tensors: Sequence[Tensor]) -> list[Tensor]:
-    return [t for t in tensors if t.is_floating_point()]
+def _floating(tensors: Sequence[Tensor | None]) -> list[Tensor]:
+    """The floating tensors of a message (what its gradient message carries; None: absent)."""
+    return [t for t in tensors if t is not None and t.is_floating_point()]
 
 
 @dataclass
@@ -367,7 +368,8 @@ class StageExecutor:
     def _rank(self, stage: int) -> int:
         return self.spec.rank_of_stage(stage)
 
-    def _recv(self, posted: comm.Incoming | None, what: str, stage: int) -> tuple[Tensor, ...]:
+    def _recv(self, posted: comm.Incoming | None, what: str, stage: int
+              ) -> tuple[Tensor | None, ...]:
         assert posted is not None, f"schedule error: {what} was never posted"
         self.waiting = f"receive {what} from stage {stage} (rank {posted.src})"
         try:
@@ -402,7 +404,7 @@ class StageExecutor:
         self.incoming.append(message)
         return message
 
-    def _send(self, tensors: Sequence[Tensor], stage: int, channel: int, i: int, what: str,
+    def _send(self, tensors: Sequence[Tensor | None], stage: int, channel: int, i: int, what: str,
               *, grads: bool, single: bool = False) -> None:
         """Queue a message to `stage`: forward-direction ones (grads=True or eval) are checked
         against, or teach, the agreed spec; gradients follow their forward message's spec."""
@@ -414,16 +416,19 @@ class StageExecutor:
                 self.learned[channel, stage, i] = spec
                 header = comm.header(spec, self.signature, self.spec.device)
             elif agreed != spec:
+                none = " (and a skip stashed as None must be None)" if agreed is not None and \
+                    [t.absent for t in spec.tensors] != [t.absent for t in agreed.tensors] \
+                    else ""
                 raise ValueError(
                     f"{what} is {_describe(spec)} but in the first step of these input "
                     f"shapes it was {_describe(agreed)}; a stage's outputs must have the same "
-                    "shapes, dtypes and parallel-dim tags whenever its inputs have the same "
-                    "shapes (make shapes depend on input shapes only, not on values)")
+                    f"shapes, dtypes and parallel-dim tags whenever its inputs have the same "
+                    f"shapes{none} (make them depend on input shapes only, not on values)")
         else:
             expected = self._expected(channel, stage, i)
             assert expected is not None, f"{what}: its forward message was never exchanged"
             spec = expected
-        nbytes = sum(_nbytes(t) for t in tensors) if trace.RECORDER.enabled else 0
+        nbytes = sum(_nbytes(t) for t in tensors if t is not None) if trace.RECORDER.enabled else 0
         with trace.span("send", peer=self._rank(stage), channel=channel, nbytes=nbytes):
             comm.send_message(self.wire, tensors, spec, self._rank(stage), channel, what,
                               tp_group=self.spec.tp_group, header=header)
@@ -491,9 +496,9 @@ class StageExecutor:
                     owed[key] = comm.header_dummy(self.spec.device)
                 elif spec is None:   # a gradient whose size this stage never learned
                     owed[key] = comm.abort_dummy(None, None, self.spec.device)
-                elif spec.tensors:
-                    owed[key] = comm.abort_dummy(spec.tensors[0], self.spec.tp_group,
-                                                 self.spec.device)
+                elif any(not t.absent for t in spec.tensors):   # absent ones never travel
+                    first = next(t for t in spec.tensors if not t.absent)
+                    owed[key] = comm.abort_dummy(first, self.spec.tp_group, self.spec.device)
         return [(rank, channel, dummy) for (rank, channel), dummy in owed.items()]
 
     def _hint(self, error: Exception, action: Action | None) -> str:
@@ -564,7 +569,8 @@ class StageExecutor:
             received = self._recv(posted, f"the activation of micro-batch {i}",
                                   self.spec.stage - 1)
             single = posted is not None and posted.spec is not None and posted.spec.single
-            mb.inputs = received[0] if single else received
+            activations = tuple(t for t in received if t is not None)   # never absent
+            mb.inputs = activations[0] if single else activations
         for src, routes in self.skip_in.items():
             tensors = self._recv(mb.recv_skip.pop(src), f"the skips of micro-batch {i}", src)
             mb.skips_in.update((r.key, t) for r, t in zip(routes, tensors))
@@ -632,7 +638,7 @@ class StageExecutor:
         for dst, routes in self.skip_out.items():
             received = self._recv(mb.recv_skip_grad.pop(dst),
                                   f"the skip gradients of micro-batch {i}", dst)
-            tensors += [mb.skips_out[r.key] for r in routes]
+            tensors += _floating([mb.skips_out[r.key] for r in routes])
             grads += received
         pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
         with trace.span("backward"):
@@ -642,7 +648,8 @@ class StageExecutor:
             assert mb.inputs is not None
             mb.input_grads = tuple(_grad_or_zeros(t) for t in _floating(_as_tuple(mb.inputs)))
         for src, routes in self.skip_in.items():
-            mb.skip_grads[src] = tuple(_grad_or_zeros(mb.skips_in[r.key]) for r in routes)
+            mb.skip_grads[src] = tuple(_grad_or_zeros(t) for t in
+                                       _floating([mb.skips_in[r.key] for r in routes]))
         mb.inputs = mb.outputs = mb.loss = None
         mb.skips_in, mb.skips_out, mb.recv_b = {}, {}, None
 
@@ -650,7 +657,8 @@ class StageExecutor:
 def _describe(spec: comm.MessageSpec | None) -> str:
     if spec is None:
         return "nothing"
-    return ", ".join(f"{t.shape} {t.dtype}" + ("" if t.tag is None else f" tag {t.tag}")
+    return ", ".join("None" if t.absent else f"{t.shape} {t.dtype}"
+                     + ("" if t.tag is None else f" tag {t.tag}")
                      for t in spec.tensors) or "no tensors"
 
 

@@ -68,21 +68,21 @@ class StageSkipTracker(SkipTracker):
     """The skip tracker of one stage for one micro-batch (see the module table)."""
 
     def __init__(self, routes: Sequence[SkipRoute], stage: int,
-                 incoming: dict[tuple[Namespace, str], Tensor]) -> None:
+                 incoming: dict[tuple[Namespace, str], Tensor | None]) -> None:
         super().__init__()
         self.dst_of = {r.key: r.dst for r in routes}
         self.stage = stage
         self.incoming = incoming
-        self.outgoing: dict[tuple[Namespace, str], Tensor] = {}
+        self.outgoing: dict[tuple[Namespace, str], Tensor | None] = {}
 
     def save(self, batch: Batch, ns: Namespace, name: str, tensor: Tensor | None) -> None:
         if self.dst_of.get((ns, name), self.stage) == self.stage:
             super().save(batch, ns, name, tensor)
             return
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"skip '{name}' crosses stages and must be a Tensor, "
+        if tensor is not None and not isinstance(tensor, Tensor):
+            raise TypeError(f"skip '{name}' crosses stages and must be a Tensor or None, "
                             f"got {type(tensor).__name__}")
-        self.outgoing[(ns, name)] = tensor
+        self.outgoing[(ns, name)] = tensor   # None travels as an absent tensor (no bytes)
 
     def load(self, batch: Batch, ns: Namespace, name: str) -> Tensor | None:
         if (ns, name) in self.incoming:
