@@ -313,6 +313,7 @@ class HybridPipe(nn.Module):
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=False,
                                         what="eval_step", signature=_signature(inputs))
+            commit_deferred_batch_norms(self)   # a forward in training mode: as torchgpipe
             return self._share_loss(result.loss, posted)
 
     def _recording(self, what: str, microbatches: int) -> contextlib.AbstractContextManager[None]:
@@ -422,6 +423,9 @@ class HybridPipe(nn.Module):
             result = self._executor.run(actions, inputs=inputs, targets=None, loss_fn=None,
                                         weights=[1.0] * len(inputs), train=False,
                                         what="forward", signature=_signature(inputs))
+        # deferred BatchNorm in training mode: this mini-batch's statistics, committed now
+        # (torchgpipe commits after its last micro-batch; a later train_step is its own update)
+        commit_deferred_batch_norms(self)
         output: TensorOrTensors | TypeError | None = None
         if self.stage == self.num_stages - 1:
             try:

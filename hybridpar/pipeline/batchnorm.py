@@ -34,6 +34,14 @@ class DeferredBatchNorm(_TorchgpipeDeferredBatchNorm):
         self.register_buffer("sum", sums, persistent=False)
         self.register_buffer("sum_squares", squares, persistent=False)
 
+    def reset_running_stats(self) -> None:
+        """nn.BatchNorm's reset, and the tracked sums of the step (a `meta` build's init)."""
+        super().reset_running_stats()
+        if hasattr(self, "sum_squares"):   # nn.BatchNorm.__init__ calls this before they exist
+            self.sum.zero_()
+            self.sum_squares.zero_()
+            self.counter = self.tracked = 0
+
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
@@ -75,6 +83,10 @@ def convert_deferred_batch_norm(module: M, chunks: int = 1) -> M:
         converted.register_buffer("running_mean", module.running_mean)
         converted.register_buffer("running_var", module.running_var)
         converted.register_buffer("num_batches_tracked", module.num_batches_tracked)
+        assert module.running_mean is not None
+        for name in ("sum", "sum_squares"):   # tracked in the statistics' own dtype (float64)
+            converted.register_buffer(name, torch.zeros_like(module.running_mean),
+                                      persistent=False)
         converted.train(module.training)
         return converted  # type: ignore[return-value]
     for name, child in module.named_children():
