@@ -59,7 +59,8 @@ from hybridpar.check_memory import (
     optimizer_bytes,
     tensor_bytes,
 )
-from hybridpar.pipe import HybridPipe, _signature, _split_batch
+from hybridpar.pipe import HybridPipe
+from hybridpar.pipeline.microbatch import signature, split_batch
 from hybridpar.topology import ParallelDims, Topology
 from hybridpar.train.config import Config
 
@@ -261,13 +262,13 @@ class _Run:
         except Exception as e:
             raise _failure(e, where, None, "building its stage", cpu=cpu) from e
         layers = _LayerStack(pipe.partition)
-        inputs = _split_batch(x, pipe.chunks, "input")
+        inputs = split_batch(x, pipe.chunks, "input")
         try:
             with layers.tracking():
                 book = self._agree_shapes(pipe, topo, inputs)
         except Exception as e:
             raise _failure(e, where, layers, "its shape pass", cpu=cpu) from e
-        pipe._executor.book.commit((True, _signature(inputs)), book)
+        pipe._executor.book.commit((True, signature(inputs)), book)
         pipe.p2p_log = []
         comm.reset_comm_stats()
         saved = SavedActivations(exclude=[*pipe.parameters(), *pipe.buffers()])
@@ -322,7 +323,7 @@ class _Run:
             for i, first_input in enumerate(inputs):
                 # outputs depend on input shapes only (the executor requires it): equal
                 # micro-batches need one forward
-                key = (_signature([first_input]) if s == 0 else received[FWD, s - 1, i],
+                key = (signature([first_input]) if s == 0 else received[FWD, s - 1, i],
                        *(received[SKIP, src, i] for src in ex.skip_in))
                 if key not in sends:
                     sends[key] = _sends(pipe, s, first_input, received, i)

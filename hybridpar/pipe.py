@@ -16,10 +16,14 @@ from torch import Tensor, nn
 from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
 from hybridpar.broadcast import broadcast_tensors
+from hybridpar.pipeline import clip, consolidate
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
+from hybridpar.pipeline.loss import LossShare
 from hybridpar.pipeline.lowering import lower
+from hybridpar.pipeline.microbatch import TensorOrTensors, rows, signature, split_batch, to_device
+from hybridpar.pipeline.output import share_output
 from hybridpar.pipeline.partition import (
     check_balance,
     check_sequential,
@@ -40,8 +44,6 @@ from hybridpar.pipeline.tied import (
 )
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.tensor_parallel.attrs import get_parallel_dim
-from hybridpar.tensor_parallel.mappings import all_gather_along
-from hybridpar.tensor_parallel.state import gather_full, shard_of
 from hybridpar.topology import Topology, current_topology
 
 if TYPE_CHECKING:
@@ -51,24 +53,6 @@ __all__ = ["HybridPipe"]
 
 log = logging.getLogger(__name__)
 
-TensorOrTensors = Tensor | tuple[Tensor, ...]
-LOSS_TAG = 1 << 13   # gloo only: the loss, last stage -> the others (NCCL: a broadcast)
-
-
-def _split_batch(x: Any, chunks: int, what: str) -> list[Any]:
-    """Split a Tensor or tuple of Tensors on dim 0 into at most `chunks` micro-batches."""
-    if isinstance(x, Tensor):
-        if x.dim() == 0 or x.shape[0] == 0:
-            raise ValueError(f"{what} has no rows (shape {tuple(x.shape)}); pass a batch "
-                             "with at least one row on dim 0")
-        return list(x.chunk(chunks))
-    if isinstance(x, tuple) and x and all(isinstance(t, Tensor) for t in x):
-        parts = [_split_batch(t, chunks, what) for t in x]
-        if len({len(p) for p in parts}) != 1 or len({t.shape[0] for t in x}) != 1:
-            raise ValueError(f"the tensors of {what} have different batch sizes "
-                             f"{[t.shape[0] for t in x]}; they must agree on dim 0")
-        return [tuple(p[i] for p in parts) for i in range(len(parts[0]))]
-    raise TypeError(f"{what} must be a Tensor or a tuple of Tensors, got {type(x).__name__}")
 
 
 def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
@@ -106,26 +90,6 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
     return [int(c) for c in counts.tolist()]
 
 
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _signature(inputs: Sequence[Any]) -> tuple[Any, ...]:
-    """The shapes and dtypes of a step's input micro-batches: what its messages depend on."""
-    return tuple(tuple((tuple(t.shape), str(t.dtype)) for t in (x if isinstance(x, tuple)
-                                                                   else (x,)))
-                 for x in inputs)
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    """A micro-batch on `device` (a copy that overlaps compute when `x` is pinned)."""
-    if isinstance(x, Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, tuple):
-        return tuple(_to(t, device) for t in x)
-    return x
-
-
 def _watchdog_timeout(watchdog: bool | float | None, topo: Topology
                       ) -> datetime.timedelta | None:
     """None / True / seconds / False -> how long a step may make no progress (None: off).
@@ -141,10 +105,6 @@ def _watchdog_timeout(watchdog: bool | float | None, topo: Topology
     if isinstance(watchdog, (int, float)) and watchdog > 0:
         return datetime.timedelta(seconds=float(watchdog))
     raise ValueError(f"watchdog must be True, False, None or positive seconds, got {watchdog!r}")
-
-
-def _rows(x: TensorOrTensors) -> int:
-    return (x[0] if isinstance(x, tuple) else x).shape[0]
 
 
 class HybridPipe(nn.Module):
@@ -239,6 +199,7 @@ class HybridPipe(nn.Module):
                              device_type=self.device.type),
             device=self.device, p2p_tags=topo.p2p_tags,
             watchdog=_watchdog_timeout(watchdog, topo)))
+        self._loss = LossShare(topo, self._guard)
 
     # the local stage ---------------------------------------------------------------------
     @property
@@ -283,10 +244,10 @@ class HybridPipe(nn.Module):
         inputs, targets, weights = self._microbatches(input, target)
         actions = self._program(len(inputs), train=True)
         with self._recording("train_step", len(inputs)):
-            posted = self._post_loss_recv()
+            self._loss.post()
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=True,
-                                        what="train_step", signature=_signature(inputs),
+                                        what="train_step", signature=signature(inputs),
                                         before_last_backward=self._dp_buckets.arm)
             commit_deferred_batch_norms(self)
             if self.topology.dp > 1:
@@ -297,7 +258,7 @@ class HybridPipe(nn.Module):
                 with self._guard("the all-reduce of tied parameters' gradients over stages",
                                  self.topology.pp_group):
                     self._ties.reduce()
-            return self._share_loss(result.loss, posted)
+            return self._loss.share(result.loss)
 
     @torch.no_grad()
     def eval_step(self, input: TensorOrTensors, target: Any) -> Tensor:
@@ -309,12 +270,12 @@ class HybridPipe(nn.Module):
         inputs, targets, weights = self._microbatches(input, target)
         actions = self._program(len(inputs), train=False)
         with self._recording("eval_step", len(inputs)):
-            posted = self._post_loss_recv()
+            self._loss.post()
             result = self._executor.run(actions, inputs=inputs, targets=targets,
                                         loss_fn=self.loss_fn, weights=weights, train=False,
-                                        what="eval_step", signature=_signature(inputs))
+                                        what="eval_step", signature=signature(inputs))
             commit_deferred_batch_norms(self)   # a forward in training mode: as torchgpipe
-            return self._share_loss(result.loss, posted)
+            return self._loss.share(result.loss)
 
     def _recording(self, what: str, microbatches: int) -> contextlib.AbstractContextManager[None]:
         """Record this step's timeline when `trace` is on (replacing the previous one)."""
@@ -345,64 +306,18 @@ class HybridPipe(nn.Module):
         if self.loss_fn is None:
             raise ValueError("train_step needs a loss: HybridPipe(..., loss_fn=fn) where "
                              "fn(output_microbatch, target_microbatch) returns a scalar")
-        inputs = _split_batch(input, self.chunks, "input")
-        targets = _split_batch(target, self.chunks, "target")
-        if len(targets) != len(inputs) or _rows(input) != _rows(target):
-            raise ValueError(f"input has {_rows(input)} rows but target has {_rows(target)}; "
+        inputs = split_batch(input, self.chunks, "input")
+        targets = split_batch(target, self.chunks, "target")
+        if len(targets) != len(inputs) or rows(input) != rows(target):
+            raise ValueError(f"input has {rows(input)} rows but target has {rows(target)}; "
                              "they must have the same batch size")
-        total = _rows(input)
-        weights = [_rows(x) / total for x in inputs]
+        total = rows(input)
+        weights = [rows(x) / total for x in inputs]
         if self.stage == 0:
-            inputs = [_to(x, self.device) for x in inputs]
+            inputs = [to_device(x, self.device) for x in inputs]
         if self.stage == self.num_stages - 1:
-            targets = [_to(y, self.device) for y in targets]
+            targets = [to_device(y, self.device) for y in targets]
         return inputs, targets, weights
-
-    def _post_loss_recv(self) -> tuple[Tensor, Any] | None:
-        """gloo, before the schedule: post the receive of the step's loss from the last stage.
-
-        gloo moves a message once its receive is posted, so a loss received only after the
-        schedule costs a round trip at the end of every step, on the stage that ends last.
-        gloo has no rendezvous and honours tags: on its own tag (`LOSS_TAG`) the loss never
-        meets a stage-to-stage message (all on tag 0), so posting it first is safe there. On
-        NCCL it would hold the rank's P2P stream: there the loss is broadcast after the
-        schedule (`_share_loss`).
-        """
-        if self.device.type != "cpu" or self.stage == self.num_stages - 1 \
-                or self.num_stages == 1:
-            return None
-        box = torch.zeros((), dtype=torch.float32, device=self.device)
-        return box, dist.irecv(box, self._last_rank(), tag=LOSS_TAG)
-
-    def _share_loss(self, local: Tensor | None, posted: tuple[Tensor, Any] | None = None
-                    ) -> Tensor:
-        """The last stage's loss on every rank of the pipeline, averaged over dp replicas.
-
-        A one-to-all over the pp group after the schedule, counted as one broadcast per rank:
-        `dist.broadcast` on NCCL; on gloo point to point, into the receive `_post_loss_recv`
-        posted before the schedule.
-        """
-        loss = local.detach().clone() if local is not None else torch.zeros(())
-        loss = loss.to(self.device, torch.float32)
-        if self.num_stages > 1:
-            with tracing.collective("broadcast", _nbytes(loss)), self._guard(
-                    "the loss from the last stage", self.topology.pp_group):
-                if self.device.type != "cpu":
-                    dist.broadcast(loss, self._last_rank(), group=self.topology.pp_group)
-                elif posted is not None:
-                    loss, work = posted
-                    work.wait(self.topology.timeout)
-                else:
-                    works = [dist.isend(loss, self.topology.stage_rank(s), tag=LOSS_TAG)
-                             for s in range(self.num_stages - 1)]
-                    for work in filter(None, works):
-                        work.wait(self.topology.timeout)
-        if self.topology.dp > 1:
-            with tracing.collective("all_reduce", _nbytes(loss)), self._guard(
-                    "the all-reduce of the loss over dp", self.topology.dp_group):
-                dist.all_reduce(loss, group=self.topology.dp_group)
-            loss /= self.topology.dp
-        return loss
 
     def _guard(self, operation: str, group: Any) -> contextlib.AbstractContextManager[None]:
         """A collective outside the schedule: a timeout becomes a `PipelineError` block."""
@@ -415,154 +330,39 @@ class HybridPipe(nn.Module):
         The last stage must return a Tensor or a tuple of Tensors (else a `TypeError` on every
         rank); its output reaches the other stages as tensors with a shape header (no pickles).
         """
-        inputs = _split_batch(input, self.chunks, "input")
+        inputs = split_batch(input, self.chunks, "input")
         if self.stage == 0:
-            inputs = [_to(x, self.device) for x in inputs]
+            inputs = [to_device(x, self.device) for x in inputs]
         actions = self._program(len(inputs), train=False)
         with self._recording("forward", len(inputs)):
             result = self._executor.run(actions, inputs=inputs, targets=None, loss_fn=None,
                                         weights=[1.0] * len(inputs), train=False,
-                                        what="forward", signature=_signature(inputs))
+                                        what="forward", signature=signature(inputs))
         # deferred BatchNorm in training mode: this mini-batch's statistics, committed now
         # (torchgpipe commits after its last micro-batch; a later train_step is its own update)
         commit_deferred_batch_norms(self)
-        output: TensorOrTensors | TypeError | None = None
-        if self.stage == self.num_stages - 1:
-            try:
-                output = self._gather_outputs(result.outputs)
-            except TypeError as e:
-                if self.num_stages == 1:
-                    raise
-                output = e
-        if self.num_stages == 1:
-            assert isinstance(output, (Tensor, tuple))
-            return output
-        payload: tuple[Tensor, ...] | TypeError | None = output \
-            if isinstance(output, TypeError) else None
-        if isinstance(output, (Tensor, tuple)):   # a flag first: a bare Tensor or a tuple
-            single = torch.tensor([int(isinstance(output, Tensor))], dtype=torch.int64)
-            payload = (single, output) if isinstance(output, Tensor) else (single, *output)
-        with self._guard("the broadcast of the output from the last stage",
-                         self.topology.pp_group):
-            tensors = broadcast_tensors(payload, self._last_rank(),
-                                             group=self.topology.pp_group, device=self.device)
-        return tensors[1] if int(tensors[0]) else tuple(tensors[1:])
-
-    def _gather_outputs(self, outputs: list[TensorOrTensors]) -> TensorOrTensors:
-        """Concatenate the micro-batch outputs; all-gather class-sharded ones over tp."""
-        kinds = {type(o).__name__ for o in outputs}
-        if not all(isinstance(o, Tensor) or (isinstance(o, tuple) and o and all(
-                isinstance(t, Tensor) for t in o)) for o in outputs) or len(kinds) != 1:
-            raise TypeError(f"the last stage returned {' / '.join(sorted(kinds))}; "
-                            "HybridPipe's forward returns a Tensor or a tuple of Tensors (make "
-                            "the last layer return one, or use train_step / eval_step with a "
-                            "loss_fn that reads this output)")
-
-        def full(parts: list[Tensor]) -> Tensor:
-            whole = torch.cat(parts)  # cat drops the tag: read it from a part
-            if get_parallel_dim(parts[0]) in (-1, 1) and self.topology.tp > 1:
-                return all_gather_along(whole, -1, self.topology.tp_group)
-            return whole
-
-        if isinstance(outputs[0], tuple):
-            return tuple(full([o[k] for o in outputs if isinstance(o, tuple)])
-                         for k in range(len(outputs[0])))
-        return full([o for o in outputs if isinstance(o, Tensor)])
+        return share_output(result.outputs if self.stage == self.num_stages - 1 else None,
+                            self.topology, self._guard)
 
     # state -------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, Tensor]:
-        """The unsharded model's full state dict (same keys and shapes), on every rank.
-
-        Each stage's tensors reach the others by `broadcast_tensors` (no pickles).
-        """
-        group = self.topology.tp_group if self.topology.tp > 1 else None
-        tensors = dict(self.named_parameters())
-        local = {}
-        for key, value in self.state_dict().items():
-            param = tensors.get(key)
-            local[key] = gather_full(value, param, group) if param is not None else value
-            local[key] = local[key].detach().cpu().clone()
-        merged: dict[str, Tensor] = dict(local)
-        for stage in range(self.num_stages):
-            if self.num_stages == 1:
-                break
-            keys = self._stage_keys[stage]
-            mine = [local[k] for k in keys] if stage == self.stage else None
-            received = broadcast_tensors(mine, self.topology.stage_rank(stage),
-                                              group=self.topology.pp_group, device=self.device)
-            merged.update((k, v.cpu()) for k, v in zip(keys, received))
-        for alias, canonical in self.tied_aliases.items():   # one tensor under every name
-            merged[alias] = merged[canonical]
-        return {key: merged[key] for key in self._state_keys}
+        """The unsharded model's full state dict (same keys and shapes), on every rank
+        (`pipeline.consolidate`: no pickles)."""
+        return consolidate.consolidated_state_dict(
+            self, self.topology, stage_keys=self._stage_keys, state_keys=self._state_keys,
+            aliases=self.tied_aliases)
 
     def load_consolidated_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a full (unsharded) state dict, keeping this rank's stage and tp shard."""
-        known = set(self._state_keys)
-        state_dict = self._fill_aliases(state_dict)
-        missing = [k for k in self._state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in known]
-        if missing or unexpected:
-            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}; give the full state dict of this "
-                           "nn.Sequential (its state_dict(), consolidated_state_dict(), or "
-                           "the file hybridpar export writes)")
-        group = self.topology.tp_group if self.topology.tp > 1 else None
-        tensors = dict(self.named_parameters())
-        local = {}
-        for key in self.state_dict():
-            param = tensors.get(key)
-            value = state_dict[key]
-            local[key] = shard_of(value, param, group) if param is not None else value
-        self.load_state_dict(local)
-
-    def _fill_aliases(self, state_dict: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        """`state_dict` with every tied name present (a file may hold the canonical one only,
-        as Hugging Face checkpoints do); a `ValueError` if two names of one tie differ."""
-        if not self.tied_aliases:
-            return state_dict
-        full = dict(state_dict)
-        for alias, canonical in self.tied_aliases.items():
-            if alias in full and canonical in full:
-                if full[alias].shape != full[canonical].shape or \
-                        not torch.equal(full[alias], full[canonical]):
-                    raise ValueError(f"the state dict holds different values for '{canonical}' "
-                                     f"and '{alias}', which are one tied parameter of this "
-                                     "model; give them equal values (or only one of the names)")
-            elif alias in full:
-                full[canonical] = full[alias]
-            elif canonical in full:
-                full[alias] = full[canonical]
-        return full
+        consolidate.load_consolidated(self, state_dict, self.topology,
+                                      state_keys=self._state_keys, aliases=self.tied_aliases)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip by the global norm over all stages and tp shards (replicated params once)."""
-        if norm_type != 2.0:
-            raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type="
-                             f"{norm_type}; leave norm_type at 2.0")
-        tp = self.topology.tp
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.parameters():
-            if p.grad is None or id(p) in self._ties.not_counted:   # a tie counts once
-                continue
-            square = p.grad.detach().double().pow(2).sum()
-            sharded = get_parallel_dim(p) is not None
-            total += square if sharded or tp == 1 else square / tp
-        if tp > 1:
-            with tracing.collective("all_reduce", _nbytes(total)), self._guard(
-                    "the all-reduce of the gradient norm over tp", self.topology.tp_group):
-                dist.all_reduce(total, group=self.topology.tp_group)
-        if self.num_stages > 1:
-            with tracing.collective("all_reduce", _nbytes(total)), self._guard(
-                    "the all-reduce of the gradient norm over pp", self.topology.pp_group):
-                dist.all_reduce(total, group=self.topology.pp_group)
-        norm = total.sqrt()
-        # min(1, max_norm / norm) as a tensor, in float64 (float64 models clip as on one
-        # device): no host synchronisation; a multiply by 1.0 leaves a gradient as it was
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
-        return norm.to(torch.float32)
+        """Clip by the global norm over all stages and tp shards (`pipeline.clip`: replicated
+        parameters and ties count once); returns the norm before clipping."""
+        return clip.clip_grad_norm_(self.parameters(), max_norm, self.topology,
+                                    guard=self._guard, not_counted=self._ties.not_counted,
+                                    norm_type=norm_type)
 
     def extra_repr(self) -> str:
         return (f"stage={self.stage}/{self.num_stages}, balance={self.balance}, "
