@@ -156,6 +156,38 @@ class StepResult:
 SpecKey = tuple[int, int, int]   # (channel, peer stage, micro-batch) of a forward message
 
 
+@dataclass
+class StepState:
+    """Everything one step of a stage holds: what it runs on, and where it is.
+
+    A new one per `StageExecutor.run` (an idle one between steps); the watchdog thread reads
+    `at` and `waiting` of the current one.
+    """
+
+    train: bool = False
+    inputs: Sequence[TensorOrTensors] | None = None      # first stage: the micro-batches
+    targets: Sequence[Any] | None = None                 # last stage
+    loss_fn: Callable[..., Tensor] | None = None
+    weights: Sequence[float] = ()                        # each micro-batch's share
+    m: int = 0                                           # micro-batches
+    signature: int = 0                                   # hash of (train, shapes)
+    agreed: dict[SpecKey, comm.MessageSpec] | None = None   # None: this step learns them
+    learned: dict[SpecKey, comm.MessageSpec] = field(default_factory=dict)
+    mbs: list[_MicroBatch] = field(default_factory=list)
+    what: str = "step"                                   # "train_step", "eval_step", ...
+    actions: list[Any] = field(default_factory=list)
+    sends: list[tuple[list[Any], str, int]] = field(default_factory=list)  # works, what, peer
+    incoming: list[comm.Incoming] = field(default_factory=list)   # receives being queued
+    issued: list[tuple[bool, str, int, list[Any]]] = field(default_factory=list)
+    issued_upto: int = 0                                 # actions before it are issued
+    prefetched: set[int] = field(default_factory=set)    # receive actions posted ahead (gloo)
+    loss_sum: Tensor | None = None
+    outputs: list[TensorOrTensors] = field(default_factory=list)
+    at: int = 0                                          # the action being run
+    waiting: str = ""                                    # what the host waits for in it
+    last_done: Any = None                                # the last completed action
+
+
 class StageExecutor:
     """Interprets a stage's action list for one step (training or inference)."""
 
@@ -164,9 +196,7 @@ class StageExecutor:
         self.wire = comm.Wire(tags=spec.p2p_tags, coalesce=spec.device.type != "cpu")
         self.book = comm.SpecBook()   # the agreed message specs of each step signature
         self.steps = 0                # steps run: keys this rank's aborts in the store
-        self.issued: list[tuple[bool, str, int, list[Any]]] = []   # (send, label, peer, works)
-        self.at = 0                   # the action being run (read by the watchdog)
-        self.waiting = ""             # what the host waits for in it, if anything
+        self.step = StepState()       # the step being run (an idle one between steps)
         self.watchdog = None if spec.watchdog is None else Watchdog(
             spec.watchdog, describe=self._hang_report, pending=self._pending,
             peer_failed=self._peer_abort)
@@ -195,22 +225,14 @@ class StageExecutor:
         signature seen before sends no headers. `before_last_backward` is called just before
         this stage's last backward (the dp buckets arm there).
         """
-        self.train, self.inputs, self.targets = train, inputs, targets
-        self.loss_fn, self.weights = loss_fn, weights
-        self.m = len(weights)
         key = (train, signature)
-        self.signature = comm.signature_hash(key)
-        self.agreed = self.book.get(key)          # None: this step learns the specs
-        self.learned: dict[SpecKey, comm.MessageSpec] = {}
-        self.mbs = [_MicroBatch(key=torch.empty(0)) for _ in range(self.m)]
-        self.sends: list[tuple[list[Any], str, int]] = []   # (works, message, peer stage)
-        self.incoming: list[comm.Incoming] = []   # the receives of the group being queued
-        self.loss_sum: Tensor | None = None
-        self.outputs: list[TensorOrTensors] = []
-        self.what, self.actions, self.last_done = what, list(actions), None
-        self.issued_upto = 0                      # actions before this index are issued
-        self.prefetched: set[int] = set()         # receive actions posted ahead (gloo)
-        last_backward = max((k for k, a in enumerate(self.actions) if a.kind == BACKWARD),
+        self.step = StepState(
+            train=train, inputs=inputs, targets=targets, loss_fn=loss_fn, weights=weights,
+            m=len(weights), signature=comm.signature_hash(key),
+            agreed=self.book.get(key),            # None: this step learns the specs
+            mbs=[_MicroBatch(key=torch.empty(0)) for _ in range(len(weights))],
+            what=what, actions=list(actions))
+        last_backward = max((k for k, a in enumerate(self.step.actions) if a.kind == BACKWARD),
                             default=-1)
         handlers = {RECV_F: self._communicate, FORWARD: self._forward,
                     SEND_F: self._communicate, RECV_B: self._communicate,
@@ -222,41 +244,41 @@ class StageExecutor:
             self.watchdog.enter()
         try:
             with trace.span("step"):
-                for index, action in enumerate(self.actions):
-                    self.at, self.waiting = index, ""
+                for index, action in enumerate(self.step.actions):
+                    self.step.at, self.step.waiting = index, ""
                     recorder.microbatch = action.microbatch  # tags the events of this action
                     try:
                         if action.kind in COMPUTE or action.kind == GROUP:
                             self._issue(index)
                         if index == last_backward and before_last_backward is not None:
                             before_last_backward()
-                        if index not in self.prefetched:
+                        if index not in self.step.prefetched:
                             handlers[action.kind](action)
                     except Exception as e:
                         self._raise(e, index)
-                    self.last_done = action
+                    self.step.last_done = action
                     if self.watchdog is not None:
                         self.watchdog.beat()
                 recorder.microbatch = -1
-                self.at = len(self.actions)
+                self.step.at = len(self.step.actions)
                 try:
-                    self._issue(len(self.actions))
+                    self._issue(len(self.step.actions))
                     with trace.span("wait"):
-                        for works, what_, stage in self.sends:
+                        for works, what_, stage in self.step.sends:
                             self._wait(works, what_, stage)
                 except Exception as e:
-                    self._raise(e, len(self.actions))
+                    self._raise(e, len(self.step.actions))
         finally:
             if self.watchdog is not None:
                 self.watchdog.leave()
             self.steps += 1
             self.wire.pending.clear()
             self.wire.early.clear()
-            self.issued = []
-        if self.agreed is None:
-            self.book.commit(key, self.learned)
-        self.mbs, self.sends = [], []
-        return StepResult(self.loss_sum, self.outputs)
+            self.step.issued = []
+        if self.step.agreed is None:
+            self.book.commit(key, self.step.learned)
+        self.step.mbs, self.step.sends = [], []
+        return StepResult(self.step.loss_sum, self.step.outputs)
 
     def _issue(self, index: int) -> None:
         """Issue the communication queued since the last compute as one group.
@@ -264,21 +286,21 @@ class StageExecutor:
         On a new signature the forward-direction receives of the group are headers: wait for
         them, then issue their payload receives as a second group.
         """
-        incoming, self.incoming = self.incoming, []
-        self.issued_upto = index
+        incoming, self.step.incoming = self.step.incoming, []
+        self.step.issued_upto = index
         works = self._issue_group()
         for message in incoming:
             message.issued(works)
         learning = [m for m in incoming if m.spec is None]
         if not learning:
-            if self.spec.device.type == "cpu" and self.agreed is not None:
+            if self.spec.device.type == "cpu" and self.step.agreed is not None:
                 self._prefetch(index)
             return
         with trace.span("wait"):
             for message in learning:
                 stage = self._stage_of(message.src)
                 try:
-                    spec = message.learn(self._timeout, self.signature)
+                    spec = message.learn(self._timeout, self.step.signature)
                 except comm.PeerFailed as e:
                     raise Aborted(f"receive {message.label} from", stage, message.src, e) \
                         from e
@@ -287,7 +309,7 @@ class StageExecutor:
                 except RuntimeError as e:
                     raise WaitFailed(f"receive {message.label} from", stage, message.src, e) \
                         from e
-                self.learned[message.channel, stage, message.microbatch] = spec
+                self.step.learned[message.channel, stage, message.microbatch] = spec
         works = self._issue_group()
         for message in learning:
             message.issued(works)
@@ -301,13 +323,13 @@ class StageExecutor:
         early is safe there. NCCL keeps the slot order; the log records that order.
         """
         k = index + 1   # up to the next compute: the receives it needs, across GROUP marks
-        while k < len(self.actions) and self.actions[k].kind not in COMPUTE:
-            if self.actions[k].kind in (RECV_F, RECV_B) and k not in self.prefetched:
-                self._communicate(self.actions[k])
-                self.prefetched.add(k)
+        while k < len(self.step.actions) and self.step.actions[k].kind not in COMPUTE:
+            if self.step.actions[k].kind in (RECV_F, RECV_B) and k not in self.step.prefetched:
+                self._communicate(self.step.actions[k])
+                self.step.prefetched.add(k)
             k += 1
-        if self.incoming:
-            incoming, self.incoming = self.incoming, []
+        if self.step.incoming:
+            incoming, self.step.incoming = self.step.incoming, []
             works = self._issue_group(early=True)
             for message in incoming:
                 message.issued(works)
@@ -317,9 +339,9 @@ class StageExecutor:
         group = self.wire.issue(early=early)
         for op, works in group:
             if op.send:
-                self.sends.append((works, op.message, self._stage_of(op.peer)))
+                self.step.sends.append((works, op.message, self._stage_of(op.peer)))
             if self.watchdog is not None:
-                self.issued.append((op.send, op.label, op.peer, works))
+                self.step.issued.append((op.send, op.label, op.peer, works))
         return group
 
     # the watchdog's view (read from its thread) ---------------------------------------------
@@ -327,16 +349,16 @@ class StageExecutor:
         """Issued P2P operations not completed yet (NCCL works can be polled; gloo's say
         False until waited on, so on gloo only the host's progress counts)."""
         return [f"{'send' if send else 'receive'} {label} {'to' if send else 'from'} rank {peer}"
-                for send, label, peer, works in list(self.issued)
+                for send, label, peer, works in list(self.step.issued)
                 if not all(w.is_completed() for w in works)]
 
     def _hang_report(self, stuck_for: float) -> str:
         # on a GPU the first operation the device has not completed; on gloo (works say
         # nothing until waited on) what the host waits for
         pending = self._pending() if self.spec.device.type != "cpu" else []
-        waiting = pending[0] if pending else self.waiting or "an operation on the host"
+        waiting = pending[0] if pending else self.step.waiting or "an operation on the host"
         assert self.watchdog is not None
-        return failure.hang_report(self._place(self.at), stuck_for, waiting,
+        return failure.hang_report(self._place(self.step.at), stuck_for, waiting,
                                    datetime.timedelta(seconds=self.watchdog.timeout))
 
     def _peer_abort(self) -> str | None:
@@ -347,7 +369,7 @@ class StageExecutor:
                 continue
             failed = comm.read_abort(self.steps, rank)
             if failed is not None:
-                return failure.peer_abort_report(self._place(self.at), failed)
+                return failure.peer_abort_report(self._place(self.step.at), failed)
         return None
 
     @property
@@ -371,7 +393,7 @@ class StageExecutor:
     def _recv(self, posted: comm.Incoming | None, what: str, stage: int
               ) -> tuple[Tensor | None, ...]:
         assert posted is not None, f"schedule error: {what} was never posted"
-        self.waiting = f"receive {what} from stage {stage} (rank {posted.src})"
+        self.step.waiting = f"receive {what} from stage {stage} (rank {posted.src})"
         try:
             return posted.finish(self._timeout)
         except comm.PeerFailed as e:
@@ -392,16 +414,16 @@ class StageExecutor:
     def _agreed(self, channel: int, stage: int, i: int) -> comm.MessageSpec | None:
         """The spec of forward message (channel, peer stage, micro-batch) (None: learn it)."""
         key = (channel, stage, i)
-        if self.agreed is not None:
-            return self.agreed[key]
-        return self.learned.get(key)
+        if self.step.agreed is not None:
+            return self.step.agreed[key]
+        return self.step.learned.get(key)
 
     def _post(self, stage: int, channel: int, i: int, what: str,
               spec: comm.MessageSpec | None) -> comm.Incoming:
         message = comm.Incoming(self.wire, self._rank(stage), channel, what, spec=spec,
                                 tp_group=self.spec.tp_group, device=self.spec.device,
                                 step=self.steps, microbatch=i)
-        self.incoming.append(message)
+        self.step.incoming.append(message)
         return message
 
     def _send(self, tensors: Sequence[Tensor | None], stage: int, channel: int, i: int, what: str,
@@ -412,9 +434,9 @@ class StageExecutor:
         if channel in (FWD, SKIP):
             spec = comm.spec_of(tensors, self.tp, grads=grads, single=single)
             agreed = self._agreed(channel, stage, i)
-            if self.agreed is None:
-                self.learned[channel, stage, i] = spec
-                header = comm.header(spec, self.signature, self.spec.device)
+            if self.step.agreed is None:
+                self.step.learned[channel, stage, i] = spec
+                header = comm.header(spec, self.step.signature, self.spec.device)
             elif agreed != spec:
                 none = " (and a skip stashed as None must be None)" if agreed is not None and \
                     [t.absent for t in spec.tensors] != [t.absent for t in agreed.tensors] \
@@ -436,9 +458,9 @@ class StageExecutor:
     # failures ----------------------------------------------------------------------------
     def _place(self, index: int = 0) -> failure.StepPlace:
         return failure.StepPlace(self.spec.stage, self.spec.num_stages, dist.get_rank(),
-                                 getattr(self, "what", "step"), self.spec.timeout,
-                                 getattr(self, "actions", ()), index,
-                                 getattr(self, "last_done", None))
+                                 self.step.what, self.spec.timeout,
+                                 self.step.actions, index,
+                                 self.step.last_done)
 
     @contextmanager
     def guard(self, operation: str, ranks: Sequence[int]) -> Iterator[None]:
@@ -466,7 +488,7 @@ class StageExecutor:
         this rank's own error with the step's block as a note, or a `PipelineError` block."""
         self.book.clear()  # this step's messages were not all exchanged
         self.wire.pending.clear()
-        self.incoming = []
+        self.step.incoming = []
         if isinstance(error, PipelineError):
             return error
         place = self._place(index)
@@ -486,7 +508,7 @@ class StageExecutor:
         stops it (with `p2p_tags`, the next on each channel: it may wait on any of them).
         """
         owed: dict[tuple[int, int], Tensor] = {}
-        for action in self.actions[self.issued_upto:]:
+        for action in self.step.actions[self.step.issued_upto:]:
             for m in messages(action, self.spec.stage, list(self.skip_in), list(self.skip_out)):
                 key = (self._rank(m.peer), m.channel if self.spec.p2p_tags else 0)
                 if not m.send or key in owed:
@@ -509,7 +531,7 @@ class StageExecutor:
         if action is None or action.kind != FORWARD or self.first or not isinstance(
                 error, (RuntimeError, ValueError)):
             return ""
-        mb = self.mbs[action.microbatch]
+        mb = self.step.mbs[action.microbatch]
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in _as_tuple(mb.inputs)) \
             if isinstance(mb.inputs, (Tensor, tuple)) else "?"
         return (f"stage {self.spec.stage}'s input came from stage {self.spec.stage - 1} as "
@@ -520,7 +542,7 @@ class StageExecutor:
     def _communicate(self, action: Action | Comm) -> None:
         """Queue the messages of a SEND / RECV action (`lowering.messages` gives the order)."""
         i = action.microbatch
-        mb = self.mbs[i]
+        mb = self.step.mbs[i]
         for m in messages(action, self.spec.stage, list(self.skip_in), list(self.skip_out)):
             what = LABELS[m.channel].format(i)
             if m.send:
@@ -538,7 +560,7 @@ class StageExecutor:
                 mb.recv_b = incoming
             else:
                 mb.recv_skip_grad[m.peer] = incoming
-        if action.kind == SEND_F and not self.train:
+        if action.kind == SEND_F and not self.step.train:
             mb.outputs, mb.skips_out = None, {}
         elif action.kind == SEND_B:
             mb.input_grads, mb.skip_grads = (), {}
@@ -547,11 +569,11 @@ class StageExecutor:
         """Queue one message of micro-batch `i` to stage `peer`."""
         if channel == FWD:
             assert mb.outputs is not None
-            self._send(_as_tuple(mb.outputs), peer, FWD, i, what, grads=self.train,
+            self._send(_as_tuple(mb.outputs), peer, FWD, i, what, grads=self.step.train,
                        single=isinstance(mb.outputs, Tensor))
         elif channel == SKIP:
             self._send([mb.skips_out[r.key] for r in self.skip_out[peer]], peer, SKIP, i, what,
-                       grads=self.train)
+                       grads=self.step.train)
         elif channel == BWD:
             self._send(mb.input_grads, peer, BWD, i, what, grads=False)
         else:
@@ -560,10 +582,10 @@ class StageExecutor:
     # forward -----------------------------------------------------------------------------
     def _forward(self, action: Action) -> None:
         i = action.microbatch
-        mb = self.mbs[i]
+        mb = self.step.mbs[i]
         if self.first:
-            assert self.inputs is not None
-            mb.inputs = self.inputs[i]
+            assert self.step.inputs is not None
+            mb.inputs = self.step.inputs[i]
         else:
             posted, mb.recv_f = mb.recv_f, None
             received = self._recv(posted, f"the activation of micro-batch {i}",
@@ -574,37 +596,32 @@ class StageExecutor:
         for src, routes in self.skip_in.items():
             tensors = self._recv(mb.recv_skip.pop(src), f"the skips of micro-batch {i}", src)
             mb.skips_in.update((r.key, t) for r, t in zip(routes, tensors))
-        checkpointed = self.train and is_checkpointed(self.spec.checkpoint, i, self.m)
+        checkpointed = self.step.train and is_checkpointed(self.spec.checkpoint, i, self.step.m)
         with trace.span("forward"):
             if checkpointed:
                 with self.spec.replay.first_forward() as state:
                     mb.rng = state
                     self._compute(mb, i)
-            elif self.train:
+            elif self.step.train:
                 self._compute(mb, i)
             else:
                 with torch.no_grad():
                     self._compute(mb, i)
-        if self.last:
-            if self.train:
-                assert mb.loss is not None
-                value = mb.loss.detach().float()   # reported in fp32 (bf16 runs too)
-                self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
-                if checkpointed:
-                    mb.loss = None
-            elif self.loss_fn is not None and self.targets is not None:  # evaluation
-                assert mb.outputs is not None
-                with torch.no_grad():
-                    value = _scalar_loss(self.loss_fn(mb.outputs, self.targets[i])).float() \
-                        * self.weights[i]
-                self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+        step = self.step
+        if self.last and mb.loss is not None:   # training or evaluation: the loss, once
+            value = mb.loss.detach().float()     # reported in fp32 (bf16 runs too)
+            step.loss_sum = value if step.loss_sum is None else step.loss_sum + value
+            if checkpointed or not step.train:   # recomputed in backward / not needed
+                mb.loss = None
+            if not step.train:
                 mb.outputs = None
-            else:
-                assert mb.outputs is not None
-                self.outputs.append(mb.outputs)
+        elif self.last:                          # inference: the outputs are the result
+            assert mb.outputs is not None
+            step.outputs.append(mb.outputs)
 
     def _compute(self, mb: _MicroBatch, i: int) -> None:
-        """The partition's forward on micro-batch `i` (and the weighted loss on the last stage)."""
+        """The partition's forward on micro-batch `i` (and the weighted loss on the last stage,
+        when the step has a loss)."""
         tracker = StageSkipTracker(self.spec.routes, self.spec.stage, mb.skips_in)
         with use_skip_tracker(tracker), _microbatch_context(mb.key):
             assert mb.inputs is not None
@@ -613,14 +630,15 @@ class StageExecutor:
             raise TypeError(f"stage {self.spec.stage} returned {type(out).__name__}; a stage "
                             "must return a Tensor or a tuple of Tensors")
         mb.outputs, mb.skips_out = out, tracker.outgoing
-        if self.last and self.train:
-            assert self.loss_fn is not None and self.targets is not None
-            mb.loss = _scalar_loss(self.loss_fn(out, self.targets[i])) * self.weights[i]
+        step = self.step
+        if self.last and step.loss_fn is not None and step.targets is not None:
+            # the one place a loss is computed: weighted by the micro-batch's share of rows
+            mb.loss = _scalar_loss(step.loss_fn(out, step.targets[i])) * step.weights[i]
 
     # backward ----------------------------------------------------------------------------
     def _backward(self, action: Action) -> None:
         i = action.microbatch
-        mb = self.mbs[i]
+        mb = self.step.mbs[i]
         if mb.rng is not None:  # checkpointed: recompute the forward with the replayed RNG
             with trace.span("recompute"), self.spec.replay.recompute(mb.rng):
                 self._compute(mb, i)
