@@ -29,31 +29,26 @@ stage and the action's micro-batch, so the collectives and transfers inside inhe
     B i       recompute (checkpointed i), recv BWD (+ SKIPG), then backward
     the end   wait (for the posted sends), all inside one step span
 
-Failures (`failure.py`): whatever stops a stage raises one `PipelineError` block per rank
-(stage, action, micro-batch, the peer and operation waited for, the last completed action),
-after sending aborts (`comm`: an entry in the store, then a dummy of the expected size) to
-the peers still owed a message this step, so they stop at once.
+Failures (`stops.py`, `failure.py`): the failing rank re-raises its own error with the step's
+block as a note (stage, action, micro-batch, the last completed action), its peers a
+`PipelineError` block (the peer and operation waited for), after aborts (`comm`: an entry in
+the store, then a dummy of the expected size) to the peers still owed a message this step,
+so they stop at once. The step's data: `step.py`.
 """
 
 from __future__ import annotations
 
 import datetime
-import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed import ProcessGroup
-from torchgpipe.skip.namespace import Namespace
+from torch import Tensor
 from torchgpipe.skip.tracker import use_skip_tracker
 
 from hybridpar import comm, trace
-from hybridpar.pipeline import failure
-from hybridpar.pipeline.checkpoint import RNGReplay, is_checkpointed
+from hybridpar.pipeline.checkpoint import is_checkpointed
 from hybridpar.pipeline.failure import Aborted, PipelineError, WaitFailed
 from hybridpar.pipeline.lowering import BWD, FWD, LABELS, SKIP, SKIPG, messages
 from hybridpar.pipeline.schedule import (
@@ -69,126 +64,28 @@ from hybridpar.pipeline.schedule import (
     Comm,
 )
 from hybridpar.pipeline.skip import SkipRoute, StageSkipTracker
+from hybridpar.pipeline.step import (
+    MicroBatch,
+    StageSpec,
+    StepResult,
+    StepState,
+    TensorOrTensors,
+    as_tuple,
+    current_microbatch,
+    describe_spec,
+    floating,
+    grad_or_zeros,
+    microbatch_context,
+    nbytes,
+    scalar_loss,
+)
+from hybridpar.pipeline.stops import StageStops
 from hybridpar.pipeline.watchdog import Watchdog
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 
 __all__ = ["PipelineError", "StageExecutor", "StageSpec", "current_microbatch"]
 
 
-TensorOrTensors = Tensor | tuple[Tensor, ...]
-SkipKey = tuple[Namespace, str]
-
-
-_local = threading.local()
-
-
-def current_microbatch() -> Tensor | None:
-    """A tensor that identifies the micro-batch being computed on this stage (None outside).
-
-    The same object during the first forward and the recomputation of a micro-batch, so it
-    can key a dict or a weak reference, as torchgpipe's `current_microbatch`.
-    """
-    return getattr(_local, "microbatch", None)
-
-
-@contextmanager
-def _microbatch_context(key: Tensor) -> Iterator[None]:
-    before = getattr(_local, "microbatch", None)
-    _local.microbatch = key
-    try:
-        yield
-    finally:
-        _local.microbatch = before
-
-
-@dataclass
-class StageSpec:
-    """What an executor needs to know about its stage."""
-
-    stage: int
-    num_stages: int
-    partition: nn.Sequential
-    routes: Sequence[SkipRoute]
-    rank_of_stage: Callable[[int], int]
-    tp_group: ProcessGroup | None
-    timeout: datetime.timedelta
-    checkpoint: str = "except_last"
-    replay: RNGReplay = field(default_factory=RNGReplay)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    p2p_tags: bool = False
-    watchdog: datetime.timedelta | None = None   # report a step stuck this long (NCCL)
-
-
-@dataclass
-class _MicroBatch:
-    key: Tensor
-    inputs: TensorOrTensors | None = None
-    outputs: TensorOrTensors | None = None
-    loss: Tensor | None = None
-    skips_in: dict[SkipKey, Tensor | None] = field(default_factory=dict)   # None: absent
-    skips_out: dict[SkipKey, Tensor | None] = field(default_factory=dict)
-    rng: Any = None
-    input_grads: tuple[Tensor, ...] = ()
-    skip_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
-    recv_f: comm.Incoming | None = None
-    recv_b: comm.Incoming | None = None
-    recv_skip: dict[int, comm.Incoming] = field(default_factory=dict)
-    recv_skip_grad: dict[int, comm.Incoming] = field(default_factory=dict)
-
-
-def _as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
-    return x if isinstance(x, tuple) else (x,)
-
-
-def _floating(tensors: Sequence[Tensor | None]) -> list[Tensor]:
-    """The floating tensors of a message (what its gradient message carries; None: absent)."""
-    return [t for t in tensors if t is not None and t.is_floating_point()]
-
-
-@dataclass
-class StepResult:
-    """What a step leaves on this stage: the weighted loss sum (last stage) and outputs."""
-
-    loss: Tensor | None
-    outputs: list[TensorOrTensors]
-
-
-SpecKey = tuple[int, int, int]   # (channel, peer stage, micro-batch) of a forward message
-
-
-@dataclass
-class StepState:
-    """Everything one step of a stage holds: what it runs on, and where it is.
-
-    A new one per `StageExecutor.run` (an idle one between steps); the watchdog thread reads
-    `at` and `waiting` of the current one.
-    """
-
-    train: bool = False
-    inputs: Sequence[TensorOrTensors] | None = None      # first stage: the micro-batches
-    targets: Sequence[Any] | None = None                 # last stage
-    loss_fn: Callable[..., Tensor] | None = None
-    weights: Sequence[float] = ()                        # each micro-batch's share
-    m: int = 0                                           # micro-batches
-    signature: int = 0                                   # hash of (train, shapes)
-    agreed: dict[SpecKey, comm.MessageSpec] | None = None   # None: this step learns them
-    learned: dict[SpecKey, comm.MessageSpec] = field(default_factory=dict)
-    mbs: list[_MicroBatch] = field(default_factory=list)
-    what: str = "step"                                   # "train_step", "eval_step", ...
-    actions: list[Any] = field(default_factory=list)
-    sends: list[tuple[list[Any], str, int]] = field(default_factory=list)  # works, what, peer
-    incoming: list[comm.Incoming] = field(default_factory=list)   # receives being queued
-    issued: list[tuple[bool, str, int, list[Any]]] = field(default_factory=list)
-    issued_upto: int = 0                                 # actions before it are issued
-    prefetched: set[int] = field(default_factory=set)    # receive actions posted ahead (gloo)
-    loss_sum: Tensor | None = None
-    outputs: list[TensorOrTensors] = field(default_factory=list)
-    at: int = 0                                          # the action being run
-    waiting: str = ""                                    # what the host waits for in it
-    last_done: Any = None                                # the last completed action
-
-
-class StageExecutor:
+class StageExecutor(StageStops):
     """Interprets a stage's action list for one step (training or inference)."""
 
     def __init__(self, spec: StageSpec) -> None:
@@ -230,7 +127,7 @@ class StageExecutor:
             train=train, inputs=inputs, targets=targets, loss_fn=loss_fn, weights=weights,
             m=len(weights), signature=comm.signature_hash(key),
             agreed=self.book.get(key),            # None: this step learns the specs
-            mbs=[_MicroBatch(key=torch.empty(0)) for _ in range(len(weights))],
+            mbs=[MicroBatch(key=torch.empty(0)) for _ in range(len(weights))],
             what=what, actions=list(actions))
         last_backward = max((k for k, a in enumerate(self.step.actions) if a.kind == BACKWARD),
                             default=-1)
@@ -344,34 +241,7 @@ class StageExecutor:
                 self.step.issued.append((op.send, op.label, op.peer, works))
         return group
 
-    # the watchdog's view (read from its thread) ---------------------------------------------
-    def _pending(self) -> list[str]:
-        """Issued P2P operations not completed yet (NCCL works can be polled; gloo's say
-        False until waited on, so on gloo only the host's progress counts)."""
-        return [f"{'send' if send else 'receive'} {label} {'to' if send else 'from'} rank {peer}"
-                for send, label, peer, works in list(self.step.issued)
-                if not all(w.is_completed() for w in works)]
-
-    def _hang_report(self, stuck_for: float) -> str:
-        # on a GPU the first operation the device has not completed; on gloo (works say
-        # nothing until waited on) what the host waits for
-        pending = self._pending() if self.spec.device.type != "cpu" else []
-        waiting = pending[0] if pending else self.step.waiting or "an operation on the host"
-        assert self.watchdog is not None
-        return failure.hang_report(self._place(self.step.at), stuck_for, waiting,
-                                   datetime.timedelta(seconds=self.watchdog.timeout))
-
-    def _peer_abort(self) -> str | None:
-        """A published abort of this step by a peer of the pipeline, as a report."""
-        for stage in range(self.spec.num_stages):
-            rank = self._rank(stage)
-            if stage == self.spec.stage:
-                continue
-            failed = comm.read_abort(self.steps, rank)
-            if failed is not None:
-                return failure.peer_abort_report(self._place(self.step.at), failed)
-        return None
-
+    # waits and messages --------------------------------------------------------------------
     @property
     def _timeout(self) -> datetime.timedelta | None:
         # gloo waits are bounded; a wait on NCCL work only orders streams (no host poll)
@@ -442,101 +312,18 @@ class StageExecutor:
                     [t.absent for t in spec.tensors] != [t.absent for t in agreed.tensors] \
                     else ""
                 raise ValueError(
-                    f"{what} is {_describe(spec)} but in the first step of these input "
-                    f"shapes it was {_describe(agreed)}; a stage's outputs must have the same "
+                    f"{what} is {describe_spec(spec)} but in the first step of these input "
+                    f"shapes it was {describe_spec(agreed)}; a stage's outputs must have the same "
                     f"shapes, dtypes and parallel-dim tags whenever its inputs have the same "
                     f"shapes{none} (make them depend on input shapes only, not on values)")
         else:
             expected = self._expected(channel, stage, i)
             assert expected is not None, f"{what}: its forward message was never exchanged"
             spec = expected
-        nbytes = sum(_nbytes(t) for t in tensors if t is not None) if trace.RECORDER.enabled else 0
-        with trace.span("send", peer=self._rank(stage), channel=channel, nbytes=nbytes):
+        size = sum(nbytes(t) for t in tensors if t is not None) if trace.RECORDER.enabled else 0
+        with trace.span("send", peer=self._rank(stage), channel=channel, nbytes=size):
             comm.send_message(self.wire, tensors, spec, self._rank(stage), channel, what,
                               tp_group=self.spec.tp_group, header=header)
-
-    # failures ----------------------------------------------------------------------------
-    def _place(self, index: int = 0) -> failure.StepPlace:
-        return failure.StepPlace(self.spec.stage, self.spec.num_stages, dist.get_rank(),
-                                 self.step.what, self.spec.timeout,
-                                 self.step.actions, index,
-                                 self.step.last_done)
-
-    @contextmanager
-    def guard(self, operation: str, ranks: Sequence[int]) -> Iterator[None]:
-        """Run a collective of the step outside the schedule (loss, dp gradients, norm);
-        its failure (a timeout, a peer gone) becomes a `PipelineError` block."""
-        try:
-            yield
-        except PipelineError:
-            raise
-        except RuntimeError as e:
-            self.book.clear()
-            raise failure.collective_error(operation, ranks, self._place(), e) from e
-
-    def _raise(self, error: Exception, index: int) -> NoReturn:
-        """Raise the failure at action `index` after telling the peers (as torchgpipe, the
-        failing rank raises its own exception, the step's block added as a note; a wait on a
-        peer that failed or went away raises the `PipelineError` block)."""
-        failed = self._fail(error, index)
-        if failed is error:
-            raise error
-        raise failed from error
-
-    def _fail(self, error: Exception, index: int) -> Exception:
-        """The exception a failure at action `index` raises, after telling the peers (aborts):
-        this rank's own error with the step's block as a note, or a `PipelineError` block."""
-        self.book.clear()  # this step's messages were not all exchanged
-        self.wire.pending.clear()
-        self.step.incoming = []
-        if isinstance(error, PipelineError):
-            return error
-        place = self._place(index)
-        hint = "" if isinstance(error, WaitFailed) else self._hint(error, place.action)
-        report = failure.describe(error, place, hint=hint)
-        failure.send_aborts(self._owed(), report, self.spec.timeout, step=self.steps,
-                            dummies=self.spec.device.type == "cpu")
-        if isinstance(error, WaitFailed):
-            return PipelineError(report.message)
-        error.add_note(report.message)
-        return error
-
-    def _owed(self) -> list[tuple[int, int, Tensor]]:
-        """(rank, channel, abort dummy) of the next message this stage owes each peer.
-
-        Messages match by order, so one dummy in place of the next message owed to a peer
-        stops it (with `p2p_tags`, the next on each channel: it may wait on any of them).
-        """
-        owed: dict[tuple[int, int], Tensor] = {}
-        for action in self.step.actions[self.step.issued_upto:]:
-            for m in messages(action, self.spec.stage, list(self.skip_in), list(self.skip_out)):
-                key = (self._rank(m.peer), m.channel if self.spec.p2p_tags else 0)
-                if not m.send or key in owed:
-                    continue
-                spec = self._expected(m.channel, m.peer, action.microbatch)
-                if spec is None and m.channel in (FWD, SKIP):   # the peer waits for a header
-                    owed[key] = comm.header_dummy(self.spec.device)
-                elif spec is None:   # a gradient whose size this stage never learned
-                    owed[key] = comm.abort_dummy(None, None, self.spec.device)
-                elif any(not t.absent for t in spec.tensors):   # absent ones never travel
-                    first = next(t for t in spec.tensors if not t.absent)
-                    owed[key] = comm.abort_dummy(first, self.spec.tp_group, self.spec.device)
-        return [(rank, channel, dummy) for (rank, channel), dummy in owed.items()]
-
-    def _hint(self, error: Exception, action: Action | None) -> str:
-        """How to fix a failure inside this stage's own computation (empty: no advice)."""
-        if "Timed out" in str(error):
-            return ("a collective inside the stage timed out: a tensor-parallel peer of this "
-                    "stage is stuck or failed (see its error)")
-        if action is None or action.kind != FORWARD or self.first or not isinstance(
-                error, (RuntimeError, ValueError)):
-            return ""
-        mb = self.step.mbs[action.microbatch]
-        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in _as_tuple(mb.inputs)) \
-            if isinstance(mb.inputs, (Tensor, tuple)) else "?"
-        return (f"stage {self.spec.stage}'s input came from stage {self.spec.stage - 1} as "
-                f"{shapes}; check that the layers on both sides of the stage boundary fit (run "
-                "the model on one device: model(x) must work)")
 
     # communication -----------------------------------------------------------------------
     def _communicate(self, action: Action | Comm) -> None:
@@ -565,11 +352,11 @@ class StageExecutor:
         elif action.kind == SEND_B:
             mb.input_grads, mb.skip_grads = (), {}
 
-    def _send_one(self, mb: _MicroBatch, peer: int, channel: int, i: int, what: str) -> None:
+    def _send_one(self, mb: MicroBatch, peer: int, channel: int, i: int, what: str) -> None:
         """Queue one message of micro-batch `i` to stage `peer`."""
         if channel == FWD:
             assert mb.outputs is not None
-            self._send(_as_tuple(mb.outputs), peer, FWD, i, what, grads=self.step.train,
+            self._send(as_tuple(mb.outputs), peer, FWD, i, what, grads=self.step.train,
                        single=isinstance(mb.outputs, Tensor))
         elif channel == SKIP:
             self._send([mb.skips_out[r.key] for r in self.skip_out[peer]], peer, SKIP, i, what,
@@ -619,11 +406,11 @@ class StageExecutor:
             assert mb.outputs is not None
             step.outputs.append(mb.outputs)
 
-    def _compute(self, mb: _MicroBatch, i: int) -> None:
+    def _compute(self, mb: MicroBatch, i: int) -> None:
         """The partition's forward on micro-batch `i` (and the weighted loss on the last stage,
         when the step has a loss)."""
         tracker = StageSkipTracker(self.spec.routes, self.spec.stage, mb.skips_in)
-        with use_skip_tracker(tracker), _microbatch_context(mb.key):
+        with use_skip_tracker(tracker), microbatch_context(mb.key):
             assert mb.inputs is not None
             out = self.spec.partition(mb.inputs)
         if not self.last and not isinstance(out, (Tensor, tuple)):
@@ -633,7 +420,7 @@ class StageExecutor:
         step = self.step
         if self.last and step.loss_fn is not None and step.targets is not None:
             # the one place a loss is computed: weighted by the micro-batch's share of rows
-            mb.loss = _scalar_loss(step.loss_fn(out, step.targets[i])) * step.weights[i]
+            mb.loss = scalar_loss(step.loss_fn(out, step.targets[i])) * step.weights[i]
 
     # backward ----------------------------------------------------------------------------
     def _backward(self, action: Action) -> None:
@@ -651,12 +438,12 @@ class StageExecutor:
             assert mb.outputs is not None
             received = self._recv(mb.recv_b, f"the gradient of micro-batch {i}",
                                   self.spec.stage + 1)
-            tensors += _floating(_as_tuple(mb.outputs))
+            tensors += floating(as_tuple(mb.outputs))
             grads += received
         for dst, routes in self.skip_out.items():
             received = self._recv(mb.recv_skip_grad.pop(dst),
                                   f"the skip gradients of micro-batch {i}", dst)
-            tensors += _floating([mb.skips_out[r.key] for r in routes])
+            tensors += floating([mb.skips_out[r.key] for r in routes])
             grads += received
         pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
         with trace.span("backward"):
@@ -664,41 +451,9 @@ class StageExecutor:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if not self.first:
             assert mb.inputs is not None
-            mb.input_grads = tuple(_grad_or_zeros(t) for t in _floating(_as_tuple(mb.inputs)))
+            mb.input_grads = tuple(grad_or_zeros(t) for t in floating(as_tuple(mb.inputs)))
         for src, routes in self.skip_in.items():
-            mb.skip_grads[src] = tuple(_grad_or_zeros(t) for t in
-                                       _floating([mb.skips_in[r.key] for r in routes]))
+            mb.skip_grads[src] = tuple(grad_or_zeros(t) for t in
+                                       floating([mb.skips_in[r.key] for r in routes]))
         mb.inputs = mb.outputs = mb.loss = None
         mb.skips_in, mb.skips_out, mb.recv_b = {}, {}, None
-
-
-def _describe(spec: comm.MessageSpec | None) -> str:
-    if spec is None:
-        return "nothing"
-    return ", ".join("None" if t.absent else f"{t.shape} {t.dtype}"
-                     + ("" if t.tag is None else f" tag {t.tag}")
-                     for t in spec.tensors) or "no tensors"
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _scalar_loss(loss: Any) -> Tensor:
-    """`loss_fn`'s value as a 0-d tensor, or a `TypeError` that says what it must return."""
-    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        got = (f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
-               if isinstance(loss, Tensor) else type(loss).__name__)
-        raise TypeError(f"loss_fn returned {got}; it must return the mean loss of the "
-                        "micro-batch as a floating scalar tensor (e.g. F.cross_entropy(out, y) "
-                        "with reduction='mean')")
-    return loss.reshape(())
-
-
-def _grad_or_zeros(t: Tensor) -> Tensor:
-    """The gradient of a received tensor, sharded like it (so it never travels scattered)."""
-    grad = t.grad if t.grad is not None else torch.zeros_like(t)
-    tag = get_parallel_dim(t)
-    if tag is not None:
-        register_parallel_dim(grad, tag)
-    return grad

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hybridpar.pipeline.executor import BWD, FWD, SKIP, SKIPG
+from hybridpar.pipeline.lowering import BWD, FWD, SKIP, SKIPG
 from hybridpar.trace import COLUMNS, KINDS, OPS, RECORDER
 
 if TYPE_CHECKING:

@@ -1,0 +1,161 @@
+"""How a stage stops: its failures raised with the step's place, aborts sent to the peers
+still owed a message, and the watchdog's questions (what is pending, who failed).
+
+    this rank's own error     re-raised, the step's block added as a note (as torchgpipe)
+    a wait that failed        a `PipelineError` block (a timeout, a peer gone or aborted)
+    before raising            an abort to every peer owed a message this step (`failure`)
+
+`StageStops` is a base of `StageExecutor`: these methods read the step it runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import NoReturn
+
+import torch.distributed as dist
+from torch import Tensor
+
+from hybridpar import comm
+from hybridpar.pipeline import failure
+from hybridpar.pipeline.failure import PipelineError, WaitFailed
+from hybridpar.pipeline.lowering import FWD, SKIP, messages
+from hybridpar.pipeline.schedule import FORWARD, Action
+from hybridpar.pipeline.skip import SkipRoute
+from hybridpar.pipeline.step import StageSpec, StepState, as_tuple
+from hybridpar.pipeline.watchdog import Watchdog
+
+__all__ = ["StageStops"]
+
+
+class StageStops:
+    """Failure handling of a stage executor (see the module docstring)."""
+
+    spec: StageSpec
+    step: StepState
+    wire: comm.Wire
+    book: comm.SpecBook
+    steps: int
+    first: bool
+    watchdog: Watchdog | None
+    skip_in: dict[int, list[SkipRoute]]
+    skip_out: dict[int, list[SkipRoute]]
+    _rank: Callable[[int], int]
+    _expected: Callable[[int, int, int], comm.MessageSpec | None]
+
+    @property
+    def _timeout(self) -> datetime.timedelta | None:
+        raise NotImplementedError   # StageExecutor's
+
+    def _pending(self) -> list[str]:
+        """Issued P2P operations not completed yet (NCCL works can be polled; gloo's say
+        False until waited on, so on gloo only the host's progress counts)."""
+        return [f"{'send' if send else 'receive'} {label} {'to' if send else 'from'} rank {peer}"
+                for send, label, peer, works in list(self.step.issued)
+                if not all(w.is_completed() for w in works)]
+
+    def _hang_report(self, stuck_for: float) -> str:
+        # on a GPU the first operation the device has not completed; on gloo (works say
+        # nothing until waited on) what the host waits for
+        pending = self._pending() if self.spec.device.type != "cpu" else []
+        waiting = pending[0] if pending else self.step.waiting or "an operation on the host"
+        assert self.watchdog is not None
+        return failure.hang_report(self._place(self.step.at), stuck_for, waiting,
+                                   datetime.timedelta(seconds=self.watchdog.timeout))
+
+    def _peer_abort(self) -> str | None:
+        """A published abort of this step by a peer of the pipeline, as a report."""
+        for stage in range(self.spec.num_stages):
+            rank = self._rank(stage)
+            if stage == self.spec.stage:
+                continue
+            failed = comm.read_abort(self.steps, rank)
+            if failed is not None:
+                return failure.peer_abort_report(self._place(self.step.at), failed)
+        return None
+
+
+    # failures ----------------------------------------------------------------------------
+    def _place(self, index: int = 0) -> failure.StepPlace:
+        return failure.StepPlace(self.spec.stage, self.spec.num_stages, dist.get_rank(),
+                                 self.step.what, self.spec.timeout,
+                                 self.step.actions, index,
+                                 self.step.last_done)
+
+    @contextmanager
+    def guard(self, operation: str, ranks: Sequence[int]) -> Iterator[None]:
+        """Run a collective of the step outside the schedule (loss, dp gradients, norm);
+        its failure (a timeout, a peer gone) becomes a `PipelineError` block."""
+        try:
+            yield
+        except PipelineError:
+            raise
+        except RuntimeError as e:
+            self.book.clear()
+            raise failure.collective_error(operation, ranks, self._place(), e) from e
+
+    def _raise(self, error: Exception, index: int) -> NoReturn:
+        """Raise the failure at action `index` after telling the peers (as torchgpipe, the
+        failing rank raises its own exception, the step's block added as a note; a wait on a
+        peer that failed or went away raises the `PipelineError` block)."""
+        failed = self._fail(error, index)
+        if failed is error:
+            raise error
+        raise failed from error
+
+    def _fail(self, error: Exception, index: int) -> Exception:
+        """The exception a failure at action `index` raises, after telling the peers (aborts):
+        this rank's own error with the step's block as a note, or a `PipelineError` block."""
+        self.book.clear()  # this step's messages were not all exchanged
+        self.wire.pending.clear()
+        self.step.incoming = []
+        if isinstance(error, PipelineError):
+            return error
+        place = self._place(index)
+        hint = "" if isinstance(error, WaitFailed) else self._hint(error, place.action)
+        report = failure.describe(error, place, hint=hint)
+        failure.send_aborts(self._owed(), report, self.spec.timeout, step=self.steps,
+                            dummies=self.spec.device.type == "cpu")
+        if isinstance(error, WaitFailed):
+            return PipelineError(report.message)
+        error.add_note(report.message)
+        return error
+
+    def _owed(self) -> list[tuple[int, int, Tensor]]:
+        """(rank, channel, abort dummy) of the next message this stage owes each peer.
+
+        Messages match by order, so one dummy in place of the next message owed to a peer
+        stops it (with `p2p_tags`, the next on each channel: it may wait on any of them).
+        """
+        owed: dict[tuple[int, int], Tensor] = {}
+        for action in self.step.actions[self.step.issued_upto:]:
+            for m in messages(action, self.spec.stage, list(self.skip_in), list(self.skip_out)):
+                key = (self._rank(m.peer), m.channel if self.spec.p2p_tags else 0)
+                if not m.send or key in owed:
+                    continue
+                spec = self._expected(m.channel, m.peer, action.microbatch)
+                if spec is None and m.channel in (FWD, SKIP):   # the peer waits for a header
+                    owed[key] = comm.header_dummy(self.spec.device)
+                elif spec is None:   # a gradient whose size this stage never learned
+                    owed[key] = comm.abort_dummy(None, None, self.spec.device)
+                elif any(not t.absent for t in spec.tensors):   # absent ones never travel
+                    first = next(t for t in spec.tensors if not t.absent)
+                    owed[key] = comm.abort_dummy(first, self.spec.tp_group, self.spec.device)
+        return [(rank, channel, dummy) for (rank, channel), dummy in owed.items()]
+
+    def _hint(self, error: Exception, action: Action | None) -> str:
+        """How to fix a failure inside this stage's own computation (empty: no advice)."""
+        if "Timed out" in str(error):
+            return ("a collective inside the stage timed out: a tensor-parallel peer of this "
+                    "stage is stuck or failed (see its error)")
+        if action is None or action.kind != FORWARD or self.first or not isinstance(
+                error, (RuntimeError, ValueError)):
+            return ""
+        mb = self.step.mbs[action.microbatch]
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in as_tuple(mb.inputs)) \
+            if isinstance(mb.inputs, (Tensor, tuple)) else "?"
+        return (f"stage {self.spec.stage}'s input came from stage {self.spec.stage - 1} as "
+                f"{shapes}; check that the layers on both sides of the stage boundary fit (run "
+                "the model on one device: model(x) must work)")
