@@ -61,7 +61,7 @@ from hybridpar.check_memory import (
 )
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.microbatch import signature, split_batch
-from hybridpar.topology import ParallelDims, Topology
+from hybridpar.topology import ParallelDims, Topology, using
 from hybridpar.train.config import Config
 
 __all__ = ["CheckError", "CheckReport", "RankReport", "add_parser", "dry_run", "main"]
@@ -241,7 +241,7 @@ class _Run:
                 torch.device(device_type, 0)
             timeout = datetime.timedelta(seconds=self.config.parallel.timeout)
             topo = Topology(dims, rank, mesh, timeout=timeout, device=device)
-            with _current_topology(topo), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+            with using(topo), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
                     FakeFunctions(mode):
                 # the batch on the device, as a GPU run must put it (see docs/check.md)
                 return self._step(topo, mode.from_tensor(x).to(device),
@@ -510,19 +510,6 @@ def _preserved_state() -> Iterator[None]:
             yield
         finally:
             tracker.set_states(streams)
-
-
-@contextlib.contextmanager
-def _current_topology(topo: Topology) -> Iterator[None]:
-    """`topo` as hybridpar's current topology (what `hybridpar.init` sets) for the block."""
-    from hybridpar import topology
-
-    before = topology._current
-    topology._current = topo
-    try:
-        yield
-    finally:
-        topology._current = before
 
 
 @contextlib.contextmanager

@@ -71,16 +71,12 @@ def _child(fn: Callable[..., Any], args: Sequence[Any], rank: int, env: dict[str
     except BaseException:  # every failure, even SystemExit, must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        import torch.distributed as dist
+        from hybridpar.topology import shutdown
 
-        from hybridpar import topology
-
-        topology._current = None
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # the child is exiting anyway
-                pass
+        try:
+            shutdown()   # forget the topology, destroy the process group
+        except Exception:  # the child is exiting anyway
+            pass
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *, args: Sequence[Any] = (),

@@ -16,8 +16,10 @@ The rank math (`ParallelDims`) is pure; `Topology` adds the process groups, buil
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -37,6 +39,7 @@ __all__ = [
     "default_tp_group",
     "init",
     "shutdown",
+    "using",
 ]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -314,8 +317,20 @@ def default_tp_group() -> ProcessGroup:
 
 
 def shutdown() -> None:
-    """Forget the current topology and destroy the default process group."""
+    """Forget the current topology and destroy the default process group (if any)."""
     global _current
     _current = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def using(topology: Topology) -> Iterator[Topology]:
+    """`topology` as the current one (what `init` sets) inside the block, then the previous
+    one again (`hybridpar check` runs every rank's step in one process this way)."""
+    global _current
+    before, _current = _current, topology
+    try:
+        yield topology
+    finally:
+        _current = before

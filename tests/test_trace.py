@@ -301,13 +301,10 @@ def test_traced_step_leaves_other_steps_alone():
         trace = False
 
     pipe = Pipe()
-    request_trace("unused", step=2)
-    try:
-        with traced_step(pipe, step=1, last=3):
-            assert pipe.trace is False
-    finally:
-        request_trace(None)
-    with traced_step(pipe, step=3, last=3):
+    request = request_trace("unused", step=2)
+    with traced_step(pipe, request, step=1, last=3):
+        assert pipe.trace is False
+    with traced_step(pipe, None, step=3, last=3):
         assert pipe.trace is False                   # nothing requested
 
 

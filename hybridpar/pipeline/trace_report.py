@@ -325,24 +325,17 @@ class TraceRequest:
     done: bool = False
 
 
-_REQUEST: list[TraceRequest | None] = [None]
-
-
-def request_trace(folder: str | os.PathLike[str] | None, *,
-                  step: int | None = None) -> TraceRequest | None:
-    """Ask `traced_step` to trace step `step` (1-based; None: the last) into `folder`.
-
-    Set by ``hybridpar run --trace [--trace-step N]`` in each worker; None cancels.
-    """
-    _REQUEST[0] = None if folder is None else TraceRequest(Path(folder), step)
-    return _REQUEST[0]
+def request_trace(folder: str | os.PathLike[str], *, step: int | None = None) -> TraceRequest:
+    """A request to trace step `step` (1-based; None: the last) into `folder`, for `train(...,
+    trace=...)` (``hybridpar run --trace [--trace-step N]``)."""
+    return TraceRequest(Path(folder), step)
 
 
 @contextmanager
-def traced_step(pipe: HybridPipe, *, step: int, last: int) -> Iterator[None]:
-    """Trace `pipe` inside when `step` is the requested one (`last`: the run's final step),
-    then write the trace on every rank; otherwise do nothing."""
-    request = _REQUEST[0]
+def traced_step(pipe: HybridPipe, request: TraceRequest | None, *, step: int,
+                last: int) -> Iterator[None]:
+    """Trace `pipe` inside when `step` is the one `request` asks for (`last`: the run's final
+    step), then write the trace on every rank; otherwise (or with no request) do nothing."""
     if request is None or request.done or step != (request.step or last):
         yield
         return

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         request = request_trace(run_dir / "trace", step=args.trace_step)
     try:
-        train(config, run_dir, init_from=args.init_from)
+        train(config, run_dir, init_from=args.init_from, trace=request)
     finally:
         shutdown()
     if request is not None and not request.done and rank == 0:

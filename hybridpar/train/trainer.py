@@ -31,7 +31,7 @@ from hybridpar.agreement import fail_together
 from hybridpar.models import generate
 from hybridpar.models.registry import build, takes_tokens
 from hybridpar.pipe import HybridPipe
-from hybridpar.pipeline.trace_report import traced_step
+from hybridpar.pipeline.trace_report import TraceRequest, traced_step
 from hybridpar.tensor_parallel.random import (
     get_rng_state_all,
     model_parallel_manual_seed,
@@ -296,7 +296,7 @@ class _Reporter:
             self.metrics.close()
 
 
-def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
+def _train_step(run: _Run, autocast: Any, trace: TraceRequest | None) -> dict[str, Any]:
     """One optimizer step: lr, batch, forward and backward, clip, update; its record.
 
     A non-finite loss or gradient norm (the same value on every rank: the loss is broadcast
@@ -314,7 +314,7 @@ def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
         x, y = x.pin_memory(), y.pin_memory()
     run.optimizer.zero_grad(set_to_none=True)
     reset_comm_stats()
-    with traced_step(run.pipe, step=step, last=cfg.steps), autocast:
+    with traced_step(run.pipe, trace, step=step, last=cfg.steps), autocast:
         loss = float(run.pipe.train_step(x, y))
     record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr}
     problem = None if math.isfinite(loss) else f"the loss is {loss}"
@@ -342,12 +342,14 @@ def _train_step(run: _Run, autocast: Any) -> dict[str, Any]:
 
 
 def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | None = None,
-          stop_at: int | None = None, progress: bool = True) -> dict[str, Any]:
+          stop_at: int | None = None, progress: bool = True,
+          trace: TraceRequest | None = None) -> dict[str, Any]:
     """Train `config` in RUN_DIR on every rank of the (already launched) job; a summary.
 
     Resumes from RUN_DIR/checkpoints when a complete checkpoint is there, else starts from
     `init_from` (a plain state dict) or from the seed. `stop_at` ends this process after that
-    step (and its checkpoint, if one is due), as an interruption would. Returns, on every rank,
+    step (and its checkpoint, if one is due), as an interruption would. `trace`: the step to
+    trace (`trace_report.request_trace`). Returns, on every rank,
     ``{"start": first step run, "losses": [...], "eval": {step: loss}, "sample": text}``.
     """
     run_dir = Path(run_dir)
@@ -373,7 +375,7 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
     with quiet:  # log lines go above the bar, not through it
         while run.step < last:
             began = time.perf_counter()
-            record = _train_step(run, autocast)
+            record = _train_step(run, autocast, trace)
             elapsed = time.perf_counter() - began
             losses.append(record["loss"])
             if cfg.eval_every and run.step % cfg.eval_every == 0:
