@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
+
+from hybridpar.files import atomic_write
 
 __all__ = ["write_gantt"]
 
@@ -58,11 +59,5 @@ def write_gantt(path: str | os.PathLike[str], ranks: Sequence[Sequence[Any]], *,
     ax.set_title(title, fontsize=9)
     fig.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], ncols=7,
                fontsize=7, loc="outside lower center", frameon=False)
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120), suffix=".png")
     return True

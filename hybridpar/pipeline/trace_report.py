@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from hybridpar.files import atomic_write_text
 from hybridpar.pipeline.lowering import BWD, FWD, SKIP, SKIPG
 from hybridpar.trace import COLUMNS, KINDS, OPS, RECORDER
 
@@ -269,16 +270,6 @@ class TraceReport:
     events: list[list[Event]] = field(repr=False, default_factory=list)
 
 
-def _atomic(path: Path, write: Any) -> None:
-    """Write through a temporary file and `os.replace`, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
                 show: bool = True) -> TraceReport | None:
     """Gather the last traced step of every rank and write it to `folder` (see the module)."""
@@ -304,8 +295,8 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
         "title": title, "pp": topo.pp, "tp": topo.tp, "dp": topo.dp, "microbatches": m,
         "schedule": pipe.schedule, "checkpoint": pipe.checkpoint,
         "analytic_bubble": analytic_bubble(topo.pp, m)})
-    _atomic(out / "trace.json", lambda p: p.write_text(json.dumps(trace), encoding="utf-8"))
-    _atomic(out / "table.txt", lambda p: p.write_text(table, encoding="utf-8"))
+    atomic_write_text(out / "trace.json", json.dumps(trace))
+    atomic_write_text(out / "table.txt", table)
     files = [out / "trace.json", out / "table.txt"]
     if write_gantt(out / "gantt.png", ranks, labels=labels, window=(lo, hi), title=title):
         files.append(out / "gantt.png")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hybridpar.balance import BALANCERS
+from hybridpar.files import atomic_write_text
 from hybridpar.models.gpt import check_gpt_config
 from hybridpar.models.registry import build, builder, has_synthetic_data, takes_tokens
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
@@ -453,12 +454,5 @@ def write_resolved(config: Config, run_dir: str | os.PathLike[str]) -> Path:
     """Write `config` as RUN_DIR/config.json atomically (a temporary file, then os.replace)."""
     target = Path(run_dir) / "config.json"
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".config.json.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(config.to_dict(), f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    return target
+    return atomic_write_text(target, json.dumps(config.to_dict(), indent=2) + "\n", fsync=True)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hybridpar.files import atomic_write
 from hybridpar.train.checkpoint import (
     CheckpointError,
     allocate_like,
@@ -74,15 +74,11 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
     if target.is_dir():
         raise ValueError(f"{out} is a folder; give the path of the .pt file to write")
     plain = read_state(checkpoint)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)   # only once the checkpoint read
-        torch.save(plain, tmp)
-        os.replace(tmp, target)
+        atomic_write(target, lambda tmp: torch.save(plain, tmp))
     except OSError as e:
         raise ValueError(f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return plain
 
 
@@ -119,14 +115,10 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
     options = {k: v for k, v in model.items() if k != "name"}
     plain = read_state(checkpoint)
     hf = hf_config(str(model["name"]).removeprefix("hf:"), options)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        save_hf_checkpoint(plain, hf, tmp)
-        os.replace(tmp, target)
+        atomic_write(target, lambda tmp: save_hf_checkpoint(plain, hf, tmp))
     except OSError as e:
         raise ValueError(f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return plain
 
 

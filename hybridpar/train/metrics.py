@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hybridpar.files import atomic_write_text
+
 __all__ = ["MetricsLog", "read_metrics"]
 
 
@@ -36,10 +38,7 @@ class MetricsLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= after]
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
