@@ -38,7 +38,7 @@ def _env() -> int:
 
 
 def _add_run(commands: Any) -> None:
-    from hybridpar.train.__main__ import add_run_options
+    from hybridpar.train.options import add_run_options
 
     p = commands.add_parser("run", help="train a config on dp x pp x tp local workers",
                             description="Train a config: checks it, then starts dp x pp x tp "
@@ -81,14 +81,14 @@ def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hybridpar.train import ConfigError
-    from hybridpar.train.__main__ import default_run_dir
     from hybridpar.train.launcher import launch
+    from hybridpar.train.options import default_run_dir
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir} is a file; give a folder (new or a run's, to "
                           "resume it)")
-    return launch(args.config, run_dir=args.run_dir, overrides=args.overrides,
+    return launch(args.config, run_dir=run_dir, overrides=args.overrides,
                   max_restarts=args.max_restarts, nnodes=args.nnodes,
                   node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                   init_from=args.init_from, trace=args.trace, trace_step=args.trace_step)

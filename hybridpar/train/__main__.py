@@ -15,36 +15,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-__all__ = ["add_run_options", "check_trace_step", "default_run_dir", "main"]
-
-
-def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The options a worker and `hybridpar run` share."""
-    parser.add_argument("config", help="a TOML config (see configs/)")
-    parser.add_argument("--run-dir", help="where checkpoints, metrics and the resolved config "
-                        "go (default: runs/<config name>); an existing one is resumed")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        dest="overrides", help="override a config value (repeatable)")
-    parser.add_argument("--init-from", metavar="FILE.pt", help="start from a plain state dict "
-                        "(hybridpar export's output) when the run dir has no checkpoint")
-    parser.add_argument("--trace", action="store_true", help="trace one training step (the "
-                        "last, or --trace-step) into RUN_DIR/trace: trace.json (Perfetto), "
-                        "gantt.png, table.txt (bubble per stage, also printed)")
-    parser.add_argument("--trace-step", type=int, metavar="N", help="the step to trace "
-                        "(1-based; implies --trace; default: the last step)")
-
-
-def check_trace_step(step: int | None, steps: int) -> str | None:
-    """Why `--trace-step` cannot be traced in a run of `steps` steps (None: it can)."""
-    if step is not None and not 1 <= step <= steps:
-        return f"--trace-step {step} is not a step of this run (train.steps = {steps}); " \
-               f"give 1..{steps}, or --trace for the last step"
-    return None
-
-
-def default_run_dir(config_path: str) -> Path:
-    """``runs/<config file stem>`` under the working directory."""
-    return Path("runs") / Path(config_path).stem
+__all__ = ["main"]
 
 
 def _configure_logging(rank: int, reporter: bool) -> None:
@@ -59,15 +30,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from hybridpar.topology import ParallelDims, shutdown
-    from hybridpar.train.config import ConfigError, load_config
+    from hybridpar.train.config import ConfigError, load_config, load_resolved
+    from hybridpar.train.options import (
+        add_run_options,
+        add_worker_options,
+        check_trace_step,
+        default_run_dir,
+    )
     from hybridpar.train.trainer import train
 
     parser = argparse.ArgumentParser(prog="python -m hybridpar.train",
                                      description="A hybridpar training worker.")
     add_run_options(parser)
+    add_worker_options(parser)
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_resolved(args.config) if args.resolved else \
+            load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"hybridpar.train: error: {e}", file=sys.stderr)
         return 2
@@ -87,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         request = request_trace(run_dir / "trace", step=args.trace_step)
     try:
-        train(config, run_dir, init_from=args.init_from, trace=request)
+        train(config, run_dir, init_from=args.init_from, trace=request,
+              write_config=not args.resolved)
     finally:
         shutdown()
     if request is not None and not request.done and rank == 0:

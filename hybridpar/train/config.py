@@ -43,7 +43,7 @@ from hybridpar.tensor_parallel.plan import STYLES
 from hybridpar.tensor_parallel.strategy import strategy_problem
 
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig",
-           "ParallelConfig", "TrainConfig", "load_config", "write_resolved"]
+           "ParallelConfig", "TrainConfig", "load_config", "load_resolved", "write_resolved"]
 
 SECTIONS = ("model", "data", "parallel", "train", "checkpoint")
 _SET_BY_PARALLEL = ("tp", "group")   # model options the trainer fills from [parallel]
@@ -401,7 +401,7 @@ def _check_data(model: ModelConfig, data: DataConfig, where: _Where) -> DataConf
     return data
 
 
-def _build(raw: Mapping[str, Any], *, name: str, where: _Where) -> Config:
+def _build(raw: Mapping[str, Any], *, name: str, where: _Where, check: bool = True) -> Config:
     for section, table in raw.items():
         if section not in SECTIONS:
             raise where.unknown("section", section, SECTIONS, origin=next(
@@ -410,7 +410,8 @@ def _build(raw: Mapping[str, Any], *, name: str, where: _Where) -> Config:
             raise where.error(f"[{section}] must be a table of keys, got {table!r}", section)
     model = _model_section(raw.get("model", {}), where)
     parts = {s: _section(cls, s, raw.get(s, {}), where) for s, cls in _CLASSES.items()}
-    return _check_layout(Config(name=name, model=model, **parts), where)
+    config = Config(name=name, model=model, **parts)
+    return _check_layout(config, where) if check else config
 
 
 def _parse_override(text: str, source: str) -> tuple[str, str, Any]:
@@ -448,6 +449,14 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         table[key] = value
         where.overrides[f"{section}.{key}"] = text
     return _build(raw, name=file.stem, where=where)
+
+
+def load_resolved(path: str | os.PathLike[str]) -> Config:
+    """The config a launcher resolved and checked (RUN_DIR/config.json): read, not checked
+    again (its values are typed, the layout against the model was checked once)."""
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    return _build(raw, name=str(raw.pop("name", "config")), where=_Where(str(path), {}),
+                  check=False)
 
 
 def write_resolved(config: Config, run_dir: str | os.PathLike[str]) -> Path:

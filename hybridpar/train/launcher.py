@@ -32,9 +32,12 @@ log = logging.getLogger(__name__)
 
 def worker_args(config_path: str, *, run_dir: Path, overrides: Sequence[str],
                 init_from: str | None, trace: bool = False,
-                trace_step: int | None = None) -> list[str]:
-    """The command-line arguments of each worker after ``python``."""
+                trace_step: int | None = None, resolved: bool = False) -> list[str]:
+    """The command-line arguments of each worker after ``python`` (`resolved`: `config_path`
+    is the RUN_DIR/config.json the launcher wrote, read as it is)."""
     args = ["-u", "-m", "hybridpar.train", config_path, "--run-dir", str(run_dir)]
+    if resolved:
+        args.append("--resolved")
     for text in overrides:
         args += ["--set", text]
     if init_from is not None:
@@ -95,7 +98,7 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hybridpar.train.__main__ import check_trace_step, default_run_dir
+    from hybridpar.train.options import check_trace_step, default_run_dir
 
     config = load_config(config_path, overrides)
     world = _world_size(config)
@@ -108,8 +111,7 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     if problem:
         raise ConfigError(problem)
     folder = Path(run_dir) if run_dir is not None else default_run_dir(config_path)
-    if node_rank == 0:
-        write_resolved(config, folder)
+    resolved = write_resolved(config, folder)   # each node's workers read it: loaded once
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     single = nnodes == 1
@@ -121,8 +123,8 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
         rdzv_configs={"is_host": node_rank == 0, "rank": node_rank},
         max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
         local_addr=local_addr)
-    args = worker_args(config_path, run_dir=folder, overrides=overrides, init_from=init_from,
-                       trace=trace, trace_step=trace_step)
+    args = worker_args(str(resolved), run_dir=folder, overrides=(), init_from=init_from,
+                       trace=trace, trace_step=trace_step, resolved=True)
     log.info("starting %d workers (%s) in %s", world // nnodes, config.name, folder)
     try:
         elastic_launch(launch_config, sys.executable)(*args)

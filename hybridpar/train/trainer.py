@@ -343,18 +343,19 @@ def _train_step(run: _Run, autocast: Any, trace: TraceRequest | None) -> dict[st
 
 def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | None = None,
           stop_at: int | None = None, progress: bool = True,
-          trace: TraceRequest | None = None) -> dict[str, Any]:
+          trace: TraceRequest | None = None, write_config: bool = True) -> dict[str, Any]:
     """Train `config` in RUN_DIR on every rank of the (already launched) job; a summary.
 
     Resumes from RUN_DIR/checkpoints when a complete checkpoint is there, else starts from
     `init_from` (a plain state dict) or from the seed. `stop_at` ends this process after that
     step (and its checkpoint, if one is due), as an interruption would. `trace`: the step to
-    trace (`trace_report.request_trace`). Returns, on every rank,
+    trace (`trace_report.request_trace`). `write_config`: rank 0 writes RUN_DIR/config.json
+    (False: `hybridpar run` wrote it before starting the workers). Returns, on every rank,
     ``{"start": first step run, "losses": [...], "eval": {step: loss}, "sample": text}``.
     """
     run_dir = Path(run_dir)
     topo = _topology(config)
-    if topo.rank == 0:
+    if topo.rank == 0 and write_config:
         write_resolved(config, run_dir)
     run = _Run(config, run_dir, topo)
     cfg = config.train
