@@ -16,8 +16,9 @@ Two independent tools, both leaves that import nothing else of hybridpar:
 
   Counted where they happen: `comm` (P2P), `tensor_parallel.mappings` and `.loss` (tp
   collectives, the vocab-parallel loss's all-reduces of b·s scalars included),
-  `pipeline.reduce` (dp buckets) and `HybridPipe` (loss broadcast, grad-norm all-reduces).
-  hybridpar issues no object collective.
+  `pipeline.reduce` (dp buckets), `pipeline.tied` (tied gradients), `pipeline.loss` (the
+  loss: a broadcast on NCCL, point to point on gloo, counted as one broadcast per rank) and
+  `pipeline.clip` (grad-norm all-reduces). hybridpar issues no object collective.
 
 - **Timeline**, while `RECORDER.enabled`: spans with wall-clock ends (``time.time_ns``, so
   ranks of one host share a clock; on a GPU, CUDA events anchored to that clock:

@@ -9,7 +9,7 @@
     tied/<name>                  uint8: the canonical name of a tie      every rank (one copy)
     rng/<dp>.<pp>.<tp>/<...>     this rank's RNG streams                this rank
 
-``<name>`` is the parameter's name in the unsharded `nn.Sequential` ("3.attn.qkv.weight"),
+``<name>`` is the parameter's name in the unsharded `nn.Sequential` ("3.attn.q.weight"),
 so the same key holds the same tensor whatever the (pp, tp, dp, balance). A tp-sharded
 tensor is a `ShardChunk`: DCP records where the shard sits in the full tensor, and a load
 under another tp reads the overlapping pieces of the saved shards. Replicated tensors are
