@@ -72,7 +72,7 @@ def _add_export(commands: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from hybridpar.check import main as check_main
+    from hybridpar.train.check import main as check_main
 
     return check_main(args)
 
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hybridpar.balance import cli as balance_cli
 
     balance_cli.add_parser(commands)
-    from hybridpar.check import add_parser as add_check
+    from hybridpar.train.check import add_parser as add_check
 
     add_check(commands)
     commands.add_parser("env", help="print the versions and devices hybridpar sees")

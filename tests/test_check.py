@@ -1,4 +1,4 @@
-"""`hybridpar check`: one training step of every rank on fake GPUs (hybridpar.check).
+"""`hybridpar check`: one training step of every rank on fake GPUs (hybridpar.train.check).
 
 Every dry run here goes through the real pipeline (build_pipe, HybridPipe.train_step, the
 executor, comm). The fake GPU's registration lasts for the process that runs a dry run, so
@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from hybridpar.check import CheckError, CheckReport, dry_run
 from hybridpar.models import gpt, mlp
+from hybridpar.train.check import CheckError, CheckReport, dry_run
 from hybridpar.train.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,7 +47,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar.check_memory import (
+from hybridpar.pipe import HybridPipe
+from hybridpar.pipeline.microbatch import signature, split_batch
+from hybridpar.topology import ParallelDims, Topology, using
+from hybridpar.train.check_memory import (
     STANDIN,
     CheckReport,
     FakeFunctions,
@@ -59,9 +62,6 @@ from hybridpar.check_memory import (
     optimizer_bytes,
     tensor_bytes,
 )
-from hybridpar.pipe import HybridPipe
-from hybridpar.pipeline.microbatch import signature, split_batch
-from hybridpar.topology import ParallelDims, Topology, using
 from hybridpar.train.config import Config
 
 __all__ = ["CheckError", "CheckReport", "RankReport", "add_parser", "dry_run", "main"]
@@ -109,7 +109,7 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
     with tempfile.TemporaryDirectory(prefix="hybridpar-check-") as tmp:
         out = Path(tmp) / "result.json"
         try:
-            proc = subprocess.run([sys.executable, "-m", "hybridpar.check", str(out)],
+            proc = subprocess.run([sys.executable, "-m", "hybridpar.train.check", str(out)],
                                   input=json.dumps(job), capture_output=True, text=True,
                                   timeout=CHILD_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -127,7 +127,7 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
 
 
 def _child(out: str) -> int:
-    """``python -m hybridpar.check RESULT.json``, the job on stdin: one isolated dry run."""
+    """``python -m hybridpar.train.check RESULT.json``, the job on stdin: one isolated dry run."""
     job = json.loads(sys.stdin.read())
     cfg = Config.from_dict(job["config"], source=str(job["config"].get("name")))
     result: dict[str, Any] = {}
@@ -557,6 +557,6 @@ def _model_override(config: Config, spec: str | None) -> Iterator[None]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m hybridpar.check RESULT.json < JOB.json (dry_run's child; "
+        sys.exit("usage: python -m hybridpar.train.check RESULT.json < JOB.json (dry_run's child; "
                  "use `hybridpar check CONFIG`)")
     sys.exit(_child(sys.argv[1]))

@@ -4,7 +4,7 @@ The fake GPU (`fake_gpu`). On a CPU-only build of torch, FakeTensorMode makes `c
 but autograd and indexing on them ask torch for a CUDA device guard, which such a build lacks.
 So the fake GPU is torch's PrivateUse1 device registered as ``fakegpu``: a device guard and
 hooks, no kernels, every op computed by FakeTensorMode. The registration lasts for the process
-(`torch.accelerator` then reports the device), which is why `hybridpar.check.dry_run` runs in
+(`torch.accelerator` then reports the device), which is why `hybridpar.train.check.dry_run` runs in
 a child process by default. bf16 autocast on it casts as CUDA's autocast does where memory is
 concerned (matmuls, convolutions and attention in bf16; softmax, norms, losses, reductions in
 fp32; weight casts cached for the step). `FakeFunctions` fills the gaps of FakeTensorMode
