@@ -106,9 +106,11 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `hybridpar` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `hybridpar` command line: every command and option (docs/reference.md shows it)."""
     from hybridpar import __version__
+    from hybridpar.balance import cli as balance_cli
+    from hybridpar.train.check import add_parser as add_check
 
     parser = argparse.ArgumentParser(prog="hybridpar", description=(
         "Pipeline x tensor x data parallel training for PyTorch."))
@@ -116,13 +118,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(commands)
     _add_export(commands)
-    from hybridpar.balance import cli as balance_cli
-
     balance_cli.add_parser(commands)
-    from hybridpar.train.check import add_parser as add_check
-
     add_check(commands)
     commands.add_parser("env", help="print the versions and devices hybridpar sees")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `hybridpar` console script."""
+    from hybridpar.balance import cli as balance_cli
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()

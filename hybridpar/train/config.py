@@ -94,15 +94,15 @@ class ParallelConfig:
 class TrainConfig:
     """[train]: the loop: AdamW, linear warm-up to `lr`, cosine decay to `min_lr`."""
 
-    steps: int = 100
+    steps: int = 100             # optimizer steps of the run
     batch_size: int = 16          # global: samples per step over all replicas
     lr: float = 3e-4              # peak, reached after warmup_steps
-    warmup_steps: int = 0
+    warmup_steps: int = 0         # linear warm-up from 0 to lr
     min_lr: float = 0.0           # at the last step
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0     # AdamW's, on matrices only (not biases, norms)
     grad_clip: float = 1.0        # global gradient norm; 0: off
     seed: int = 0                 # weights and dropout, the same on every rank
-    log_every: int = 10
+    log_every: int = 10           # steps between metric records
     eval_every: int = 0           # 0: no eval
     eval_batches: int = 4         # batches per eval loss
     precision: str = "fp32"       # "fp32" | "bf16" (autocast)
