@@ -5,6 +5,7 @@
                          the comment on each field's line, the choices the loader accepts)
     [model] options      each builder's keyword-only parameters (`hybridpar.models.registry`)
     commands             the argparse parsers of `hybridpar.cli`
+    bad-input table      the rows of tests/test_bad_inputs.py, into docs/reliability.md
 
 ``python scripts/gen_reference.py`` rewrites the file; ``--check`` exits 1 when it is out of
 date (tests/test_reference.py runs that, so a changed option fails the suite until the file
@@ -23,6 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "docs" / "reference.md"
+RELIABILITY = ROOT / "docs" / "reliability.md"
+_BEGIN = ("<!-- bad-input rows: generated from tests/test_bad_inputs.py by "
+          "scripts/gen_reference.py -->")
+_END = "<!-- end of the generated rows -->"
 
 
 def _comments(cls: type) -> dict[str, str]:
@@ -108,6 +113,19 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def render_reliability() -> str:
+    """docs/reliability.md with its bad-input table made from the tests' rows."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_bad_inputs import ROWS
+
+    text = RELIABILITY.read_text(encoding="utf-8")
+    head, rest = text.split(_BEGIN + "\n", 1)
+    _, tail = rest.split(_END, 1)
+    table = ["| where | bad input | error raised | message excerpt |", "|---|---|---|---|",
+             *(row.line() for row in ROWS)]
+    return head + _BEGIN + "\n" + "\n".join(table) + "\n" + _END + tail
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -115,16 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
     opts = args.parse_args(argv)
-    text = render()
+    outputs = {TARGET: render(), RELIABILITY: render_reliability()}
     if opts.check:
-        current = TARGET.read_text(encoding="utf-8") if TARGET.exists() else ""
-        if current != text:
-            print(f"{TARGET.relative_to(ROOT)} is out of date: run python "
+        stale = [p for p, text in outputs.items()
+                 if not p.exists() or p.read_text(encoding="utf-8") != text]
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is out of date: run python "
                   "scripts/gen_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(text, encoding="utf-8")
-    print(f"wrote {TARGET.relative_to(ROOT)}")
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 
