@@ -90,6 +90,18 @@ def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
     return [int(c) for c in counts.tolist()]
 
 
+def _as_chunks(chunks: object) -> int:
+    """`chunks` as an int: an int or an integral number (torchgpipe takes ``int(chunks)``),
+    at least 1; a bool, a fraction or anything else is a `ValueError`."""
+    if isinstance(chunks, bool) or (not isinstance(chunks, (int, float)) and not hasattr(
+            chunks, "__index__")):
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    value = int(chunks)
+    if value != chunks or value < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    return value
+
+
 def _watchdog_timeout(watchdog: bool | float | None, topo: Topology
                       ) -> datetime.timedelta | None:
     """None / True / seconds / False -> how long a step may make no progress (None: off).
@@ -136,9 +148,8 @@ class HybridPipe(nn.Module):
                  init_fn: Callable[[nn.Module], None] | None = None) -> None:
         super().__init__()
         check_sequential(module)
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-        check_checkpoint(checkpoint)
+        chunks = _as_chunks(chunks)
+        checkpoint = check_checkpoint(checkpoint)   # a str subclass is accepted, as torchgpipe
         self.schedule_fn = get_schedule(schedule)
         topo = topology if topology is not None else current_topology()
         self.tp_plan_decisions: list[str] = []

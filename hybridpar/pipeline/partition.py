@@ -34,6 +34,11 @@ def check_sequential(module: object) -> nn.Sequential:
         )
     if len(module) == 0:
         raise ValueError("the model is an empty nn.Sequential; give it at least one layer")
+    if len({id(child) for child in module.children()}) != len(module._modules):
+        # torchgpipe's error, word for word; a module used twice cannot live on two stages
+        raise ValueError("module with duplicate children is not supported; give each place "
+                         "its own module (copy.deepcopy), or wrap a shared one in a layer "
+                         "that calls it twice")
     return module
 
 
