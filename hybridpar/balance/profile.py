@@ -16,9 +16,12 @@ the layers that pop them, and pops without removing them, so repeated runs work.
 backward covers the layer's outputs and the tensors it stashed. The torch RNG state (CPU and
 CUDA) is restored at the end.
 
-Activation bytes (CPU): unique storages saved for backward by the layer, excluding its
-parameters and buffers; an input the previous layer already saved (its output, kept by
-both) counts once, toward the earlier layer.
+Activation bytes (CPU): the unique storages the layer's forward keeps alive until backward,
+excluding its parameters and buffers: those saved for backward (saved-tensor hooks) and
+every tensor the forward made that is still referenced after it (a leaf of the graph, a
+tensor the module stores; a dispatch mode tracks them), its output only if it saved it. An
+input the previous layer already saved (its output, kept by both) counts once, toward the
+earlier layer. On a GPU: the growth of `torch.cuda.memory_allocated`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import copy
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torchgpipe.microbatch import Batch
 from torchgpipe.skip.namespace import Namespace
 from torchgpipe.skip.tracker import SkipTracker, use_skip_tracker
@@ -64,7 +70,7 @@ class LayerProfile:
     param_bytes: int
     buffer_bytes: int
     time_ms: float = 0.0  # forward + backward, plus comm_ms
-    activation_bytes: int = 0  # saved for backward, one micro-batch
+    activation_bytes: int = 0  # kept alive until backward, one micro-batch
     output_bytes: int = 0  # the layer's output on the whole sample (sent to the next stage)
     comm_ms: float = 0.0  # estimated tp collectives (already in time_ms)
 
@@ -254,6 +260,33 @@ def _storages(tensors: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
+class _Allocations(TorchDispatchMode):
+    """Every tensor an op makes inside the block, by weak reference: `alive` are those still
+    referenced afterwards (by the autograd graph, the output or the module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: list[weakref.ref[Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                self._made.append(weakref.ref(t))
+        return out
+
+    def alive(self) -> dict[int, int]:
+        """{storage address: bytes} of the tensors made in the block and still alive."""
+        found: dict[int, int] = {}
+        for ref in self._made:
+            t = ref()
+            if t is not None:
+                storage = t.untyped_storage()
+                found[storage.data_ptr()] = storage.nbytes()
+        return found
+
+
 def _size_layer(layer: nn.Module, index: int, name: str, x: tuple[Tensor, ...], grad: bool,
                 tracker: _ProfileSkipTracker, device: torch.device,
                 kept: set[int]) -> tuple[int, tuple[Tensor, ...], set[int]]:
@@ -282,8 +315,15 @@ def _size_layer(layer: nn.Module, index: int, name: str, x: tuple[Tensor, ...], 
         hold.append(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Allocations() as made:
         out = _forward(layer, index, name, x, inputs)
+    # kept alive until backward without being saved for it (a leaf made in the forward, held
+    # by the graph; a tensor the module stores): every tensor the forward made that is still
+    # alive, but the output (the next layer's input) unless this layer saved it too
+    outputs = _storages(out)
+    for ptr, nbytes in made.alive().items():
+        if ptr not in outputs:
+            saved.setdefault(ptr, nbytes)
     # the inputs are copies of x: a copy of a storage the previous layer saved is that storage
     skip = own | {c.untyped_storage().data_ptr() for t, c in zip(x, inputs)
                   if t.untyped_storage().data_ptr() in kept}
@@ -339,7 +379,7 @@ def profile_layers(module: nn.Sequential, sample: TensorOrTensors, *, timeout: f
     Layers built on `meta` are profiled on a materialized copy (`init_fn`: as `HybridPipe`'s).
 
     Time: forward + backward on the whole `sample`, about ``timeout / len(module)`` seconds
-    per layer. Size: activations saved for backward by the first micro-batch of
+    per layer. Size: activations kept for backward by the first micro-batch of
     ``ceil(batch / chunks)`` rows. With tp > 1, layers profiled whole are scaled to their
     shard (`hybridpar.balance.tp`); `tp_bandwidth` (bytes/s) prices their all-reduces.
     """
