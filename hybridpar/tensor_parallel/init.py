@@ -6,11 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import tensor_shard_dim
+from hybridpar.tensor_parallel.mappings import group_size
 from hybridpar.tensor_parallel.state import full_shape, shard_of
+from hybridpar.topology import default_tp_group
 
 __all__ = ["shard_init_helper_"]
 
@@ -21,22 +24,36 @@ def shard_init_helper_(init_method: Callable[..., Any], tensor: Tensor, *,
 
     For a sharded tensor (tagged by a parallel layer) the FULL tensor is built and
     initialized, consuming the RNG exactly as on one device, and this rank's slice is copied
-    in; so fans (kaiming, xavier) are those of the full layer and, when every rank holds the
-    same RNG state (the same `torch.manual_seed`), the shards together form the one-device
-    tensor. An untagged tensor is initialized directly. `group` is the tp group the tensor is
-    sharded over (default: `hybridpar.init`'s). A meta tensor is left as it is.
+    in; so fans (kaiming, xavier) are those of the full layer. The tp group's first rank
+    initializes and broadcasts the full tensor (a replicated one too), as torchshard does,
+    so the shards form one tensor and replicas agree whatever each rank's seed. `group` is
+    the tp group (default: `hybridpar.init`'s); every rank of it must call this together.
+    Without a process group, or on one rank, nothing is sent. A meta tensor is left as it is.
 
         >>> m = ParallelLinear(20, 30, dim=-1)
         >>> shard_init_helper_(torch.nn.init.kaiming_normal_, m.weight, mode="fan_in")
     """
     if tensor.is_meta:
         return tensor
-    if tensor_shard_dim(tensor) is None:
-        with torch.no_grad():
-            init_method(tensor, **kwargs)
-        return tensor
-    full = torch.empty(full_shape(tensor, group), dtype=tensor.dtype, device=tensor.device)
+    sharded = tensor_shard_dim(tensor) is not None
+    g = _group(group)
+    full = torch.empty(full_shape(tensor, g) if sharded else tensor.shape, dtype=tensor.dtype,
+                       device=tensor.device)
     with torch.no_grad():
         init_method(full, **kwargs)
-        tensor.copy_(shard_of(full, tensor, group))
+        if g is not None and group_size(g) > 1:
+            dist.broadcast(full, dist.get_global_rank(g, 0), group=g)
+        tensor.copy_(shard_of(full, tensor, g) if sharded else full)
     return tensor
+
+
+def _group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """`group`, else the current topology's tp group, else None (no process group)."""
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        return None
+    try:
+        return default_tp_group()
+    except RuntimeError:   # torch.distributed without hybridpar.init: nothing to agree with
+        return None

@@ -1,0 +1,32 @@
+"""shard_init_helper_ gives one consistent tensor whatever each rank's seed (torchshard's
+tests seed every rank differently; slicing each rank's own draw gave inconsistent shards)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import hybridpar
+from hybridpar.nn import ParallelLinear
+from hybridpar.nn.init import shard_init_helper_
+from hybridpar.tensor_parallel.state import gather_full
+
+
+def worker():
+    topo = hybridpar.init(tp=2, timeout=30)
+    col = ParallelLinear(6, 8, dim=-1)
+    replica = torch.empty(3, 4)
+    torch.manual_seed(100 + topo.rank)              # a different seed on every rank
+    shard_init_helper_(nn.init.normal_, col.weight)
+    shard_init_helper_(nn.init.normal_, replica)
+    full = gather_full(col.weight.detach(), col.weight, topo.tp_group)
+    torch.manual_seed(100)                           # rank 0's draw: the one every rank keeps
+    return {"full": full, "expected": nn.init.normal_(torch.empty(8, 6)),
+            "replica": replica, "expected_replica": nn.init.normal_(torch.empty(3, 4))}
+
+
+def test_shards_and_replicas_come_from_the_first_ranks_draw():
+    ranks = hybridpar.spawn(worker, 2, timeout=60)
+    for r in ranks:
+        assert torch.equal(r["full"], ranks[0]["expected"])
+        assert torch.equal(r["replica"], ranks[0]["expected_replica"])
