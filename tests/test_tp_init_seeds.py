@@ -30,3 +30,21 @@ def test_shards_and_replicas_come_from_the_first_ranks_draw():
     for r in ranks:
         assert torch.equal(r["full"], ranks[0]["expected"])
         assert torch.equal(r["replica"], ranks[0]["expected_replica"])
+
+
+def ddp_worker():
+    topo = hybridpar.init(tp=2, timeout=30)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    replicated = nn.Linear(4, 4)
+    same = ParallelLinear.convert_parallel_linear(replicated, dim=None)
+    converted = ParallelLinear.convert_parallel_linear(model, dim=-1)
+    return {"ignored": sorted(converted._ddp_params_and_buffers_to_ignore),
+            "reused": same.weight is replicated.weight and same.bias is replicated.bias,
+            "tp": topo.tp}
+
+
+def test_conversions_register_shards_for_ddp_and_keep_unsharded_parameters():
+    for r in hybridpar.spawn(ddp_worker, 2, timeout=60):
+        assert r["ignored"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert r["reused"]

@@ -225,20 +225,33 @@ class ParallelLinear(_ParallelLayer):
                                 group: ProcessGroup | None = None) -> nn.Module:
         """Replace every `nn.Linear` in `module` (recursively) by a `ParallelLinear` slice of it.
 
-        Values are kept (each new layer holds its slice of the old weight and bias) and no
-        random number is drawn. Returns `module`, or a new layer when `module` is itself an
-        `nn.Linear`. The children of `nn.MultiheadAttention` are left alone (it reads its
-        ``out_proj`` weight directly instead of calling it).
+        Values are kept (each new layer holds its slice of the old weight and bias; with
+        ``dim=None`` the old Parameters themselves) and no random number is drawn. The
+        sharded parameters are registered for DDP to ignore
+        (`register_ddp_parameters_to_ignore`). Returns `module`, or a new layer when `module`
+        is itself an `nn.Linear`. The children of `nn.MultiheadAttention` are left alone (it
+        reads its ``out_proj`` weight directly instead of calling it).
         """
+        converted: nn.Module
         if isinstance(module, nn.Linear):
-            return cls.from_module(module, dim, group=group)
-        if isinstance(module, nn.MultiheadAttention):
+            converted = cls.from_module(module, dim, group=group)
+            if dim is None:   # nothing sharded: the layer keeps the very same Parameters
+                converted.register_parameter("weight", module._parameters["weight"])
+                converted.register_parameter("bias", module._parameters["bias"])
+        elif isinstance(module, nn.MultiheadAttention):
             return module
-        for name, child in module.named_children():
-            converted = cls.convert_parallel_linear(child, dim, group=group)
-            if converted is not child:
-                setattr(module, name, converted)
-        return module
+        else:
+            for name, child in module.named_children():
+                new = cls.convert_parallel_linear(child, dim, group=group)
+                if new is not child:
+                    setattr(module, name, new)
+            converted = module
+        # DDP must neither broadcast the shards from rank 0 nor average their gradients
+        # over the tp ranks (torchshard's conversions register them the same way)
+        from hybridpar.tensor_parallel.state import register_ddp_parameters_to_ignore
+
+        register_ddp_parameters_to_ignore(converted)
+        return converted
 
 
 class ParallelConv1D(ParallelLinear):
