@@ -37,6 +37,7 @@ __all__ = [
     "Topology",
     "current_topology",
     "default_tp_group",
+    "forget",
     "init",
     "shutdown",
     "using",
@@ -322,6 +323,13 @@ def shutdown() -> None:
     _current = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def forget() -> None:
+    """Forget the current topology, keeping the process group (torchshard's
+    ``destroy_process_group`` forgets its model-parallel group the same way)."""
+    global _current
+    _current = None
 
 
 @contextlib.contextmanager

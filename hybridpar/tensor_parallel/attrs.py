@@ -3,8 +3,8 @@
 An activation or parameter may carry two Python attributes (torchshard's convention):
 
     attribute           values          meaning
-    _PARALLEL_DIM       None, 0, 1, -1  the layer dim it is sharded on (None: replicated)
-    _ORDER_TYPE         0, 1            how that dim maps to the tensor's dims:
+    parallel_dim        None, 0, 1, -1  the layer dim it is sharded on (None: replicated)
+    order_type          0, 1            how that dim maps to the tensor's dims:
                                         0: reversed  (a Linear weight (out, in) is read as
                                            (in, out): parallel dim -1 = tensor dim 0)
                                         1: as is     (an Embedding weight (num, dim))
@@ -27,8 +27,8 @@ __all__ = [
     "tensor_shard_dim",
 ]
 
-PARALLEL_DIM_ATTR = "_PARALLEL_DIM"
-ORDER_TYPE_ATTR = "_ORDER_TYPE"
+PARALLEL_DIM_ATTR = "parallel_dim"   # torchshard's names: code written for it reads them
+ORDER_TYPE_ATTR = "order_type"
 _VALID_DIMS = (None, 0, 1, -1)
 
 
