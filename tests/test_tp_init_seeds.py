@@ -48,3 +48,16 @@ def test_conversions_register_shards_for_ddp_and_keep_unsharded_parameters():
     for r in hybridpar.spawn(ddp_worker, 2, timeout=60):
         assert r["ignored"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
         assert r["reused"]
+
+
+def test_torchshards_argument_forms_of_the_tags():
+    from hybridpar import get_parallel_dim, register_parallel_dim
+    from hybridpar.nn import RegisterParallelDim
+
+    t = torch.zeros(2)
+    register_parallel_dim(t)                 # torchshard: no dim means replicated
+    assert get_parallel_dim(t) is None
+    register_parallel_dim(t, value=0)        # torchshard's keyword
+    assert get_parallel_dim(t) == 0 and t.parallel_dim == 0   # torchshard's attribute name
+    a, b = RegisterParallelDim(-1)((torch.zeros(1), torch.zeros(1)))   # a tuple: each tagged
+    assert get_parallel_dim(a) == get_parallel_dim(b) == -1

@@ -50,8 +50,18 @@ def get_order_type(tensor: Tensor) -> int:
     return getattr(tensor, ORDER_TYPE_ATTR, 1)
 
 
-def register_parallel_dim(tensor: Tensor, parallel_dim: int | None) -> None:
-    """Tag `tensor` as sharded on `parallel_dim` (in place)."""
+def register_parallel_dim(tensor: Tensor, parallel_dim: int | None = None, *,
+                          value: int | None = None) -> None:
+    """Tag `tensor` as sharded on `parallel_dim` (in place); None: replicated.
+
+    ``value=`` is torchshard's name for the same argument (``register_parallel_dim(t,
+    value=0)``); give one of the two.
+    """
+    if value is not None:
+        if parallel_dim is not None and parallel_dim != value:
+            raise ValueError(f"register_parallel_dim got parallel_dim={parallel_dim} and "
+                             f"value={value}; give one of them")
+        parallel_dim = value
     _check_dim(parallel_dim)
     setattr(tensor, PARALLEL_DIM_ATTR, parallel_dim)
 

@@ -421,8 +421,11 @@ class RegisterParallelDim(nn.Module):
         check_parallel_dim(dim, "RegisterParallelDim")
         self.dim = dim
 
-    def forward(self, x: Tensor) -> Tensor:
-        register_parallel_dim(x, self.dim)
+    def forward(self, x: Any) -> Any:
+        """`x` (a Tensor, or a tuple / list of them: each tagged) returned as it is."""
+        for t in (x if isinstance(x, (tuple, list)) else (x,)):
+            if isinstance(t, Tensor):
+                register_parallel_dim(t, self.dim)
         return x
 
     def extra_repr(self) -> str:
