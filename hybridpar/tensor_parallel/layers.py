@@ -220,6 +220,14 @@ class ParallelLinear(_ParallelLayer):
         """An empty layer of this class on `meta` (its constructor's argument order)."""
         return cls(n_in, n_out, bias, dim, fused=fused, group=group, device="meta", dtype=dtype)
 
+    def reset_params(self) -> None:
+        """torchshard's name for `reset_parameters`."""
+        self.reset_parameters()
+
+    def slice_params(self) -> None:
+        """torchshard's second construction step; here the layer holds its slice from the
+        start, so there is nothing left to slice (kept so torchshard code runs)."""
+
     @classmethod
     def convert_parallel_linear(cls, module: nn.Module, dim: int | None = None, *,
                                 group: ProcessGroup | None = None) -> nn.Module:
@@ -387,6 +395,38 @@ class ParallelEmbedding(_ParallelLayer):
         with torch.no_grad():
             self.weight.copy_(shard_of(full.weight, self.weight, self.group))
 
+
+    def slice_parameters(self) -> None:
+        """torchshard's second construction step; the table is sliced from the start here."""
+
+    @classmethod
+    def convert_parallel_embedding(cls, module: nn.Module, dim: int | None = None, *,
+                                   group: ProcessGroup | None = None) -> nn.Module:
+        """Replace every `nn.Embedding` in `module` (recursively) by a `ParallelEmbedding`
+        holding its slice (dim 0: vocab, 1 / -1: features; None: the same Parameter), no
+        random number drawn; the shards are registered for DDP to ignore. Returns `module`,
+        or the new layer when `module` is itself an `nn.Embedding`."""
+        from hybridpar.tensor_parallel.layer_graph import to_parallel_embedding
+        from hybridpar.tensor_parallel.state import register_ddp_parameters_to_ignore
+
+        converted: nn.Module
+        if isinstance(module, nn.Embedding):
+            if dim is None:
+                converted = cls(module.num_embeddings, module.embedding_dim, module.padding_idx,
+                                module.max_norm, module.norm_type, module.scale_grad_by_freq,
+                                module.sparse, dim=None, group=group, device="meta")
+                converted.register_parameter("weight", module._parameters["weight"])
+            else:
+                converted = to_parallel_embedding(
+                    module, group if group is not None else default_tp_group(), dim=dim)
+        else:
+            for name, child in module.named_children():
+                new = cls.convert_parallel_embedding(child, dim, group=group)
+                if new is not child:
+                    setattr(module, name, new)
+            converted = module
+        register_ddp_parameters_to_ignore(converted)
+        return converted
     def forward(self, x: Tensor) -> Tensor:
         return parallel_embedding(
             x, self.weight, self.padding_idx, self.max_norm, self.norm_type,

@@ -1,5 +1,5 @@
-"""shard_init_helper_ gives one consistent tensor whatever each rank's seed (torchshard's
-tests seed every rank differently; slicing each rank's own draw gave inconsistent shards)."""
+"""torchshard's promises kept by hybridpar itself: consistent initialization whatever each
+rank's seed, conversions that DDP handles right, and torchshard's methods and argument forms."""
 
 from __future__ import annotations
 
@@ -61,3 +61,44 @@ def test_torchshards_argument_forms_of_the_tags():
     assert get_parallel_dim(t) == 0 and t.parallel_dim == 0   # torchshard's attribute name
     a, b = RegisterParallelDim(-1)((torch.zeros(1), torch.zeros(1)))   # a tuple: each tagged
     assert get_parallel_dim(a) == get_parallel_dim(b) == -1
+
+
+def embedding_worker():
+    topo = hybridpar.init(tp=2, timeout=30)
+    from hybridpar.nn import ParallelEmbedding
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[0, 5, 9, 3], [7, 7, 1, 2]])
+    out = {}
+    for dim in (0, -1, None):
+        model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 2))
+        expected = model(ids)
+        table = model[0].weight
+        converted = ParallelEmbedding.convert_parallel_embedding(model, dim=dim)
+        out[str(dim)] = [torch.allclose(converted(ids), expected, atol=1e-6),
+                         sorted(converted._ddp_params_and_buffers_to_ignore),
+                         converted[0].weight is table]
+    layer = nn.Linear(4, 4)
+    parallel = ParallelLinear.convert_parallel_linear(layer, dim=-1)
+    parallel.slice_params()
+    before = parallel.weight.detach().clone()
+    torch.manual_seed(1)
+    parallel.reset_params()
+    out["reset"] = not torch.equal(before, parallel.weight.detach())
+    return out
+
+
+def test_convert_parallel_embedding_keeps_values_and_registers_shards():
+    for r in hybridpar.spawn(embedding_worker, 2, timeout=60):
+        assert r["0"] == [True, ["0.weight"], False]
+        assert r["-1"] == [True, ["0.weight"], False]
+        assert r["None"] == [True, [], True]     # not sharded: the very same Parameter
+        assert r["reset"]
+
+
+def test_parallel_cross_entropy_functional_entry_point():
+    from hybridpar.nn.functional import ParallelCrossEntropy
+
+    logits, target = torch.randn(5, 7), torch.tensor([0, 3, 6, 2, 1])
+    loss = ParallelCrossEntropy.apply(logits, target, None, None, -100, None, "mean")
+    assert torch.allclose(loss, nn.functional.cross_entropy(logits, target))
