@@ -64,8 +64,9 @@ def test_torchshards_argument_forms_of_the_tags():
 
 
 def embedding_worker():
-    topo = hybridpar.init(tp=2, timeout=30)
     from hybridpar.nn import ParallelEmbedding
+
+    hybridpar.init(tp=2, timeout=30)
 
     torch.manual_seed(0)
     ids = torch.tensor([[0, 5, 9, 3], [7, 7, 1, 2]])
