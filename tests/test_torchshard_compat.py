@@ -103,3 +103,24 @@ def test_parallel_cross_entropy_functional_entry_point():
     logits, target = torch.randn(5, 7), torch.tensor([0, 3, 6, 2, 1])
     loss = ParallelCrossEntropy.apply(logits, target, None, None, -100, None, "mean")
     assert torch.allclose(loss, nn.functional.cross_entropy(logits, target))
+
+
+def max_norm_worker():
+    from hybridpar.nn import ParallelEmbedding
+
+    topo = hybridpar.init(tp=2, timeout=30)
+    torch.manual_seed(0)
+    plain = nn.Embedding(10, 6, max_norm=1.0)
+    ids = torch.tensor([[0, 5, 9, 3], [7, 7, 1, 2]])
+    sharded = ParallelEmbedding.convert_parallel_embedding(
+        nn.Sequential(nn.Embedding(10, 6, max_norm=1.0)), dim=-1)[0]
+    sharded.weight.data.copy_(plain.weight.data.chunk(2, dim=1)[topo.tp_rank])
+    out, expected = sharded(ids), plain(ids)          # both renormalize the rows they look up
+    table = gather_full(sharded.weight.detach(), sharded.weight, topo.tp_group)
+    return {"out": torch.allclose(out, expected, atol=1e-6),
+            "table": torch.allclose(table, plain.weight.detach(), atol=1e-6)}
+
+
+def test_max_norm_on_a_feature_sharded_table_renormalizes_by_the_full_row_norm():
+    for r in hybridpar.spawn(max_norm_worker, 2, timeout=60):
+        assert r == {"out": True, "table": True}

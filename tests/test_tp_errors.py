@@ -69,7 +69,6 @@ def _errors_worker(tp):
         "column sharded": _catch(lambda: col(sharded)),
         "row width": _catch(lambda: row(torch.ones(2, 6))),
         "row tagged width": _catch(lambda: row(_tagged(torch.ones(2, 3)))),
-        "max_norm": _catch(lambda: ParallelEmbedding(10, 4, max_norm=1.0, dim=-1)),
         "num_embeddings": _catch(lambda: parallel_embedding(
             torch.tensor([1]), torch.ones(5, 4), dim=0)),
         "relocate": _catch(lambda: relocate_state_dict(col, {"weight": torch.ones(4, 8)})),
@@ -90,7 +89,6 @@ def test_multi_rank_misuse_raises_a_clear_error_on_every_rank(tp):
                      "in_features = 8",
         "row tagged width": f"ValueError: row-parallel linear expects an input tagged as sharded "
                             f"of width in_features / tp = {8 // tp}, got 3",
-        "max_norm": "NotImplementedError: ParallelEmbedding(max_norm=..., dim=-1)",
         "num_embeddings": "ValueError: vocab-parallel embedding (dim=0) needs num_embeddings=",
         "relocate": "ValueError: state_dict['weight'] has shape (4, 8) but the full parameter "
                     "has shape (8, 8)",

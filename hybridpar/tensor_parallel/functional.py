@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -164,6 +165,24 @@ def _vocab_parallel_embedding(input: Tensor, weight: Tensor, padding_idx: int | 
     return reduce_from_group(output, group)                         # (*, D) full
 
 
+@torch.no_grad()
+def _renorm_feature_shard(weight: Tensor, input: Tensor, max_norm: float, norm_type: float,
+                          group: ProcessGroup | None) -> None:
+    """`torch.embedding_renorm_` on a table sharded by features: each looked-up row whose
+    full norm (its shards' p-norms combined over tp) exceeds `max_norm` is scaled in place."""
+    rows = torch.unique(input.reshape(-1))
+    partial = weight[rows].abs().pow(norm_type).sum(dim=-1)            # (R,) this shard's
+    _all_reduce_sum(partial, group)
+    norms = partial.pow(1.0 / norm_type)
+    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
+    weight[rows] *= scale.unsqueeze(-1).to(weight.dtype)
+
+
+def _all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, group=group)
+
+
 def parallel_embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None,
                        max_norm: float | None = None, norm_type: float = 2.0,
                        scale_grad_by_freq: bool = False, sparse: bool = False,
@@ -189,12 +208,8 @@ def parallel_embedding(input: Tensor, weight: Tensor, padding_idx: int | None = 
         output = _vocab_parallel_embedding(input, weight, padding_idx, max_norm, norm_type,
                                            scale_grad_by_freq, sparse, num_embeddings, g)
     else:
-        if max_norm is not None:
-            raise NotImplementedError(
-                "max_norm is not supported with dim=1 / -1: it renormalizes each row by its "
-                "full norm, which a column shard does not hold; use dim=0 (vocab parallel) "
-                "or dim=None, or drop max_norm"
-            )
+        if max_norm is not None:   # renormalize by the rows' full norms, as F.embedding
+            _renorm_feature_shard(weight, input, max_norm, norm_type, g)
         output = F.embedding(input, weight, padding_idx, None, norm_type,
                              scale_grad_by_freq, sparse)             # (*, D_r)
         output = gather_from_group(output, g, dim=-1, length=embedding_dim)  # (*, D)

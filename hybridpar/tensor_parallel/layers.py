@@ -346,12 +346,6 @@ class ParallelEmbedding(_ParallelLayer):
                 raise ValueError(f"padding_idx={padding_idx} must be within the vocabulary "
                                  f"[-{num_embeddings}, {num_embeddings})")
             padding_idx %= num_embeddings
-        if max_norm is not None and dim in (1, -1):
-            raise NotImplementedError(
-                "ParallelEmbedding(max_norm=..., dim=-1): max_norm renormalizes each row by "
-                "its full norm, which a column shard does not hold; use dim=0 (vocab "
-                "parallel) or dim=None, or drop max_norm"
-            )
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
