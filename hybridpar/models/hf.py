@@ -67,8 +67,8 @@ def hf_config(family: str, options: dict[str, Any]) -> Any:
 
 
 def _family_of_type(model_type: str) -> str:
-    return {"gpt2": "gpt2", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
-            "qwen3": "qwen3"}.get(model_type, f"<one of {', '.join(_CLASSES)}>")
+    """The family name of a config's `model_type` (they are the same words here)."""
+    return model_type if model_type in _CLASSES else f"<one of {', '.join(_CLASSES)}>"
 
 
 def _build(family: str, options: dict[str, Any]) -> Built:

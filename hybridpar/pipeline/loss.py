@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
+from hybridpar.pipeline.step import nbytes
 from hybridpar.topology import Topology
 
 __all__ = ["LOSS_TAG", "Guard", "LossShare"]
@@ -31,10 +32,6 @@ __all__ = ["LOSS_TAG", "Guard", "LossShare"]
 LOSS_TAG = 1 << 13   # gloo only: the loss, last stage -> the others (NCCL: a broadcast)
 
 Guard = Callable[[str, ProcessGroup], contextlib.AbstractContextManager[None]]
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class LossShare:
@@ -64,11 +61,11 @@ class LossShare:
         A one-to-all over the pp group, counted as one broadcast per rank.
         """
         topo = self.topology
-        loss = local.detach().clone() if local is not None else torch.zeros(())
-        loss = loss.to(self.device, torch.float32)
+        loss = local.detach().to(self.device, torch.float32, copy=True) if local is not None \
+            else torch.zeros((), dtype=torch.float32, device=self.device)
         posted, self._posted = self._posted, None
         if topo.pp > 1:
-            with trace.collective("broadcast", _nbytes(loss)), self.guard(
+            with trace.collective("broadcast", nbytes(loss)), self.guard(
                     "the loss from the last stage", topo.pp_group):
                 if self.device.type != "cpu":
                     dist.broadcast(loss, self.last, group=topo.pp_group)
@@ -81,7 +78,7 @@ class LossShare:
                     for work in filter(None, works):
                         work.wait(topo.timeout)
         if topo.dp > 1:
-            with trace.collective("all_reduce", _nbytes(loss)), self.guard(
+            with trace.collective("all_reduce", nbytes(loss)), self.guard(
                     "the all-reduce of the loss over dp", topo.dp_group):
                 dist.all_reduce(loss, group=topo.dp_group)
             loss /= topo.dp

@@ -140,9 +140,11 @@ class StageStops:
                     owed[key] = comm.header_dummy(self.spec.device)
                 elif spec is None:   # a gradient whose size this stage never learned
                     owed[key] = comm.abort_dummy(None, None, self.spec.device)
-                elif any(not t.absent for t in spec.tensors):   # absent ones never travel
-                    first = next(t for t in spec.tensors if not t.absent)
-                    owed[key] = comm.abort_dummy(first, self.spec.tp_group, self.spec.device)
+                else:   # absent tensors never travel: the first that does stands for it
+                    first = next((t for t in spec.tensors if not t.absent), None)
+                    if first is not None:
+                        owed[key] = comm.abort_dummy(first, self.spec.tp_group,
+                                                     self.spec.device)
         return [(rank, channel, dummy) for (rank, channel), dummy in owed.items()]
 
     def _hint(self, error: Exception, action: Action | None) -> str:

@@ -39,8 +39,7 @@ def read_state(checkpoint: str | os.PathLike[str]) -> dict[str, Tensor]:
     Every name of a tied parameter gets its tensor. Runs in one process (no process group).
     """
     metadata = read_metadata(checkpoint)
-    keys = sorted((k for k in metadata.state_dict_metadata if k.startswith("model/")),
-                  key=lambda k: _layer_order(k.removeprefix("model/")))
+    keys = [k for k in metadata.state_dict_metadata if k.startswith("model/")]
     ties = [k for k in metadata.state_dict_metadata if k.startswith("tied/")]
     if not keys:
         raise CheckpointError(f"{checkpoint} holds no model tensors; is it a hybridpar "
