@@ -219,6 +219,11 @@ class HybridPipe(nn.Module):
         return self._executor.spec.partition
 
     @property
+    def recorder(self) -> tracing.Recorder:
+        """This rank's timeline of the last traced step (`trace=True`), owned by its executor."""
+        return self._executor.recorder
+
+    @property
     def p2p_log(self) -> list[Any] | None:
         """Set to a list to record every group of P2P operations this rank issues (a list of
         `hybridpar.pipeline.replay.P2POp` per group) for the NCCL replay; None: off."""
@@ -293,9 +298,9 @@ class HybridPipe(nn.Module):
         if not self.trace:
             return contextlib.nullcontext()
         clock = tracing.DeviceClock() if self.device.type == "cuda" else None
-        return tracing.RECORDER.recording(what=what, microbatches=microbatches,
-                                          schedule=self.schedule, checkpoint=self.checkpoint,
-                                          clock=clock)
+        return self.recorder.recording(what=what, microbatches=microbatches,
+                                      schedule=self.schedule, checkpoint=self.checkpoint,
+                                      clock=clock)
 
     def write_trace(self, folder: str | os.PathLike[str], *,
                     show: bool = True) -> TraceReport | None:

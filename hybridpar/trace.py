@@ -20,7 +20,7 @@ Two independent tools, both leaves that import nothing else of hybridpar:
   loss: a broadcast on NCCL, point to point on gloo, counted as one broadcast per rank) and
   `pipeline.clip` (grad-norm all-reduces). hybridpar issues no object collective.
 
-- **Timeline**, while `RECORDER.enabled`: spans with wall-clock ends (``time.time_ns``, so
+- **Timeline**, while a `Recorder` records: spans with wall-clock ends (``time.time_ns``, so
   ranks of one host share a clock; on a GPU, CUDA events anchored to that clock:
   `DeviceClock`), each tagged with the stage and micro-batch the executor is at
   (`Recorder.stage`, `Recorder.microbatch`):
@@ -35,7 +35,12 @@ Two independent tools, both leaves that import nothing else of hybridpar:
       wait        blocked on a peer: header, payload; sends     recv, step
       collective  one collective `op` (all_reduce, ...)         forward, backward, recv, -
 
-  Disabled, `span` costs one attribute check and returns a shared no-op context (~0.2 us).
+  Each `HybridPipe`'s executor owns a `Recorder` (`pipe.recorder`); `Recorder.recording`
+  makes it the *active* one for the block, and `span` / `collective` (called from layers,
+  `comm` and the reductions, which know no pipe) record into the active recorder. The
+  active slot is process-wide rather than a context variable because backward may run on
+  autograd's device threads; it is set only inside `recording`. Not recording, `span`
+  costs one global read and returns a shared no-op context (~0.2 us).
   `HybridPipe(trace=True)` records its steps; `HybridPipe.write_trace` (in
   `hybridpar.pipeline.trace_report`) turns the events of all ranks into files.
 """
@@ -51,9 +56,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["COLUMNS", "KINDS", "OPS", "RECORDER", "CommStats", "DeviceClock", "Recorder", "Span",
-           "collective",
-           "comm_stats", "count", "reset_comm_stats", "span"]
+__all__ = ["COLUMNS", "KINDS", "OPS", "CommStats", "DeviceClock", "Recorder", "Span", "active",
+           "collective", "comm_stats", "count", "reset_comm_stats", "span"]
 
 # counters ------------------------------------------------------------------------------------
 
@@ -201,11 +205,14 @@ class Recorder:
 
         `clock`: time spans with CUDA events (`DeviceClock`), resolved when the block ends.
         """
+        global _ACTIVE
+        outer, _ACTIVE = _ACTIVE, self   # nested recordings: the inner one is active
         self.events, self.meta = [], dict(meta)
         self.enabled, self.clock = True, clock
         try:
             yield
         finally:
+            _ACTIVE = outer
             self.enabled = False
             self.microbatch = -1
             if clock is not None:
@@ -214,20 +221,27 @@ class Recorder:
             self.clock = None
 
 
-RECORDER = Recorder()
+_ACTIVE: Recorder | None = None   # the recorder inside its `recording` block, if any
+
+
+def active() -> Recorder | None:
+    """The recorder recording now (inside its `Recorder.recording`), or None."""
+    return _ACTIVE
 
 
 def span(kind: str, *, op: str = "", peer: int = -1, channel: int = -1,
          nbytes: int = 0) -> Span:
-    """`RECORDER.span`: time one `kind` of `KINDS` while recording."""
-    if not RECORDER.enabled:
+    """Time one `kind` of `KINDS` into the active recorder (a no-op when none records)."""
+    recorder = _ACTIVE
+    if recorder is None:
         return _NULL
-    return RECORDER.span(kind, op=op, peer=peer, channel=channel, nbytes=nbytes)
+    return recorder.span(kind, op=op, peer=peer, channel=channel, nbytes=nbytes)
 
 
 def collective(op: str, nbytes: int) -> Span:
     """Count one collective `op` of `nbytes` bytes, and time it while recording."""
     count(op, nbytes)
-    if not RECORDER.enabled:
+    recorder = _ACTIVE
+    if recorder is None:
         return _NULL
-    return RECORDER.span("collective", op=op, nbytes=nbytes)
+    return recorder.span("collective", op=op, nbytes=nbytes)

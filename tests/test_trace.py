@@ -22,7 +22,7 @@ from torch import nn
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
 from hybridpar.pipeline.trace_gantt import write_gantt
-from hybridpar.trace import COLUMNS, KINDS, OPS, RECORDER, Recorder
+from hybridpar.trace import COLUMNS, KINDS, OPS, Recorder
 
 B, S, H, M = 8, 3, 16, 4          # batch rows, sequence, hidden, micro-batches
 ROWS = B // M                     # rows of one micro-batch
@@ -42,7 +42,7 @@ def _traced_worker(folder):
     hybridpar.reset_comm_stats()
     pipe.train_step(x, x)                      # off: nothing may be recorded
     first = hybridpar.comm_stats()             # shapes are new: the activations carry headers
-    untraced = len(RECORDER.events)
+    untraced = len(pipe.recorder.events)
     try:
         pipe.write_trace(folder)
         refused = ""
@@ -56,7 +56,7 @@ def _traced_worker(folder):
     with contextlib.redirect_stdout(printed):
         report = pipe.write_trace(folder)
     return {"untraced": untraced, "refused": refused, "stats": stats, "first": first,
-            "events": list(RECORDER.events), "printed": printed.getvalue(),
+            "events": list(pipe.recorder.events), "printed": printed.getvalue(),
             "table": None if report is None else report.table}
 
 
@@ -173,7 +173,7 @@ def _gpt_worker():
     pipe.train_step(x, y)                      # warm-up; the counters count the next step
     hybridpar.reset_comm_stats()
     pipe.train_step(x, y)
-    return {"stats": hybridpar.comm_stats(), "events": list(RECORDER.events),
+    return {"stats": hybridpar.comm_stats(), "events": list(pipe.recorder.events),
             "stage": topo.pp_rank}
 
 
@@ -342,3 +342,25 @@ def test_device_clock_spans_are_placeholders_resolved_to_wall_clock_when_recordi
     assert forward["end"] - forward["start"] == pytest.approx(50e6, rel=0.3)
     assert backward["start"] - forward["end"] == pytest.approx(20e6, rel=0.5)
     assert backward["end"] - backward["start"] == pytest.approx(30e6, rel=0.3)
+
+
+def test_each_recorder_records_only_inside_its_own_block():
+    # the executor owns its recorder; span / collective (called from layers and comm, which
+    # know no pipe) go to the recorder whose `recording` block is open, and nowhere else
+    from hybridpar import trace
+
+    outer, inner = Recorder(), Recorder()
+    with trace.span("forward"):
+        pass
+    with outer.recording(what="outer"):
+        assert trace.active() is outer
+        with trace.span("forward"):
+            pass
+        with inner.recording(what="inner"):
+            with trace.collective("all_reduce", 4):
+                pass
+        assert trace.active() is outer
+    assert trace.active() is None
+    assert [KINDS[e[0]] for e in outer.events] == ["forward"]
+    assert [(KINDS[e[0]], OPS[e[1]], e[6]) for e in inner.events] == \
+        [("collective", "all_reduce", 4)]

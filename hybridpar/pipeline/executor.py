@@ -91,6 +91,7 @@ class StageExecutor(StageStops):
     def __init__(self, spec: StageSpec) -> None:
         self.spec = spec
         self.wire = comm.Wire(tags=spec.p2p_tags, coalesce=spec.device.type != "cpu")
+        self.recorder = trace.Recorder()   # the timeline of this stage's steps, when traced
         self.book = comm.SpecBook()   # the agreed message specs of each step signature
         self.steps = 0                # steps run: keys this rank's aborts in the store
         self.step = StepState()       # the step being run (an idle one between steps)
@@ -135,7 +136,7 @@ class StageExecutor(StageStops):
                     SEND_F: self._communicate, RECV_B: self._communicate,
                     BACKWARD: self._backward, SEND_B: self._communicate,
                     GROUP: lambda _: None}
-        recorder = trace.RECORDER
+        recorder = self.recorder
         recorder.stage, recorder.microbatch = self.spec.stage, -1
         if self.watchdog is not None:
             self.watchdog.enter()
@@ -320,7 +321,7 @@ class StageExecutor(StageStops):
             expected = self._expected(channel, stage, i)
             assert expected is not None, f"{what}: its forward message was never exchanged"
             spec = expected
-        size = sum(nbytes(t) for t in tensors if t is not None) if trace.RECORDER.enabled else 0
+        size = sum(nbytes(t) for t in tensors if t is not None) if self.recorder.enabled else 0
         with trace.span("send", peer=self._rank(stage), channel=channel, nbytes=size):
             comm.send_message(self.wire, tensors, spec, self._rank(stage), channel, what,
                               tp_group=self.spec.tp_group, header=header)

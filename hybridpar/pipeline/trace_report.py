@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from hybridpar.files import atomic_write_text
 from hybridpar.pipeline.lowering import BWD, FWD, SKIP, SKIPG
-from hybridpar.trace import COLUMNS, KINDS, OPS, RECORDER
+from hybridpar.trace import COLUMNS, KINDS, OPS, Recorder
 
 if TYPE_CHECKING:
     from hybridpar.pipe import HybridPipe
@@ -75,12 +75,14 @@ class Event(NamedTuple):
         return self.op or self.kind
 
 
-def gather_events(*, device: torch.device | None = None) -> list[list[Event]] | None:
-    """Every rank's recorded events, on global rank 0 (None elsewhere); call on every rank.
+def gather_events(recorder: Recorder, *, device: torch.device | None = None
+                  ) -> list[list[Event]] | None:
+    """Every rank's events of its `recorder`, on global rank 0 (None elsewhere); call on every
+    rank.
 
     Raises `ValueError` on every rank when some rank recorded nothing.
     """
-    rows = torch.tensor(RECORDER.events, dtype=torch.int64).reshape(-1, len(COLUMNS))
+    rows = torch.tensor(recorder.events, dtype=torch.int64).reshape(-1, len(COLUMNS))
     world, rank = dist.get_world_size(), dist.get_rank()
     counts = torch.zeros(world, dtype=torch.int64, device=device)
     counts[rank] = rows.shape[0]
@@ -275,10 +277,10 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
     """Gather the last traced step of every rank and write it to `folder` (see the module)."""
     from hybridpar.pipeline.trace_gantt import write_gantt
 
-    ranks = gather_events(device=pipe.device)
+    ranks = gather_events(pipe.recorder, device=pipe.device)
     if ranks is None:
         return None
-    topo, meta = pipe.topology, dict(RECORDER.meta)
+    topo, meta = pipe.topology, dict(pipe.recorder.meta)
     coords = [topo.dims.coordinate(r) for r in range(len(ranks))]
     m = int(meta.get("microbatches", pipe.chunks))
     title = (f"{meta.get('what', 'step')} on {len(ranks)} ranks: pp={topo.pp} tp={topo.tp} "

@@ -21,7 +21,7 @@ import torch
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.trace import COLUMNS, KINDS, OPS, RECORDER
+from hybridpar.trace import COLUMNS, KINDS, OPS
 
 from .common import load, markdown_table
 
@@ -66,7 +66,7 @@ def _worker(tp: int, cfg: dict[str, Any]) -> dict[str, Any]:
     pipe.trace = True
     pipe.train_step(x, y)
     return {"stage": topo.pp_rank, "tp_rank": topo.tp_rank, "stats": hybridpar.comm_stats(),
-            "placed": dict(_placed(list(RECORDER.events)))}
+            "placed": dict(_placed(list(pipe.recorder.events)))}
 
 
 def _rows(tp: int, cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
