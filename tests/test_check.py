@@ -60,6 +60,30 @@ def mlp_that_reads_a_value(**options):
     return nn.Sequential(*layers[:1], ReadsAValue(), *layers[1:])
 
 
+def receive_before_sending(config):
+    """A dry run whose stage 0 posts its first gradient receive in a group of its own before
+    sending its first activation: stage 1 first waits for that activation, so under NCCL's
+    rendezvous both ranks wait for each other (a planted fault in the P2P order)."""
+    from hybridpar.pipe import HybridPipe
+    from hybridpar.pipeline.schedule import GROUP, RECV_B, Action
+
+    lowered = HybridPipe._program
+
+    def program(pipe, microbatches, *, train):
+        actions = list(lowered(pipe, microbatches, train=train))
+        if pipe.stage == 0 and train:
+            first = next(k for k, a in enumerate(actions) if a.kind == RECV_B)
+            actions.insert(1, actions.pop(first))      # right after F0, before SEND_F0
+            actions.insert(2, Action(GROUP, -1))
+        return actions
+
+    HybridPipe._program = program
+    try:
+        return dry_run(config, isolate=False)
+    finally:
+        HybridPipe._program = lowered
+
+
 # the dry runs, in one child process -------------------------------------------------------------
 JOBS = {
     "quickstart": lambda: dry_run(QUICKSTART, isolate=False),
@@ -74,6 +98,7 @@ JOBS = {
                              isolate=False),
     "item": lambda: dry_run(small_mlp(), model=f"{__file__}:mlp_that_reads_a_value",
                             isolate=False),
+    "deadlock": lambda: receive_before_sending(small_mlp(schedule="1f1b", checkpoint="never")),
 }
 
 
@@ -177,6 +202,15 @@ def test_item_in_a_layer_is_a_host_synchronisation_naming_the_layer(runs):
     assert failed["error"].startswith(
         "rank 0 (dp 0, stage 0, tp 0): host synchronisation in layer 1 (ReadsAValue) at ")
     assert "`if x.abs().max().item() > 1e3:`" in failed["error"]
+
+
+def test_a_p2p_order_nccl_cannot_progress_is_named(runs):
+    # the fake backend completes every op, so the step itself runs; the replay of the logged
+    # groups under NCCL's rules finds both stages waiting for each other
+    failed = runs["deadlock"]
+    assert failed["error"].startswith("the P2P order NCCL cannot progress: ")
+    assert "the gradient of micro-batch 0" in failed["error"]
+    assert "the activation of micro-batch 0" in failed["error"]
 
 
 def test_too_little_memory_names_the_rank_and_by_how_much():
