@@ -1,52 +1,168 @@
-"""Regressions, each with its story: what broke, why, and what fixed it."""
+"""Regressions, each with its story: what broke, why, what fixed it, how it was seen to fail.
 
+Every story drives the real component on spawned gloo ranks against the plain model on one
+device; its comment says how the test failed with the fix reverted locally (the revert never
+committed). Three spawned runs in all: the two tp stories share one 4-rank pipe.
+"""
+
+import time
+import uuid
+
+import pytest
 import torch
 from torch import nn
 from torchgpipe.skip import Namespace
 
 import hybridpar
-from hybridpar.pipeline.skip import skip_routes
-from hybridpar.pipeline.step import grad_or_zeros as _grad_or_zeros
+from hybridpar.nn import ParallelCrossEntropyLoss, ParallelLinear
 
-from pipe_harness import PopLong, StashLong
+from pipe_harness import PopLong, StashLong, data, reference
+
+STEPS, BATCH = 3, 8
 
 
-def test_gradient_of_a_sharded_boundary_keeps_its_tag():
+# a pipe (pp=2, tp=2) whose stage boundary falls inside a column -> row pair -----------------
+
+def _column_row_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(),                  # stage 0: column | ReLU
+                         nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))  # stage 1: row, classes
+
+
+_PLAN = {"0": "column", "2": "row", "4": "column"}   # "4": class-sharded logits (tagged -1)
+
+
+def _sharded_pipe_worker():
+    topo = hybridpar.init(pp=2, tp=2, timeout=60)
+    pipe = hybridpar.HybridPipe(_column_row_model(), [2, 3], topology=topo, chunks=2,
+                                loss_fn=ParallelCrossEntropyLoss(), tp_plan=_PLAN)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    xs, ys = data(STEPS, BATCH, classes=4)
+    losses = []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        losses.append(pipe.train_step(x, y).item())
+        opt.step()
+    return {"losses": losses, "state": pipe.consolidated_state_dict(), "out": pipe(xs[0])}
+
+
+@pytest.fixture(scope="module")
+def sharded_pipe():
+    """The 4-rank run of `_sharded_pipe_worker` and the plain model's numbers."""
+    xs, ys = data(STEPS, BATCH, classes=4)
+    losses, state = reference(_column_row_model(), xs, ys)
+    plain = _column_row_model()
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        out = plain(xs[0])
+    ranks = hybridpar.spawn(_sharded_pipe_worker, 4, timeout=90)
+    return ranks, {"losses": losses, "state": state, "out": out}
+
+
+def test_gradient_of_a_sharded_boundary_keeps_its_tag(sharded_pipe):
     # A stage boundary inside a column -> row pair carries a column shard (tagged -1). Its
     # gradient was sent back untagged, so comm took it for a replicated tensor and sent 1/tp
     # slices, and the receiver rebuilt it from slices of *different* ranks' gradients: losses
-    # drifted by 7e-4 from step 2 on (found by the tp_plan tests). _grad_or_zeros now tags the
-    # gradient like the received tensor.
-    x = torch.ones(2, 4, requires_grad=True)
-    hybridpar.register_parallel_dim(x, -1)
-    assert hybridpar.get_parallel_dim(_grad_or_zeros(x)) == -1
-    (x * 3).sum().backward()
-    assert hybridpar.get_parallel_dim(_grad_or_zeros(x)) == -1
+    # drifted by 7e-4 from step 2 on (found by the tp_plan tests, fixed in 0979801):
+    # `pipeline.step.grad_or_zeros` now tags the gradient like the received tensor, and since
+    # the NCCL rework a gradient also travels under its forward message's spec (`_send` in
+    # `pipeline/executor.py`), so either fix alone keeps this test green.
+    # Checked: at 0979801 with `_grad_or_zeros`'s tagging removed, this test fails on every
+    # rank at the loss of step 2 (1.47848 vs 1.47895 on one device; 4.7e-4 off); on today's
+    # code it fails so (1.47811 vs 1.47895; 8.5e-4 off) with the tagging removed *and* the
+    # gradient's spec computed from the gradient (`comm.spec_of`) instead of the forward's.
+    ranks, plain = sharded_pipe
+    for r in ranks:
+        assert r["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+        assert list(r["state"]) == list(plain["state"])
+        for key, value in plain["state"].items():
+            torch.testing.assert_close(r["state"][key], value, atol=1e-5, rtol=0)
+
+
+def test_pipe_output_is_gathered_over_tp_although_cat_drops_the_tag(sharded_pipe):
+    # HybridPipe.forward concatenated the micro-batch outputs and then looked for the tag on
+    # the result; torch.cat returns a new tensor without the Python attribute, so class-sharded
+    # logits came back as the (B, V / tp) shard. The tag is now read from a part before the cat
+    # (`pipeline.output.gather_outputs`).
+    # Checked: reading the tag from the concatenation (`get_parallel_dim(whole)`) makes this
+    # test fail on every rank: "The values for attribute 'shape' do not match:
+    # torch.Size([8, 2]) != torch.Size([8, 4])".
+    ranks, plain = sharded_pipe
+    for r in ranks:
+        torch.testing.assert_close(r["out"], plain["out"], atol=1e-5, rtol=0)
+
+
+# two same-shaped skips between the same pair of stages ----------------------------------------
+
+def _two_skips_model(rank: int) -> nn.Sequential:
+    """Skips "long" of namespaces a and b, both stage 0 -> stage 1 under balance [2, 3].
+
+    The namespaces' ids compare a < b on rank 0 and b < a on rank 1, as two processes' random
+    uuid4s may; the layers' weights are the same on every rank.
+    """
+    a, b = Namespace(), Namespace()
+    low, high = uuid.UUID(int=1), uuid.UUID(int=2)
+    a.id, b.id = (low, high) if rank == 0 else (high, low)
+    torch.manual_seed(0)
+    return nn.Sequential(StashLong(8).isolate(b), StashLong(8).isolate(a),   # stage 0
+                         PopLong(8).isolate(a), PopLong(8).isolate(b), nn.Linear(8, 3))
+
+
+def _two_skips_worker():
+    topo = hybridpar.init(pp=2, timeout=60)
+    pipe = hybridpar.HybridPipe(_two_skips_model(topo.rank), [2, 3], topology=topo, chunks=2,
+                                loss_fn=nn.functional.cross_entropy)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    xs, ys = data(2, BATCH)
+    losses = []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        losses.append(pipe.train_step(x, y).item())
+        opt.step()
+    return {"losses": losses, "state": pipe.consolidated_state_dict()}
 
 
 def test_skip_routes_are_ordered_the_same_in_every_process():
     # torchgpipe sorts skip routes by (stage, namespace, name) and orders namespaces by a random
     # uuid4: two processes building the same model could order two skips between the same pair
-    # of stages differently and silently swap same-shaped tensors. Routes are ordered by
-    # (stash layer, pop layer, name), which every process computes alike.
-    def model():
-        a, b = Namespace(), Namespace()
-        return nn.Sequential(StashLong(4).isolate(b), StashLong(4).isolate(a),
-                             PopLong(4).isolate(a), PopLong(4).isolate(b))
+    # of stages differently, and the stage that sends both in one message and the stage that
+    # receives it would swap the same-shaped tensors, silently. Routes are ordered by (stash
+    # layer, pop layer, name), which every process computes alike (`pipeline.skip.skip_routes`).
+    # Checked: sorting the routes by (src, dst, namespace, name) in `skip_routes` makes this
+    # test fail from the first loss on (1.15360 vs 1.19139 on one device).
+    xs, ys = data(2, BATCH)
+    losses, state = reference(_two_skips_model(0), xs, ys)
+    for r in hybridpar.spawn(_two_skips_worker, 2, timeout=60):
+        assert r["losses"] == pytest.approx(losses, abs=1e-5)
+        for key, value in state.items():
+            torch.testing.assert_close(r["state"][key], value, atol=1e-5, rtol=0)
 
-    orders = {tuple((r.stash_layer, r.pop_layer) for r in skip_routes(model(), [2, 2]))
-              for _ in range(20)}
-    assert orders == {((0, 3), (1, 2))}
+
+# profiling a sharded layer on tp ranks of different speeds -----------------------------------
+
+class _Wait(nn.Module):
+    """Sleeps `seconds` each call, and `first` seconds more on the first (a slow warm-up)."""
+
+    def __init__(self, seconds: float, first: float = 0.0):
+        super().__init__()
+        self.seconds, self.first = seconds, first
+
+    def forward(self, x):
+        time.sleep(self.seconds + self.first)
+        self.first = 0.0
+        return x
 
 
-def test_pipe_output_is_gathered_over_tp_although_cat_drops_the_tag():
-    # HybridPipe.forward concatenated the micro-batch outputs and then looked for the tag on
-    # the result; torch.cat returns a new tensor without the Python attribute, so class-sharded
-    # logits came back as the (B, V / tp) shard. The tag is now read from a part before the cat
-    # (covered end to end by test_models.test_generate_from_a_pipe_forward_matches_one_device).
-    part = torch.ones(2, 3)
-    hybridpar.register_parallel_dim(part, -1)
-    assert hybridpar.get_parallel_dim(torch.cat([part, part])) is None
+def _profile_worker():
+    topo = hybridpar.init(tp=2, timeout=30)
+    torch.manual_seed(0)
+    # layer 0 runs one all-reduce (the row layer); rank 1 warms it up 0.3 s longer after it
+    slow = 0.3 if topo.rank == 1 else 0.0
+    model = nn.Sequential(
+        nn.Sequential(ParallelLinear(16, 32, dim=-1), _Wait(0.005), ParallelLinear(32, 16, dim=0),
+                      _Wait(0.0, first=slow)),
+        nn.Linear(16, 16), nn.Linear(16, 4))
+    return hybridpar.balance_by_time(2, model, torch.randn(8, 16), timeout=0.3, tp=2)
 
 
 def test_profiling_a_sharded_layer_repeats_it_the_same_number_of_times_on_every_rank():
@@ -54,7 +170,12 @@ def test_profiling_a_sharded_layer_repeats_it_the_same_number_of_times_on_every_
     # a real tp group runs collectives, and two ranks that stopped after different numbers of
     # repeats left one waiting in an all-reduce the other never joined ("Connection closed by
     # peer" once the other exited). The ranks now agree on every repeat (an all-reduce MAX of
-    # "I want more"); tests/test_balance_tp.py runs it on two ranks.
-    from hybridpar.balance.tp import collective_group
-
-    assert collective_group(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) is None
+    # "I want more", `balance.profile._time_layer`; fixed in 3164838). Here rank 1's slow
+    # warm-up starts its clock 0.3 s after rank 0's: rank 0's budget (0.1 s per layer) is spent
+    # after its first two repeats, rank 1's only after ~16.
+    # Checked: with `more()` returning the rank's own wish (no all-reduce), this test fails
+    # (3 runs of 3): rank 1 raises "ValueError: layer 0 ('0', Sequential) failed on an input
+    # of shape (8, 16) float32: RuntimeError: [...gloo/transport/tcp/pair.cc:553] Connection
+    # closed by peer" in the row layer's all-reduce, after rank 0 finished and exited.
+    balances = hybridpar.spawn(_profile_worker, 2, timeout=60)
+    assert balances == [[1, 2], [1, 2]]   # layer 0 (5 ms a repeat) dominates on both ranks
