@@ -1,6 +1,7 @@
-"""ParallelLinear, ParallelEmbedding and RegisterParallelDim: torchshard's layers, same numbers.
+"""ParallelLinear, ParallelConv1D, RegisterParallelDim: torchshard's linear layers, same numbers.
 
-Each layer holds this rank's shard of the full weight:
+`ParallelEmbedding` lives in `embedding` and is re-exported here. Each layer holds this rank's
+shard of the full weight:
 
     layer               dim      weight (local)      bias (local)    output
     ParallelLinear      None     (out, in)           (out,)          (*, out)
@@ -25,7 +26,6 @@ replace the Parameter objects).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,71 +33,20 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import register_parallel_attribute, register_parallel_dim
-from hybridpar.tensor_parallel.functional import (
-    check_parallel_dim,
-    parallel_embedding,
-    parallel_linear,
-)
+from hybridpar.tensor_parallel.base import ParallelLayer
+from hybridpar.tensor_parallel.embedding import ParallelEmbedding
+from hybridpar.tensor_parallel.functional import check_parallel_dim, parallel_linear
 from hybridpar.tensor_parallel.fused import FUSED_ATTR, fused_shard_of
-from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_sizes
-from hybridpar.tensor_parallel.state import register_full_shape, shard_of
-from hybridpar.topology import default_tp_group
+from hybridpar.tensor_parallel.state import (
+    register_ddp_parameters_to_ignore,
+    register_full_shape,
+    shard_of,
+)
 
 __all__ = ["ParallelConv1D", "ParallelEmbedding", "ParallelLinear", "RegisterParallelDim"]
 
 
-class _GroupRef:
-    """Holds a process group; deep copies share it (a ProcessGroup cannot be copied)."""
-
-    __slots__ = ("group",)
-
-    def __init__(self, group: ProcessGroup | None) -> None:
-        self.group = group
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _GroupRef:
-        return self
-
-
-class _ParallelLayer(nn.Module):
-    """What the parallel layers share: the group, tags kept on their Parameters."""
-
-    dim: int | None
-    _group_ref: _GroupRef
-
-    def _setup_group(self, dim: int | None, group: ProcessGroup | None, what: str) -> None:
-        check_parallel_dim(dim, what)
-        self.dim = dim
-        if dim is not None and group is None:
-            group = default_tp_group()  # RuntimeError before hybridpar.init
-        self._group_ref = _GroupRef(group if dim is not None else None)
-
-    @property
-    def group(self) -> ProcessGroup | None:
-        """The tp group the weight is sharded over (None when dim is None)."""
-        return self._group_ref.group
-
-    @property
-    def tp_size(self) -> int:
-        return group_size(self.group)
-
-    @property
-    def tp_rank(self) -> int:
-        return group_rank(self.group)
-
-    def _tag_parameters(self) -> None:
-        raise NotImplementedError
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._tag_parameters()  # deepcopy / pickle build new Parameters without attributes
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Any:
-        out = super()._apply(fn, recurse)
-        self._tag_parameters()  # to_empty / to may swap in new Parameter objects
-        return out
-
-
-class ParallelLinear(_ParallelLayer):
+class ParallelLinear(ParallelLayer):
     """`nn.Linear` whose weight is split over the tp group by output (dim=1 / -1) or input (0).
 
     dim=None is a plain `nn.Linear`. Column-parallel (dim=1 / -1): rows of the weight and
@@ -256,8 +205,6 @@ class ParallelLinear(_ParallelLayer):
             converted = module
         # DDP must neither broadcast the shards from rank 0 nor average their gradients
         # over the tp ranks (torchshard's conversions register them the same way)
-        from hybridpar.tensor_parallel.state import register_ddp_parameters_to_ignore
-
         register_ddp_parameters_to_ignore(converted)
         return converted
 
@@ -320,126 +267,6 @@ class ParallelConv1D(ParallelLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         return parallel_linear(x, self.weight.t(), self.bias, self.dim, group=self.group)
-
-
-class ParallelEmbedding(_ParallelLayer):
-    """`nn.Embedding` whose table is split over the tp group by vocabulary (0) or features.
-
-    dim=None is a plain `nn.Embedding`. Vocab-parallel (dim=0): each rank holds rows
-    ``shard_range(num_embeddings, tp, rank)`` (uneven allowed) and looks up the ids it owns;
-    the partial outputs are all-reduced. Feature-parallel (dim=1 / -1): each rank holds
-    columns ``shard_range(embedding_dim, tp, rank)``; the output is all-gathered. Both give
-    full, untagged outputs. `max_norm` works with dim None and 0 only.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0,
-                 scale_grad_by_freq: bool = False, sparse: bool = False,
-                 _weight: Tensor | None = None, dim: int | None = None, *,
-                 _freeze: bool = False, group: ProcessGroup | None = None,
-                 device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self._setup_group(dim, group, "ParallelEmbedding")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"padding_idx={padding_idx} must be within the vocabulary "
-                                 f"[-{num_embeddings}, {num_embeddings})")
-            padding_idx %= num_embeddings
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.padding_idx = padding_idx
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.scale_grad_by_freq = scale_grad_by_freq
-        self.sparse = sparse
-        tp, rank = self.tp_size, self.tp_rank
-        shape = [num_embeddings, embedding_dim]
-        if dim is not None:
-            shape[0 if dim == 0 else 1] = shard_sizes(shape[0 if dim == 0 else 1], tp)[rank]
-        if _weight is None:
-            self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype),
-                                       requires_grad=not _freeze)
-            self._tag_parameters()
-            self.reset_parameters()
-        else:
-            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
-                raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected the full "
-                                 f"table ({num_embeddings}, {embedding_dim})")
-            # as nn.Embedding: dim=None uses the given tensor itself; shards are copies
-            weight = _weight if dim is None else torch.empty(
-                shape, device=_weight.device, dtype=_weight.dtype)
-            self.weight = nn.Parameter(weight, requires_grad=not _freeze)
-            self._tag_parameters()
-            if dim is not None:
-                with torch.no_grad():
-                    self.weight.copy_(shard_of(_weight, self.weight, self.group))
-
-    def _tag_parameters(self) -> None:
-        # order type 1: the table (V, D) is read as is; dim 0 = vocabulary, -1 = features
-        register_parallel_attribute(self.weight, -1 if self.dim == 1 else self.dim, 1)
-        register_full_shape(self.weight, (self.num_embeddings, self.embedding_dim))
-
-    def reset_parameters(self) -> None:
-        """Re-initialize as `nn.Embedding` would (N(0, 1), padding row zero), keep the slice."""
-        if self.weight.is_meta:
-            return
-        full = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx,
-                            device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(shard_of(full.weight, self.weight, self.group))
-
-
-    def slice_parameters(self) -> None:
-        """torchshard's second construction step; the table is sliced from the start here."""
-
-    @classmethod
-    def convert_parallel_embedding(cls, module: nn.Module, dim: int | None = None, *,
-                                   group: ProcessGroup | None = None) -> nn.Module:
-        """Replace every `nn.Embedding` in `module` (recursively) by a `ParallelEmbedding`
-        holding its slice (dim 0: vocab, 1 / -1: features; None: the same Parameter), no
-        random number drawn; the shards are registered for DDP to ignore. Returns `module`,
-        or the new layer when `module` is itself an `nn.Embedding`."""
-        from hybridpar.tensor_parallel.layer_graph import to_parallel_embedding
-        from hybridpar.tensor_parallel.state import register_ddp_parameters_to_ignore
-
-        converted: nn.Module
-        if isinstance(module, nn.Embedding):
-            if dim is None:
-                converted = cls(module.num_embeddings, module.embedding_dim, module.padding_idx,
-                                module.max_norm, module.norm_type, module.scale_grad_by_freq,
-                                module.sparse, dim=None, group=group, device="meta")
-                converted.register_parameter("weight", module._parameters["weight"])
-            else:
-                converted = to_parallel_embedding(
-                    module, group if group is not None else default_tp_group(), dim=dim)
-        else:
-            for name, child in module.named_children():
-                new = cls.convert_parallel_embedding(child, dim, group=group)
-                if new is not child:
-                    setattr(module, name, new)
-            converted = module
-        register_ddp_parameters_to_ignore(converted)
-        return converted
-    def forward(self, x: Tensor) -> Tensor:
-        return parallel_embedding(
-            x, self.weight, self.padding_idx, self.max_norm, self.norm_type,
-            self.scale_grad_by_freq, self.sparse, num_embeddings=self.num_embeddings,
-            dim=self.dim, embedding_dim=self.embedding_dim, group=self.group)
-
-    def extra_repr(self) -> str:
-        s = f"{self.num_embeddings}, {self.embedding_dim}"
-        if self.padding_idx is not None:
-            s += f", padding_idx={self.padding_idx}"
-        if self.max_norm is not None:
-            s += f", max_norm={self.max_norm}"
-        if self.norm_type != 2.0:
-            s += f", norm_type={self.norm_type}"
-        if self.scale_grad_by_freq:
-            s += ", scale_grad_by_freq=True"
-        if self.sparse:
-            s += ", sparse=True"
-        return s + f", dim={self.dim}"
 
 
 class RegisterParallelDim(nn.Module):

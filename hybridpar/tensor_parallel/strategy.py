@@ -45,18 +45,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
-from hybridpar.tensor_parallel.layer_graph import (
-    DECISIONS_ATTR,
-    ELEMENTWISE,
-    KeepTag,
-    Layers,
-    TagShardedInput,
-    to_parallel_embedding,
-)
-from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
+from hybridpar.tensor_parallel.attrs import register_parallel_dim
+from hybridpar.tensor_parallel.layer_graph import DECISIONS_ATTR, Layers
+from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
 from hybridpar.tensor_parallel.mappings import gather_from_group, group_size
-from hybridpar.tensor_parallel.random import ParallelDropout
+from hybridpar.tensor_parallel.pairing import (
+    RUN_ORDER,
+    convert_layer,
+    gather_unlinked,
+    link_shards,
+)
 from hybridpar.topology import default_tp_group
 
 __all__ = ["Strategy", "StrategyPlan", "apply_strategies", "prepare_strategies", "shard",
@@ -228,30 +226,7 @@ def prepare_strategies(module: nn.Module, parameter_plan: Mapping[str, Any] | No
     return out
 
 
-# hooks (module-level classes, so deepcopy keeps them) -------------------------------------------
-
-class _GatherOutput:
-    """Forward hook of a column layer no row layer follows: all-gather the output features."""
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        assert isinstance(module, ParallelLinear)
-        if not isinstance(output, Tensor) or get_parallel_dim(output) not in (-1, 1):
-            return None
-        return gather_from_group(output, module.group, dim=-1)       # (*, out) untagged
-
-
-class _TagNarrowInput:
-    """Forward pre-hook between a column and a row layer: an untagged shard is tagged again."""
-
-    def __init__(self, width: int) -> None:
-        self.width = width
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0] if args else None
-        if isinstance(x, Tensor) and x.dim() > 0 and get_parallel_dim(x) is None and \
-                x.shape[-1] == self.width:
-            register_parallel_dim(x, -1)
-
+# the in_strategy hook (a module-level class, so deepcopy keeps it) ------------------------------
 
 class _ShardedInputs:
     """Forward pre-hook of the sharded module: tag or all-gather the inputs in_strategy splits."""
@@ -293,82 +268,16 @@ class _ShardedInputs:
 
 # applying a plan --------------------------------------------------------------------------------
 
-def _convert(old: Any, kind: str, group: ProcessGroup) -> nn.Module:
-    """The parallel layer holding this rank's slice of the Linear / Embedding `old` (no RNG)."""
-    if kind not in ("column", "row"):
-        return to_parallel_embedding(old, group, dim=0 if kind == "vocab" else -1)
-    w = old.weight
-    new = ParallelLinear(old.in_features, old.out_features, old.bias is not None,
-                         -1 if kind == "column" else 0, group=group, device="meta",
-                         dtype=w.dtype)
-    if not w.is_meta:
-        new.to_empty(device=w.device)
-        new._load_full(w, old.bias)
-    if new.bias is not None:
-        new.bias.requires_grad_(old.bias.requires_grad)
-    if kind == "row":
-        new.register_forward_pre_hook(TagShardedInput())
-    new.weight.requires_grad_(w.requires_grad)
-    new.train(old.training)
-    return new
-
-
-def _chain(parent: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
-    """`parent`'s children in registration (run) order, nested nn.Sequential flattened."""
-    items: list[tuple[str, nn.Module]] = []
-    for key, child in parent.named_children():
-        if isinstance(child, nn.Sequential):
-            items.extend(_chain(child, f"{prefix}{key}."))
-        else:
-            items.append((f"{prefix}{key}", child))
-    return items
-
-
-def _passes_shard(m: nn.Module) -> bool:
-    return isinstance(m, (*ELEMENTWISE, RegisterParallelDim))
-
-
 def _link(root: nn.Module, ours: set[int], group: ProcessGroup) -> list[str]:
     """Keep column -> row shards flowing (hooks between), gather other column outputs."""
-    notes: list[str] = []
-    paired: set[int] = set()
-    parents = [("", root)] + [(n, m) for n, m in root.named_modules()
-                              if n and not isinstance(m, nn.Sequential | nn.MultiheadAttention)]
-    for parent_name, parent in parents:
-        chain = _chain(parent, f"{parent_name}." if parent_name else "")
-        for i, (a_name, a) in enumerate(chain):
-            if not (isinstance(a, ParallelLinear) and a.dim in (1, -1)):
-                continue
-            j = i + 1
-            while j < len(chain) and _passes_shard(chain[j][1]):
-                j += 1
-            b_name, b = chain[j] if j < len(chain) else ("", None)
-            if not (isinstance(b, ParallelLinear) and b.dim == 0 and
-                    b.in_features == a.out_features) or not {id(a), id(b)} & ours:
-                continue
-            paired.add(id(a))
-            width = a.out_features // a.tp_size
-            for key, m in chain[i + 1:j]:
-                if type(m) is nn.Dropout:  # exactly nn.Dropout: no parameter, no state
-                    new = ParallelDropout(m.p, m.inplace, parity=True, group=group)
-                    new.train(m.training)
-                    owner, _, attr = key.rpartition(".")
-                    setattr(root.get_submodule(owner), attr, new)
-                    m = new
-                if isinstance(m, ParallelDropout) and m.group is None:
-                    m.group = group     # it now sees shards of this group
-                hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
-                if not any(isinstance(h, _TagNarrowInput | KeepTag) for h in hooks):
-                    m.register_forward_pre_hook(_TagNarrowInput(width))
-                    m.register_forward_hook(KeepTag())
-            between = ", ".join(k for k, _ in chain[i + 1:j])
-            notes.append(f"{a_name} -> {b_name}: the shard flows on"
-                         + (f", re-tagged by {between}" if between else ""))
-    for name, m in root.named_modules():
-        if id(m) in ours and isinstance(m, ParallelLinear) and m.dim == -1 and \
-                id(m) not in paired:
-            m.register_forward_hook(_GatherOutput())
-            notes.append(f"{name or '(the module)'}: output all-gathered (no row layer follows)")
+    links = link_shards(root, group, RUN_ORDER, only=ours)
+    notes = [f"{link.producer} -> {link.consumer}: the shard flows on"
+             + (f", re-tagged by {', '.join(link.between)}" if link.between else "")
+             for link in links]
+    columns = [m for m in root.modules() if id(m) in ours and isinstance(m, ParallelLinear)
+               and m.dim == -1]
+    notes += [f"{name or '(the module)'}: output all-gathered (no row layer follows)"
+              for name in gather_unlinked(root, columns, links)]
     return notes
 
 
@@ -393,7 +302,7 @@ def apply_strategies(module: nn.Module, plan: StrategyPlan, group: ProcessGroup
             ", ".join(plan.given[name])
         if kind == "replicate":
             continue
-        new = _convert(old, kind, group)
+        new = convert_layer(old, kind, group)
         ours.add(id(new))
         if not name:
             module = new

@@ -35,8 +35,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import register_parallel_attribute, register_parallel_dim
-from hybridpar.tensor_parallel.dense_async import async_gather_linear, async_scatter_linear
-from hybridpar.tensor_parallel.layers import _ParallelLayer
+from hybridpar.tensor_parallel.base import ParallelLayer
+from hybridpar.tensor_parallel.feature.dense_async import async_gather_linear, async_scatter_linear
 from hybridpar.tensor_parallel.mappings import (
     gather_grad_scatter,
     reduce_scatter_group,
@@ -49,7 +49,7 @@ __all__ = ["MODES", "TPDense"]
 MODES = ("gather", "scatter", "none")
 
 
-class TPDense(_ParallelLayer):
+class TPDense(ParallelLayer):
     """Dense layer on feature-sharded activations: mode 'gather', 'scatter' or 'none'.
 
     Options (keyword-only): `bias`; `skip_communication` leaves the all-gather (gather mode:
@@ -99,6 +99,30 @@ class TPDense(_ParallelLayer):
             self.register_parameter("bias", None)
         self._tag_parameters()
         self.reset_parameters()
+
+    @classmethod
+    def from_module(cls, module: nn.Linear, *, mode: str, group: ProcessGroup | None = None,
+                    async_comm: bool = False, bidirectional: bool = True) -> TPDense:
+        """A TPDense holding this rank's slice of the `nn.Linear` `module` (no random number).
+
+        The values are kept (a meta `module` gives a meta layer); `requires_grad` and the
+        training mode follow `module`'s. What `tp_plan`'s dense styles build.
+        """
+        w, b = module.weight, module.bias
+        new = cls(module.in_features, module.out_features, mode=mode, bias=b is not None,
+                  async_comm=async_comm, bidirectional=bidirectional, group=group,
+                  device="meta", dtype=w.dtype)
+        if not w.is_meta:
+            new.to_empty(device=w.device)
+            with torch.no_grad():
+                new.weight.copy_(shard_of(w.detach(), new.weight, new.group))
+                if new.bias is not None and b is not None:
+                    new.bias.copy_(shard_of(b.detach(), new.bias, new.group))
+        new.weight.requires_grad_(w.requires_grad)
+        if new.bias is not None and b is not None:
+            new.bias.requires_grad_(b.requires_grad)
+        new.train(module.training)
+        return new
 
     def _check_divisible(self, tp: int) -> None:
         mode, skip = self.mode, self.skip_communication

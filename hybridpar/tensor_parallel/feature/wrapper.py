@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.layers import _GroupRef
+from hybridpar.tensor_parallel.base import GroupRef
 from hybridpar.tensor_parallel.mappings import group_rank, group_size
 from hybridpar.topology import default_tp_group
 
@@ -44,7 +44,7 @@ class ModelParallelismWrapper(nn.Module):
             raise TypeError(f"module_fn must be a callable returning an nn.Module, got "
                             f"{type(module_fn).__name__}")
         group = group if group is not None else default_tp_group()
-        self._group_ref = _GroupRef(group)
+        self._group_ref = GroupRef(group)
         n, rank = group_size(group), group_rank(group)
         if mask_except_model_idx is not None and not (
                 isinstance(mask_except_model_idx, int) and 0 <= mask_except_model_idx < n):
