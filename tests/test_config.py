@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridpar.balance import BALANCERS
 from hybridpar.train import Config, ConfigError, load_config
 from hybridpar.train.config import ParallelConfig, TrainConfig, write_resolved
 
@@ -254,16 +255,19 @@ def test_pp_larger_than_the_layers_is_rejected(small):
 
 @pytest.mark.parametrize("balance, expected", [
     ("[2, 3]", None),
-    ("[5]", "has 1 stages for pp=2"),
-    ("[2, 2]", "covers 4 layers"),
-    ("[0, 5]", "has an empty stage"),
+    ("[5]", "has 1 stages but the pipeline has pp=2"),
+    ("[2, 2]", "covers 4 layers but model 'gpt' has 5"),
+    ("[0, 5]", "has a stage with no layer"),
 ])
 def test_a_list_balance_must_cover_the_model_in_pp_stages(small, balance, expected):
+    # the rule and its words are HybridPipe's (`pipeline.partition.balance_problem`)
     if expected is None:
         assert load_config(small, [f"parallel.balance={balance}"]).parallel.balance == [2, 3]
     else:
         message = error_of(small, f"parallel.balance={balance}")
         assert expected in message and "summing to the 5 layers" in message
+        assert message.endswith("or one of " + ", ".join(map(repr, BALANCERS)) +
+                                f" (from --set parallel.balance={balance})")
 
 
 def test_batch_size_must_divide_by_dp(small):

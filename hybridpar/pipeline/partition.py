@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["check_balance", "check_sequential", "free_layers", "materialize", "split",
-           "stage_bounds"]
+__all__ = ["balance_problem", "check_balance", "check_sequential", "free_layers", "materialize",
+           "split", "stage_bounds"]
 
 _BALANCE_HINT = ("give one layer count per stage, or use balance='time' / 'size' / 'params' / "
                  "'uniform' (hybridpar.balance_by_time, balance_by_size)")
@@ -50,19 +50,31 @@ def check_balance(module: nn.Sequential, balance: Sequence[int], stages: int) ->
     counts = list(balance)
     if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
         raise TypeError(f"balance must hold integers, got {counts}; {_BALANCE_HINT}")
-    if len(counts) != stages:
-        raise ValueError(
-            f"balance {counts} has {len(counts)} stages but the pipeline has pp={stages}; "
-            f"{_BALANCE_HINT}"
-        )
-    if any(c < 1 for c in counts):
-        raise ValueError(f"balance {counts} has a stage with no layer; every entry must be >= 1")
-    if sum(counts) != len(module):
-        raise ValueError(
-            f"balance {counts} covers {sum(counts)} layers but the model has {len(module)}; "
-            f"give counts that sum to {len(module)}, or use balance='time'"
-        )
+    problem = balance_problem(counts, stages, len(module))
+    if problem is not None:
+        raise ValueError(problem)
     return counts
+
+
+def balance_problem(balance: Sequence[int], stages: int, layers: int, *,
+                    name: str = "balance", model: str = "the model") -> str | None:
+    """What is wrong with the layer counts `balance` for `stages` stages over `layers` layers,
+    as one line that says how to fix it (None: nothing).
+
+    The one rule `HybridPipe` (`check_balance`) and the config's ``parallel.balance`` share;
+    `name` and `model` say which balance and which model the line is about.
+    """
+    counts = list(balance)
+    problem = (f"has {len(counts)} stages but the pipeline has pp={stages}"
+               if len(counts) != stages else
+               "has a stage with no layer" if any(c < 1 for c in counts) else
+               f"covers {sum(counts)} layers but {model} has {layers}"
+               if sum(counts) != layers else None)
+    if problem is None:
+        return None
+    return (f"{name} {counts} {problem}; give one layer count per stage (pp={stages}), each at "
+            f"least 1, summing to the {layers} layers of {model}, or one of 'time', 'size', "
+            "'params', 'uniform'")
 
 
 def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:

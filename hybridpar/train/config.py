@@ -37,6 +37,7 @@ from hybridpar.files import atomic_write_text
 from hybridpar.models.gpt import check_gpt_config
 from hybridpar.models.registry import build, builder, has_synthetic_data, takes_tokens
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
+from hybridpar.pipeline.partition import balance_problem
 from hybridpar.pipeline.schedule import SCHEDULES
 from hybridpar.tensor_parallel.hf_plan import HF_STYLES
 from hybridpar.tensor_parallel.plan import STYLES
@@ -349,15 +350,10 @@ def _check_layout(cfg: Config, where: _Where) -> Config:
                           f"model {model.name!r}; choose pp between 1 and {layers}",
                           "parallel.pp")
     if isinstance(par.balance, list):
-        b = par.balance
-        problem = (f"has {len(b)} stages for pp={par.pp}" if len(b) != par.pp else
-                   "has an empty stage" if min(b, default=0) < 1 else
-                   f"covers {sum(b)} layers" if sum(b) != layers else None)
-        if problem:
-            raise where.error(
-                f"parallel.balance {b} {problem}; give pp={par.pp} positive layer counts "
-                f"summing to the {layers} layers of model {model.name!r}, or one of "
-                f"{', '.join(map(repr, BALANCERS))}", "parallel.balance", "parallel.pp")
+        problem = balance_problem(par.balance, par.pp, layers, name="parallel.balance",
+                                  model=f"model {model.name!r}")
+        if problem is not None:
+            raise where.error(problem, "parallel.balance", "parallel.pp")
     if par.dp is not None and train.batch_size % par.dp:
         raise where.error(f"train.batch_size={train.batch_size} is not divisible by "
                           f"parallel.dp={par.dp}; each replica takes batch_size / dp samples",
