@@ -6,7 +6,7 @@ import contextlib
 import datetime
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,6 +102,21 @@ def _as_chunks(chunks: object) -> int:
     return value
 
 
+def _check_layer_names(pipe: nn.Module, names: Sequence[str]) -> None:
+    """A `ValueError` when a layer's name is an attribute of the pipe (``"checkpoint"``).
+
+    The pipe holds its stage's layers under their own names (layout-free parameter names), so
+    a layer may not take the name of one of its attributes. Every rank checks every layer's
+    name, so a clash on one stage stops all of them alike.
+    """
+    clash = [name for name in names if hasattr(pipe, name)]
+    if clash:
+        raise ValueError(
+            f"layer name(s) {clash} are attributes of HybridPipe (it keeps every layer under "
+            "its own name, so that parameter names stay those of the model); rename them, e.g. "
+            "nn.Sequential(OrderedDict([('ckpt', layer), ...])) instead of 'checkpoint'")
+
+
 def _watchdog_timeout(watchdog: bool | float | None, topo: Topology
                       ) -> datetime.timedelta | None:
     """None / True / seconds / False -> how long a step may make no progress (None: off).
@@ -149,7 +164,7 @@ class HybridPipe(nn.Module):
         super().__init__()
         check_sequential(module)
         chunks = _as_chunks(chunks)
-        checkpoint = check_checkpoint(checkpoint)   # a str subclass is accepted, as torchgpipe
+        checkpoint = check_checkpoint(checkpoint)   # any object whose str() is a mode
         self.schedule_fn = get_schedule(schedule)
         topo = topology if topology is not None else current_topology()
         self.tp_plan_decisions: list[str] = []
@@ -180,6 +195,7 @@ class HybridPipe(nn.Module):
         #: ``{name: canonical name}`` of parameters held under several names (`pipeline.tied`)
         self.tied_aliases = aliases(ties)
         self._state_keys = list(module.state_dict().keys())
+        names = list(module._modules)
         stages = split(module, counts)
         self._stage_keys = [[k for k in stage.state_dict() if k not in self.tied_aliases]
                             for stage in stages]
@@ -191,14 +207,12 @@ class HybridPipe(nn.Module):
             # a stage of its own: may fail on this rank only
             materialize(local, self.device, init_fn=init_fn)
             local.to(self.device)
-        for name, layer in local.named_children():
-            self.add_module(name, layer)
         # copies of a parameter tied across stages: equal at the start, gradients summed
         self._ties = TiedGroups(ties, dict(local.named_parameters(remove_duplicate=False)),
                                 topo)
         self._ties.sync()
         # dp averaging in buckets launched during each step's last backward (no-op at dp=1)
-        self._dp_buckets = GradBuckets(list(self.parameters()),
+        self._dp_buckets = GradBuckets(list(local.parameters()),
                                        topo.dp_group if topo.dp > 1 else None)
         self._route_pairs = [(r.src, r.dst) for r in routes]
         self._programs: dict[tuple[int, bool], list[Any]] = {}
@@ -211,12 +225,59 @@ class HybridPipe(nn.Module):
             device=self.device, p2p_tags=topo.p2p_tags,
             watchdog=_watchdog_timeout(watchdog, topo)))
         self._loss = LossShare(topo, self._guard)
+        # the stage's layers, last: a name every rank checks against the pipe's attributes
+        _check_layer_names(self, names)
+        for name, layer in local.named_children():
+            self.add_module(name, layer)
 
     # the local stage ---------------------------------------------------------------------
     @property
     def partition(self) -> nn.Sequential:
         """This rank's stage as an `nn.Sequential` (original layer names)."""
         return self._executor.spec.partition
+
+    # sequence-like over this stage's layers, as torchgpipe's GPipe over the whole model
+    def __len__(self) -> int:
+        return len(self.partition)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self.partition[index]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.partition)
+
+    # moving is denied (as torchgpipe): the stage lives on `topology.device`; casts are allowed
+    def cuda(self, device: int | torch.device | None = None) -> HybridPipe:
+        target = torch.device("cuda", device) if isinstance(device, int) else \
+            torch.device(device if device is not None else "cuda")
+        self._deny_move(target)
+        return super().cuda(device)
+
+    def cpu(self) -> HybridPipe:
+        self._deny_move(torch.device("cpu"))
+        return super().cpu()
+
+    def to(self, *args: Any, **kwargs: Any) -> HybridPipe:
+        device = kwargs.get("device", args[0] if args else None)
+        tensor = kwargs.get("tensor", device if isinstance(device, Tensor) else None)
+        if tensor is not None:
+            self._deny_move(tensor.device)
+        elif isinstance(device, int) and not isinstance(device, bool):
+            self._deny_move(torch.device(
+                "cuda" if self.device.type == "cpu" else self.device.type, device))
+        elif isinstance(device, (str, torch.device)):
+            self._deny_move(torch.device(device))
+        return super().to(*args, **kwargs)
+
+    def _deny_move(self, target: torch.device) -> None:
+        """A `TypeError` unless `target` is this stage's device (then nothing moves)."""
+        if target.type == self.device.type and target.index in (None, self.device.index):
+            return
+        raise TypeError(
+            f"HybridPipe keeps its stage on {self.device} (topology.device) and cannot move it "
+            f"to {target}: the stage's messages and micro-batches live there. Choose the device "
+            "through hybridpar.init (one device per rank, cuda:LOCAL_RANK with NCCL); casting is "
+            "allowed (pipe.to(torch.bfloat16))")
 
     @property
     def recorder(self) -> tracing.Recorder:
@@ -259,6 +320,9 @@ class HybridPipe(nn.Module):
         """
         inputs, targets, weights = self._microbatches(input, target)
         actions = self._program(len(inputs), train=True)
+        # as torchgpipe: `checkpoint` as it is now, and no checkpointing in evaluation mode
+        self._executor.spec.checkpoint = check_checkpoint(self.checkpoint) \
+            if self.training else "never"
         with self._recording("train_step", len(inputs)):
             self._loss.post()
             result = self._executor.run(actions, inputs=inputs, targets=targets,

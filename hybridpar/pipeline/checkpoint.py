@@ -32,8 +32,9 @@ CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 def check_checkpoint(mode: object) -> str:
-    """`mode` itself if it is a checkpoint mode, else a `ValueError` listing the modes."""
-    if mode not in CHECKPOINT_MODES:
+    """``str(mode)`` if it is a checkpoint mode (as torchgpipe, any object whose `str` is one),
+    else a `ValueError` listing the modes."""
+    if str(mode) not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
                          f"got {mode!r}")
     return str(mode)
