@@ -130,42 +130,13 @@ class StageExecutor(StageStops):
             agreed=self.book.get(key),            # None: this step learns the specs
             mbs=[MicroBatch(key=torch.empty(0)) for _ in range(len(weights))],
             what=what, actions=list(actions))
-        last_backward = max((k for k, a in enumerate(self.step.actions) if a.kind == BACKWARD),
-                            default=-1)
-        handlers = {RECV_F: self._communicate, FORWARD: self._forward,
-                    SEND_F: self._communicate, RECV_B: self._communicate,
-                    BACKWARD: self._backward, SEND_B: self._communicate,
-                    GROUP: lambda _: None}
-        recorder = self.recorder
-        recorder.stage, recorder.microbatch = self.spec.stage, -1
+        self.recorder.stage, self.recorder.microbatch = self.spec.stage, -1
         if self.watchdog is not None:
             self.watchdog.enter()
         try:
             with trace.span("step"):
-                for index, action in enumerate(self.step.actions):
-                    self.step.at, self.step.waiting = index, ""
-                    recorder.microbatch = action.microbatch  # tags the events of this action
-                    try:
-                        if action.kind in COMPUTE or action.kind == GROUP:
-                            self._issue(index)
-                        if index == last_backward and before_last_backward is not None:
-                            before_last_backward()
-                        if index not in self.step.prefetched:
-                            handlers[action.kind](action)
-                    except Exception as e:
-                        self._raise(e, index)
-                    self.step.last_done = action
-                    if self.watchdog is not None:
-                        self.watchdog.beat()
-                recorder.microbatch = -1
-                self.step.at = len(self.step.actions)
-                try:
-                    self._issue(len(self.step.actions))
-                    with trace.span("wait"):
-                        for works, what_, stage in self.step.sends:
-                            self._wait(works, what_, stage)
-                except Exception as e:
-                    self._raise(e, len(self.step.actions))
+                self._run_actions(before_last_backward)
+                self._finish_sends()
         finally:
             if self.watchdog is not None:
                 self.watchdog.leave()
@@ -177,6 +148,45 @@ class StageExecutor(StageStops):
             self.book.commit(key, self.step.learned)
         self.step.mbs, self.step.sends = [], []
         return StepResult(self.step.loss_sum, self.step.outputs)
+
+    def _run_actions(self, before_last_backward: Callable[[], None] | None) -> None:
+        """Do the step's actions in order; a compute (or GROUP) first issues the group queued
+        before it."""
+        actions = self.step.actions
+        last_backward = max((k for k, a in enumerate(actions) if a.kind == BACKWARD),
+                            default=-1)
+        handlers = {RECV_F: self._communicate, FORWARD: self._forward,
+                    SEND_F: self._communicate, RECV_B: self._communicate,
+                    BACKWARD: self._backward, SEND_B: self._communicate,
+                    GROUP: lambda _: None}
+        recorder = self.recorder
+        for index, action in enumerate(actions):
+            self.step.at, self.step.waiting = index, ""
+            recorder.microbatch = action.microbatch  # tags the events of this action
+            try:
+                if action.kind in COMPUTE or action.kind == GROUP:
+                    self._issue(index)
+                if index == last_backward and before_last_backward is not None:
+                    before_last_backward()
+                if index not in self.step.prefetched:
+                    handlers[action.kind](action)
+            except Exception as e:
+                self._raise(e, index)
+            self.step.last_done = action
+            if self.watchdog is not None:
+                self.watchdog.beat()
+        recorder.microbatch = -1
+
+    def _finish_sends(self) -> None:
+        """Issue what is still queued, then wait for every send of the step."""
+        self.step.at = len(self.step.actions)
+        try:
+            self._issue(len(self.step.actions))
+            with trace.span("wait"):
+                for works, what, stage in self.step.sends:
+                    self._wait(works, what, stage)
+        except Exception as e:
+            self._raise(e, len(self.step.actions))
 
     def _issue(self, index: int) -> None:
         """Issue the communication queued since the last compute as one group.
