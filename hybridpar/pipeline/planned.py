@@ -1,0 +1,60 @@
+"""The plans by name: what `hybridpar schedule` simulates; `schedule.SCHEDULES` is what runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hybridpar.pipeline.interleaved import interleaved_1f1b
+from hybridpar.pipeline.plan import Plan, check_size, from_schedule
+from hybridpar.pipeline.schedule import gpipe, one_f_one_b
+from hybridpar.pipeline.zero_bubble import zb_h1, zbv
+
+__all__ = ["PLANS", "RUNNABLE", "get_plan"]
+
+# name           virtual stages per rank   HybridPipe runs it
+# gpipe          1                         yes (schedule="gpipe")
+# 1f1b           1                         yes (schedule="1f1b")
+# interleaved    v >= 2 (default 2)        not yet
+# zb-h1          1                         not yet
+# zbv            2                         not yet
+Builder = Callable[..., Plan]   # (ranks, microbatches, *, virtual=None) -> Plan
+
+
+def _fixed(fn: Callable[[int, int], Plan], v: int, name: str) -> Builder:
+    def build(ranks: int, microbatches: int, *, virtual: int | None = None) -> Plan:
+        if virtual is not None and virtual != v:
+            raise ValueError(f"schedule {name!r} has {v} virtual stage{'s' * (v > 1)} per "
+                             f"rank, got virtual={virtual}; leave it out, or use "
+                             f"'interleaved' for other counts")
+        return fn(ranks, microbatches)
+    return build
+
+
+def _interleaved(ranks: int, microbatches: int, *, virtual: int | None = None) -> Plan:
+    return interleaved_1f1b(ranks, microbatches, 2 if virtual is None else virtual)
+
+
+def _from(schedule: Callable[[int, int], list], name: str) -> Callable[[int, int], Plan]:
+    def build(ranks: int, microbatches: int) -> Plan:
+        check_size("ranks", ranks)
+        return from_schedule(schedule(ranks, microbatches), name=name)
+    return build
+
+
+PLANS: dict[str, Builder] = {
+    "gpipe": _fixed(_from(gpipe, "gpipe"), 1, "gpipe"),
+    "1f1b": _fixed(_from(one_f_one_b, "1f1b"), 1, "1f1b"),
+    "interleaved": _interleaved,
+    "zb-h1": _fixed(zb_h1, 1, "zb-h1"),
+    "zbv": _fixed(zbv, 2, "zbv"),
+}
+RUNNABLE = ("gpipe", "1f1b")   # the executor runs only these (schedule.SCHEDULES)
+
+
+def get_plan(name: str) -> Builder:
+    """The plan builder registered under `name`: ``get_plan("zbv")(4, 8)``."""
+    try:
+        return PLANS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown schedule {name!r}; choose one of {', '.join(sorted(PLANS))}") from None
