@@ -109,7 +109,7 @@ def _export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `hybridpar` command line: every command and option (docs/reference.md shows it)."""
     from hybridpar import __version__
-    from hybridpar.balance import cli as balance_cli
+    from hybridpar.train.balance import add_parser as add_balance
     from hybridpar.train.check import add_parser as add_check
 
     parser = argparse.ArgumentParser(prog="hybridpar", description=(
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(commands)
     _add_export(commands)
-    balance_cli.add_parser(commands)
+    add_balance(commands)
     add_check(commands)
     commands.add_parser("env", help="print the versions and devices hybridpar sees")
     return parser
@@ -126,13 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hybridpar` console script."""
-    from hybridpar.balance import cli as balance_cli
+    from hybridpar.train.balance import run as balance
 
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
-    handlers = {"run": _run, "export": _export, "balance": balance_cli.run, "check": _check}
+    handlers = {"run": _run, "export": _export, "balance": balance, "check": _check}
     if args.command not in handlers:
         parser.print_help()
         return 0

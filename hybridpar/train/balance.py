@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +17,10 @@ from hybridpar.balance import (
     profile_layers,
     stage_table,
 )
+from hybridpar.files import atomic_write_text
+from hybridpar.models.registry import build
+from hybridpar.train.config import load_config
+from hybridpar.train.data import make_batches
 
 __all__ = ["add_parser", "run", "write_balance"]
 
@@ -39,10 +42,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Profile, print the table and the balance; with ``--write`` update the file."""
-    from hybridpar.models.registry import build
-    from hybridpar.train import load_config
-    from hybridpar.train.data import make_batches
-
     cfg = load_config(args.config, args.set)
     partitions = args.partitions if args.partitions is not None else cfg.parallel.pp
     tp = args.tp if args.tp is not None else cfg.parallel.tp
@@ -86,10 +85,10 @@ _BALANCE = re.compile(r"^(\s*)balance\s*=.*$")
 def write_balance(path: str | os.PathLike[str], balance: list[int]) -> None:
     """Set ``balance = [...]`` in the ``[parallel]`` table of a TOML file, keeping the rest.
 
-    The file is replaced atomically (a temporary file, then `os.replace`): a crash leaves the
+    The file is replaced atomically (`hybridpar.files.atomic_write_text`): a crash leaves the
     old file or the new one, never half of one.
     """
-    lines = Path(path).read_text().splitlines(keepends=True)
+    lines = Path(path).read_text(encoding="utf-8").splitlines(keepends=True)
     value = f"balance = {list(balance)}\n"
     section, header_at, done = None, None, False
     for i, line in enumerate(lines):
@@ -110,8 +109,4 @@ def write_balance(path: str | os.PathLike[str], balance: list[int]) -> None:
             lines.append(value)
         else:
             lines.insert(header_at + 1, value)
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(lines)
-    os.replace(tmp, target)
+    atomic_write_text(path, "".join(lines))
