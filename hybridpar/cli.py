@@ -1,4 +1,4 @@
-"""The `hybridpar` command line: `run`, `export`, `balance`, `check`, `env`.
+"""The `hybridpar` command line: `run`, `export`, `balance`, `check`, `schedule`, `env`.
 
 Errors in what the user gave (config, paths, options) print one line and exit with 2.
 """
@@ -71,6 +71,12 @@ def _add_export(commands: Any) -> None:
                    "(default: RUN_DIR/config.json next to RUN_DIR/checkpoints)")
 
 
+def _schedule(args: argparse.Namespace) -> int:
+    from hybridpar.train.schedule import main as schedule_main
+
+    return schedule_main(args)
+
+
 def _check(args: argparse.Namespace) -> int:
     from hybridpar.train.check import main as check_main
 
@@ -111,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridpar import __version__
     from hybridpar.train.balance import add_parser as add_balance
     from hybridpar.train.check import add_parser as add_check
+    from hybridpar.train.schedule import add_parser as add_schedule
 
     parser = argparse.ArgumentParser(prog="hybridpar", description=(
         "Pipeline x tensor x data parallel training for PyTorch."))
@@ -120,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(commands)
     add_balance(commands)
     add_check(commands)
+    add_schedule(commands)
     commands.add_parser("env", help="print the versions and devices hybridpar sees")
     return parser
 
@@ -132,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
-    handlers = {"run": _run, "export": _export, "balance": balance, "check": _check}
+    handlers = {"run": _run, "export": _export, "balance": balance, "check": _check,
+                "schedule": _schedule}
     if args.command not in handlers:
         parser.print_help()
         return 0
