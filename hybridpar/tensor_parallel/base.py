@@ -12,7 +12,7 @@ from hybridpar.tensor_parallel.functional import check_parallel_dim
 from hybridpar.tensor_parallel.mappings import group_rank, group_size
 from hybridpar.topology import default_tp_group
 
-__all__ = ["GroupRef", "ParallelLayer"]
+__all__ = ["GroupRef", "ParallelLayer", "convert_children"]
 
 
 class GroupRef:
@@ -64,3 +64,12 @@ class ParallelLayer(nn.Module):
         out = super()._apply(fn, recurse)
         self._tag_parameters()  # to_empty / to may swap in new Parameter objects
         return out
+
+
+def convert_children(module: nn.Module, convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """Replace every child of `module` that `convert` turns into another module; `module`."""
+    for name, child in module.named_children():
+        new = convert(child)
+        if new is not child:
+            setattr(module, name, new)
+    return module

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import register_parallel_attribute
-from hybridpar.tensor_parallel.base import ParallelLayer
+from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.functional import parallel_embedding
 from hybridpar.tensor_parallel.mappings import shard_sizes
 from hybridpar.tensor_parallel.state import (
@@ -123,11 +123,8 @@ class ParallelEmbedding(ParallelLayer):
                 converted = cls.from_module(
                     module, dim, group=group if group is not None else default_tp_group())
         else:
-            for name, child in module.named_children():
-                new = cls.convert_parallel_embedding(child, dim, group=group)
-                if new is not child:
-                    setattr(module, name, new)
-            converted = module
+            converted = convert_children(
+                module, lambda child: cls.convert_parallel_embedding(child, dim, group=group))
         register_ddp_parameters_to_ignore(converted)
         return converted
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import register_parallel_attribute, register_parallel_dim
-from hybridpar.tensor_parallel.base import ParallelLayer
+from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.embedding import ParallelEmbedding
 from hybridpar.tensor_parallel.functional import check_parallel_dim, parallel_linear
 from hybridpar.tensor_parallel.fused import FUSED_ATTR, fused_shard_of
@@ -198,11 +198,8 @@ class ParallelLinear(ParallelLayer):
         elif isinstance(module, nn.MultiheadAttention):
             return module
         else:
-            for name, child in module.named_children():
-                new = cls.convert_parallel_linear(child, dim, group=group)
-                if new is not child:
-                    setattr(module, name, new)
-            converted = module
+            converted = convert_children(
+                module, lambda child: cls.convert_parallel_linear(child, dim, group=group))
         # DDP must neither broadcast the shards from rank 0 nor average their gradients
         # over the tp ranks (torchshard's conversions register them the same way)
         register_ddp_parameters_to_ignore(converted)
