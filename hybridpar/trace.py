@@ -28,7 +28,8 @@ Two independent tools, both leaves that import nothing else of hybridpar:
       kind        span of                                       nested in
       step        one schedule run on this rank                 -
       forward     a stage's forward of micro-batch i (+ loss)   step
-      backward    its autograd backward                         step
+      backward    its autograd backward (I, under a split one)  step
+      weight      the deferred weight gradients (W)             step
       recompute   the forward again, for a checkpointed i       step
       send        posting a message to `peer` on `channel`      step
       recv        taking a message: waiting, payload, gather    step
@@ -96,7 +97,8 @@ def reset_comm_stats() -> None:
 
 # timeline ------------------------------------------------------------------------------------
 
-KINDS = ("step", "forward", "backward", "recompute", "send", "recv", "wait", "collective")
+KINDS = ("step", "forward", "backward", "recompute", "send", "recv", "wait", "collective",
+         "weight")
 OPS = ("", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "other")
 # One event is one row of int64s, so that rank 0 can gather them as a tensor:
 COLUMNS = ("kind", "op", "stage", "microbatch", "peer", "channel", "nbytes", "start", "end")

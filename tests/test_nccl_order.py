@@ -11,9 +11,7 @@ import pytest
 
 from hybridpar.pipeline.lowering import check_schedule, lower_stage
 from hybridpar.pipeline.replay import NCCLOrderError, P2POp, replay
-from hybridpar.pipeline.schedule import gpipe, one_f_one_b
-
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+from hybridpar.pipeline.schedule import SCHEDULES, one_f_one_b
 
 
 def send(peer, label="x", numel=4, dtype="float"):

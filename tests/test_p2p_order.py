@@ -98,6 +98,8 @@ def _worker(name, layout, balance, schedule):
     ("gpt", (2, 2), [2, 3], "gpipe"),     # scatter-gather: each tp rank sends 1/2
     ("gpt", (2, 2), [3, 2], "1f1b"),
     ("skipnet", (3, 1), [2, 2, 3], "1f1b"),  # skip channels between non-adjacent stages
+    ("gpt", (2, 2), [3, 2], "zb-h1"),
+    ("skipnet", (3, 1), [2, 2, 3], "zb-h1"),
 ])
 def test_changing_shapes_equal_one_device_and_known_shapes_send_no_header(name, layout, balance,
                                                                           schedule):

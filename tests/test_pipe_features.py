@@ -30,7 +30,7 @@ def test_dropout_on_one_stage_matches_the_plain_model_bit_for_bit():
 def test_dropout_masks_replay_exactly_under_every_checkpoint_mode_and_schedule():
     runs = {}
     for checkpoint in ("always", "except_last", "never"):
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
             runs[checkpoint, schedule] = hybridpar.spawn(pipe_worker, 2, args=(
                 "mlp", {"dropout": 0.3}, [2, 2], (2, 1, 1), 3, 8,
                 {"chunks": 4, "checkpoint": checkpoint, "schedule": schedule}), timeout=60)[0]
@@ -43,6 +43,7 @@ def test_dropout_masks_replay_exactly_under_every_checkpoint_mode_and_schedule()
             assert torch.equal(run["state"][k], v), (checkpoint, schedule, k)
     gpipe, one_f_one_b = runs["never", "gpipe"], runs["never", "1f1b"]
     assert gpipe["losses"] == pytest.approx(one_f_one_b["losses"], abs=1e-6)
+    assert runs["never", "zb-h1"]["losses"] == pytest.approx(one_f_one_b["losses"], abs=1e-6)
 
 
 # deferred BatchNorm ----------------------------------------------------------------------------
@@ -67,14 +68,16 @@ def _bn_reference(model, xs, ys, chunks):
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_deferred_batch_norm_tracks_the_whole_mini_batch(checkpoint):
+@pytest.mark.parametrize("checkpoint,schedule", [
+    ("always", "gpipe"), ("never", "gpipe"), ("always", "zb-h1")])
+def test_deferred_batch_norm_tracks_the_whole_mini_batch(checkpoint, schedule):
     steps, batch, chunks = 3, 12, 3
     xs, ys = data(steps, batch)
     ref_losses, ref_state = _bn_reference(skipnet(batch_norm=True), xs, ys, chunks)
     results = hybridpar.spawn(pipe_worker, 2, args=(
         "skipnet", {"batch_norm": True}, [2, 5], (2, 1, 1), steps, batch,
-        {"chunks": chunks, "deferred_batch_norm": True, "checkpoint": checkpoint}), timeout=60)
+        {"chunks": chunks, "deferred_batch_norm": True, "checkpoint": checkpoint,
+         "schedule": schedule}), timeout=60)
     for r in results:
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         assert list(r["state"]) == list(ref_state)  # no extra buffers in the state dict
@@ -356,3 +359,34 @@ def test_tuples_of_float_and_integer_tensors_cross_stages():
         assert r["loss"] == pytest.approx(loss.item(), abs=1e-6)
         for n, g in r["grads"].items():
             torch.testing.assert_close(g, grads[n], atol=1e-6, rtol=0)
+
+
+# zero bubble: where weight gradients are computed ----------------------------------------------
+
+
+def _accumulations_worker(schedule):
+    topo = hybridpar.init(pp=2, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.Linear(4, 4))
+    pipe = hybridpar.HybridPipe(model, [2, 2], chunks=3, topology=topo, schedule=schedule,
+                                loss_fn=lambda out, y: (out - y).pow(2).mean())
+    seen = []
+    executor = pipe._executor
+    for name, p in pipe.named_parameters():
+        def hook(p, name=name):   # the action running when the gradient accumulates
+            seen.append((name, executor.step.actions[executor.step.at].kind))
+        p.register_post_accumulate_grad_hook(hook)
+    pipe.train_step(torch.randn(6, 4), torch.randn(6, 4))
+    return sorted(set(seen)), len(seen)
+
+
+def test_zero_bubble_defers_the_linear_layers_weight_gradients_to_w():
+    # 1F1B accumulates every gradient in B; ZB-H1 accumulates the Linear weights and biases in
+    # W (the split), the LayerNorm's in I (the fallback), once per micro-batch each
+    one_f_one_b = hybridpar.spawn(_accumulations_worker, 2, args=("1f1b",), timeout=60)
+    zb = hybridpar.spawn(_accumulations_worker, 2, args=("zb-h1",), timeout=60)
+    assert one_f_one_b[0] == ([(n, "B") for n in ("0.bias", "0.weight", "1.bias", "1.weight")],
+                              12)
+    assert zb[0] == ([("0.bias", "W"), ("0.weight", "W"), ("1.bias", "I"), ("1.weight", "I")],
+                     12)
+    assert zb[1] == ([(n, "W") for n in ("2.bias", "2.weight", "3.bias", "3.weight")], 12)

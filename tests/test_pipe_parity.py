@@ -16,7 +16,7 @@ def _assert_same(results, ref_losses, ref_state, tol=1e-5):
             torch.testing.assert_close(r["state"][k], v, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_mlp_two_stages_matches_one_device(schedule, checkpoint):
     steps, batch = 3, 10
@@ -32,6 +32,8 @@ def test_mlp_two_stages_matches_one_device(schedule, checkpoint):
     ((4, 1, 1), [1, 1, 1, 1], "1f1b"),
     ((2, 1, 2), [2, 2], "gpipe"),
     ((2, 1, 2), [3, 1], "1f1b"),
+    ((4, 1, 1), [1, 1, 1, 1], "zb-h1"),
+    ((2, 1, 2), [3, 1], "zb-h1"),          # dp buckets armed before the last W
 ])
 def test_mlp_layouts_match_one_device(layout, balance, schedule):
     steps, batch = 3, 8
@@ -44,24 +46,27 @@ def test_mlp_layouts_match_one_device(layout, balance, schedule):
     _assert_same(results, ref_losses, ref_state)
 
 
-@pytest.mark.parametrize("batch,chunks", [(7, 4), (3, 4), (1, 4)])
-def test_uneven_and_small_batches_match_one_device(batch, chunks):
+@pytest.mark.parametrize("batch,chunks,schedule", [
+    (7, 4, "1f1b"), (3, 4, "1f1b"), (1, 4, "1f1b"), (7, 4, "zb-h1"), (3, 4, "zb-h1")])
+def test_uneven_and_small_batches_match_one_device(batch, chunks, schedule):
     steps = 2
     xs, ys = data(steps, batch)
     ref_losses, ref_state = reference(mlp(), xs, ys)
     results = hybridpar.spawn(pipe_worker, 4, args=(
         "mlp", {}, [1, 1, 1, 1], (4, 1, 1), steps, batch,
-        {"chunks": chunks, "schedule": "1f1b"}), timeout=120)
+        {"chunks": chunks, "schedule": schedule}), timeout=120)
     _assert_same(results, ref_losses, ref_state)
 
 
-@pytest.mark.parametrize("balance", [[1, 6], [2, 2, 3], [1, 1, 1, 4]])
-@pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_skips_across_stages_match_one_device(balance, checkpoint):
+@pytest.mark.parametrize("balance,checkpoint,schedule", [
+    (balance, checkpoint, "1f1b") for balance in ([1, 6], [2, 2, 3], [1, 1, 1, 4])
+    for checkpoint in ("always", "never")] + [
+    ([2, 2, 3], "always", "zb-h1"), ([1, 1, 1, 4], "never", "zb-h1")])
+def test_skips_across_stages_match_one_device(balance, checkpoint, schedule):
     steps, batch = 3, 8
     xs, ys = data(steps, batch)
     ref_losses, ref_state = reference(skipnet(), xs, ys)
     results = hybridpar.spawn(pipe_worker, len(balance), args=(
         "skipnet", {}, balance, (len(balance), 1, 1), steps, batch,
-        {"chunks": 4, "schedule": "1f1b", "checkpoint": checkpoint}), timeout=120)
+        {"chunks": 4, "schedule": schedule, "checkpoint": checkpoint}), timeout=120)
     _assert_same(results, ref_losses, ref_state)

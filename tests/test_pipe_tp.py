@@ -57,6 +57,10 @@ def _gpt_worker(layout, balance, options, dropout):
     ((2, 2, 1), [2, 3], {"chunks": 2, "schedule": "gpipe", "checkpoint": "always"}),
     ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "1f1b", "checkpoint": "never"}),
     ((2, 2, 2), [2, 3], {"chunks": 2, "schedule": "1f1b", "checkpoint": "except_last"}),
+    # zero bubble: the column / row layers' weight gradients wait for W
+    ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "zb-h1", "checkpoint": "never"}),
+    ((2, 2, 2), [2, 3], {"chunks": 2, "schedule": "zb-h1", "checkpoint": "except_last"}),
+    ((4, 1, 1), [2, 1, 1, 1], {"chunks": 4, "schedule": "zb-h1", "checkpoint": "always"}),
 ])
 def test_tensor_parallel_gpt_pipeline_matches_one_device(layout, balance, options):
     ref_losses, ref_norms, ref_state = _reference(0.0)
@@ -70,10 +74,14 @@ def test_tensor_parallel_gpt_pipeline_matches_one_device(layout, balance, option
             torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
 
 
-def test_tensor_parallel_dropout_masks_equal_the_single_device_ones():
+@pytest.mark.parametrize("options", [
+    {"chunks": 1},
+    {"chunks": 1, "schedule": "zb-h1", "checkpoint": "always"},   # recomputed in I, W apart
+])
+def test_tensor_parallel_dropout_masks_equal_the_single_device_ones(options):
     # one stage, one micro-batch: the RNG streams line up with the plain model's exactly
     ref_losses, _, ref_state = _reference(0.2)
-    for r in hybridpar.spawn(_gpt_worker, 2, args=((1, 2, 1), [5], {"chunks": 1}, 0.2),
+    for r in hybridpar.spawn(_gpt_worker, 2, args=((1, 2, 1), [5], options, 0.2),
                              timeout=120):
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         for k, v in ref_state.items():

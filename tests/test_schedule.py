@@ -4,13 +4,16 @@ import pytest
 
 from hybridpar.pipeline.schedule import (
     BACKWARD,
+    COMPUTE,
     FORWARD,
     GROUP,
+    INPUT,
     RECV_B,
     RECV_F,
     SCHEDULES,
     SEND_B,
     SEND_F,
+    WEIGHT,
     Action,
     ScheduleError,
     end_times,
@@ -22,6 +25,7 @@ from hybridpar.pipeline.schedule import (
     render_timeline,
     simulate,
     validate,
+    zero_bubble_h1,
 )
 
 SIZES = [(p, m) for p in range(1, 7) for m in range(1, 11)]
@@ -72,6 +76,36 @@ def test_one_f_one_b_three_stages_four_microbatches():
         "F0 F1 B0 F2 B1 F3 B2 B3",
         "F0 B0 F1 B1 F2 B2 F3 B3",
     ]
+
+
+def test_zero_bubble_h1_three_stages_four_microbatches():
+    # 1F1B's forwards with I for B; stage s runs W(j) after I(j + s), its last s W's at the end
+    assert render(zero_bubble_h1(3, 4)) == [
+        "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
+        "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+        "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
+    ]
+
+
+def test_zero_bubble_h1_fills_the_drain_and_keeps_1f1b_s_peak_on_every_stage():
+    for p, m in ((2, 4), (3, 4), (4, 8), (8, 16)):
+        zb = zero_bubble_h1(p, m)
+        # unit F, I, W: the bubble (p - 1)(t_F + t_B - t_W) against 1F1B's 3(p - 1)
+        assert simulate(zb, weight_time=1.0).makespan == 3 * m + (p - 1)
+        assert simulate(one_f_one_b(p, m), weight_time=1.0).makespan == 3 * (m + p - 1)
+        assert live_microbatches(zb) == [min(p, m)] * p
+        assert live_microbatches(one_f_one_b(p, m)) == [min(p - s, m) for s in range(p)]
+
+
+def test_a_split_backward_needs_every_i_then_its_w():
+    (stage,) = zero_bubble_h1(1, 2)
+    with pytest.raises(ScheduleError, match=r"micro-batches \[1\] have I without W"):
+        validate([[a for a in stage if a != Action(WEIGHT, 1)]])
+    with pytest.raises(ScheduleError, match="W0 comes before I0 on the same stage"):
+        validate([[Action(FORWARD, 0), Action(WEIGHT, 0), Action(INPUT, 0)]])
+    with pytest.raises(ScheduleError, match="B0: micro-batch 0 is already backwarded"):
+        validate([[Action(FORWARD, 0), Action(INPUT, 0), Action(BACKWARD, 0),
+                   Action(WEIGHT, 0)]])
 
 
 def test_one_f_one_b_with_fewer_microbatches_than_stages():
@@ -151,18 +185,23 @@ def test_messages_sit_in_the_slot_their_producer_ends_in(name):
     both ends of a message in the same slot."""
     for p, m in SIZES:
         schedule = get_schedule(name)(p, m)
-        ends = end_times([[a for a in actions if a.kind in (FORWARD, BACKWARD)]
-                          for actions in schedule])
+        ends = end_times([[a for a in actions if a.kind in COMPUTE] for actions in schedule])
         for s, actions in enumerate(schedule):
-            compute = [a for a in actions if a.kind in (FORWARD, BACKWARD)]
+            compute = [a for a in actions if a.kind in COMPUTE]
+
+            def gradient(i):   # B of micro-batch i, or its I under a split backward
+                return next(a for a in compute if a.kind in (BACKWARD, INPUT)
+                            and a.microbatch == i)
+
             for k, action in enumerate(actions):
+                i = action.microbatch
                 if action.kind in (SEND_F, SEND_B):
-                    producer = Action(action.kind[-1], action.microbatch)
+                    producer = Action(FORWARD, i) if action.kind == SEND_F else gradient(i)
                     between = actions[actions.index(producer) + 1:k]
-                    assert all(a.kind not in (FORWARD, BACKWARD) for a in between)
+                    assert all(a.kind not in COMPUTE for a in between)
                 elif action.kind in (RECV_F, RECV_B):
-                    consumer = Action(action.kind[-1], action.microbatch)
-                    assert k < actions.index(consumer) and consumer in compute
+                    consumer = Action(FORWARD, i) if action.kind == RECV_F else gradient(i)
+                    assert k < actions.index(consumer)
                     peer = s - 1 if action.kind == RECV_F else s + 1
                     slot = ends[peer, consumer]            # when the peer's producer ends
                     before = [ends[s, a] - 1 for a in actions[:k] if a in compute]
@@ -187,7 +226,8 @@ def test_every_size_pairs_all_messages_and_finishes(name):
         schedule = get_schedule(name)(p, m)
         validate(schedule)
         result = simulate(schedule)
-        assert [len(spans) for spans in result.spans] == [2 * m] * p
+        per_microbatch = 3 if name == "zb-h1" else 2   # F and B, or F, I and W
+        assert [len(spans) for spans in result.spans] == [per_microbatch * m] * p
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

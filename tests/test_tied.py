@@ -96,6 +96,8 @@ def train_worker(layout, balance, schedule, steps, batch, tp_plan, clip):
     ((4, 1), [2, 2, 2, 1], "1f1b", None),
     ((2, 2), [3, 4], "gpipe", "auto"),
     ((2, 2), [3, 4], "1f1b", "auto"),
+    ((2, 1), [3, 4], "zb-h1", None),      # the head's weight gradient waits for W
+    ((2, 2), [3, 4], "zb-h1", "auto"),
 ])
 def test_tied_embedding_and_head_on_two_stages_train_as_on_one_device(
         layout, balance, schedule, tp_plan):

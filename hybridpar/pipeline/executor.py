@@ -56,14 +56,17 @@ from hybridpar.pipeline.schedule import (
     COMPUTE,
     FORWARD,
     GROUP,
+    INPUT,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
+    WEIGHT,
     Action,
     Comm,
 )
 from hybridpar.pipeline.skip import SkipRoute, StageSkipTracker
+from hybridpar.pipeline.split_backward import SplitLinear, WeightGrads, deferring
 from hybridpar.pipeline.step import (
     MicroBatch,
     StageSpec,
@@ -129,7 +132,8 @@ class StageExecutor(StageStops):
             m=len(weights), signature=comm.signature_hash(key),
             agreed=self.book.get(key),            # None: this step learns the specs
             mbs=[MicroBatch(key=torch.empty(0)) for _ in range(len(weights))],
-            what=what, actions=list(actions))
+            what=what, actions=list(actions),
+            split=train and any(a.kind == WEIGHT for a in actions))
         self.recorder.stage, self.recorder.microbatch = self.spec.stage, -1
         if self.watchdog is not None:
             self.watchdog.enter()
@@ -151,14 +155,15 @@ class StageExecutor(StageStops):
 
     def _run_actions(self, before_last_backward: Callable[[], None] | None) -> None:
         """Do the step's actions in order; a compute (or GROUP) first issues the group queued
-        before it."""
+        before it. `before_last_backward` runs before the last action that accumulates
+        gradients (the last B, or the last W of a split backward)."""
         actions = self.step.actions
-        last_backward = max((k for k, a in enumerate(actions) if a.kind == BACKWARD),
+        last_backward = max((k for k, a in enumerate(actions) if a.kind in (BACKWARD, WEIGHT)),
                             default=-1)
         handlers = {RECV_F: self._communicate, FORWARD: self._forward,
                     SEND_F: self._communicate, RECV_B: self._communicate,
-                    BACKWARD: self._backward, SEND_B: self._communicate,
-                    GROUP: lambda _: None}
+                    BACKWARD: self._backward, INPUT: self._backward, WEIGHT: self._weight,
+                    SEND_B: self._communicate, GROUP: lambda _: None}
         recorder = self.recorder
         for index, action in enumerate(actions):
             self.step.at, self.step.waiting = index, ""
@@ -423,7 +428,11 @@ class StageExecutor(StageStops):
         tracker = StageSkipTracker(self.spec.routes, self.spec.stage, mb.skips_in)
         with use_skip_tracker(tracker), microbatch_context(mb.key):
             assert mb.inputs is not None
-            out = self.spec.partition(mb.inputs)
+            if self.step.split:   # linear layers' weight gradients can wait for W
+                with SplitLinear():
+                    out = self.spec.partition(mb.inputs)
+            else:
+                out = self.spec.partition(mb.inputs)
         if not self.last and not isinstance(out, (Tensor, tuple)):
             raise TypeError(f"stage {self.spec.stage} returned {type(out).__name__}; a stage "
                             "must return a Tensor or a tuple of Tensors")
@@ -435,6 +444,7 @@ class StageExecutor(StageStops):
 
     # backward ----------------------------------------------------------------------------
     def _backward(self, action: Action) -> None:
+        """B of micro-batch i, or its I (the linear layers' weight gradients wait for W)."""
         i = action.microbatch
         mb = self.step.mbs[i]
         if mb.rng is not None:  # checkpointed: recompute the forward with the replayed RNG
@@ -458,7 +468,11 @@ class StageExecutor(StageStops):
             grads += received
         pairs = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
         with trace.span("backward"):
-            if pairs:
+            if pairs and action.kind == INPUT:
+                mb.weight_grads = WeightGrads()
+                with deferring(mb.weight_grads):
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            elif pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if not self.first:
             assert mb.inputs is not None
@@ -468,3 +482,11 @@ class StageExecutor(StageStops):
                                        floating([mb.skips_in[r.key] for r in routes]))
         mb.inputs = mb.outputs = mb.loss = None
         mb.skips_in, mb.skips_out, mb.recv_b = {}, {}, None
+
+    def _weight(self, action: Action) -> None:
+        """W of micro-batch i: the weight gradients its I deferred."""
+        mb = self.step.mbs[action.microbatch]
+        grads, mb.weight_grads = mb.weight_grads, None
+        if grads is not None:
+            with trace.span("weight"):
+                grads.run()

@@ -6,7 +6,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hybridpar.pipeline.schedule import BACKWARD, COMPUTE, FORWARD, Schedule, ScheduleError
+from hybridpar.pipeline.schedule import (
+    BACKWARD,
+    COMPUTE,
+    FORWARD,
+    INPUT,
+    WEIGHT,
+    Schedule,
+    ScheduleError,
+)
 
 __all__ = [
     "BACKWARD",
@@ -40,8 +48,6 @@ __all__ = [
 #   B     I then W at once (GPipe, 1F1B)   as I                             as I
 #
 # GPipe and 1F1B are the plans with v = 1 (stage s on rank s), F and B only: `from_schedule`.
-INPUT = "I"
-WEIGHT = "W"
 KINDS = (FORWARD, INPUT, WEIGHT, BACKWARD)
 
 

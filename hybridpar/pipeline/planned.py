@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from hybridpar.pipeline.interleaved import interleaved_1f1b
 from hybridpar.pipeline.plan import Plan, check_size, from_schedule
-from hybridpar.pipeline.schedule import gpipe, one_f_one_b
+from hybridpar.pipeline.schedule import SCHEDULES, gpipe, one_f_one_b
 from hybridpar.pipeline.zero_bubble import zb_h1, zbv
 
 __all__ = ["PLANS", "RUNNABLE", "get_plan"]
@@ -15,7 +15,7 @@ __all__ = ["PLANS", "RUNNABLE", "get_plan"]
 # gpipe          1                         yes (schedule="gpipe")
 # 1f1b           1                         yes (schedule="1f1b")
 # interleaved    v >= 2 (default 2)        not yet
-# zb-h1          1                         not yet
+# zb-h1          1                         yes (schedule="zb-h1")
 # zbv            2                         not yet
 Builder = Callable[..., Plan]   # (ranks, microbatches, *, virtual=None) -> Plan
 
@@ -48,7 +48,7 @@ PLANS: dict[str, Builder] = {
     "zb-h1": _fixed(zb_h1, 1, "zb-h1"),
     "zbv": _fixed(zbv, 2, "zbv"),
 }
-RUNNABLE = ("gpipe", "1f1b")   # the executor runs only these (schedule.SCHEDULES)
+RUNNABLE = tuple(SCHEDULES)   # what the executor runs: gpipe, 1f1b, zb-h1
 
 
 def get_plan(name: str) -> Builder:

@@ -122,10 +122,8 @@ class GradBuckets:
 
     def _hook(self, i: int) -> Callable[[Tensor], None]:
         """The accumulate-grad hook of parameter `i`."""
-        def hook(param: Tensor) -> None:
-            # autograd also runs the accumulate node of a parameter whose gradient a custom
-            # Function returned as None (a split backward defers it): not an accumulation
-            if not self._armed or param.grad is None:
+        def hook(_: Tensor) -> None:
+            if not self._armed:
                 return
             with self._lock:
                 if not self._armed or i in self._ready:

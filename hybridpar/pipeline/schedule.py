@@ -12,12 +12,15 @@ __all__ = [
     "BACKWARD",
     "COMPUTE",
     "FORWARD",
+    "GRADIENT",
     "GROUP",
+    "INPUT",
     "RECV_B",
     "RECV_F",
     "SCHEDULES",
     "SEND_B",
     "SEND_F",
+    "WEIGHT",
     "Action",
     "Comm",
     "Schedule",
@@ -35,6 +38,7 @@ __all__ = [
     "render_timeline",
     "simulate",
     "validate",
+    "zero_bubble_h1",
 ]
 
 # The vocabulary of a stage's action list. Stage s talks only to s - 1 and s + 1:
@@ -42,6 +46,9 @@ __all__ = [
 #   kind    peer     meaning
 #   F       -        forward micro-batch i (on the last stage this includes the loss)
 #   B       -        backward micro-batch i (needs F(i) earlier on the same stage)
+#   I       -        its input-gradient half (zero-bubble): B without the linear layers'
+#                    weight gradients, which wait for W (`split_backward`)
+#   W       -        those weight gradients (needs I(i) earlier; no message)
 #   RECV_F  s - 1    post a non-blocking receive of the activation of micro-batch i
 #   SEND_F  s + 1    post a non-blocking send of the output of F(i) (after F(i))
 #   RECV_B  s + 1    post a non-blocking receive of the output gradient of micro-batch i
@@ -55,13 +62,16 @@ __all__ = [
 # wrong numbers.
 FORWARD = "F"
 BACKWARD = "B"
+INPUT = "I"
+WEIGHT = "W"
 RECV_F = "RECV_F"
 SEND_F = "SEND_F"
 RECV_B = "RECV_B"
 SEND_B = "SEND_B"
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, INPUT, WEIGHT)
+GRADIENT = (BACKWARD, INPUT)   # the computes that send an input gradient upstream
 GROUP = "GROUP"   # ends a group of communication without a compute (two slots in a row)
-_KINDS = (FORWARD, BACKWARD, RECV_F, SEND_F, RECV_B, SEND_B, GROUP)
+_KINDS = (FORWARD, BACKWARD, INPUT, WEIGHT, RECV_F, SEND_F, RECV_B, SEND_B, GROUP)
 
 
 class Action(NamedTuple):
@@ -118,7 +128,7 @@ def _adjacent(stages: int) -> Peers:
 
 def end_times(orders: Sequence[Sequence[Action]]) -> dict[tuple[int, Action], int]:
     """When each compute ends in a unit-time run of the stages' compute orders (F needs F of
-    the stage before, B the B of the stage after)."""
+    the stage before, B (or I) the B (or I) of the stage after, W only its own stage's I)."""
     stages = len(orders)
     end: dict[tuple[int, Action], int] = {}
     clock, pc = [0] * stages, [0] * stages
@@ -129,7 +139,8 @@ def end_times(orders: Sequence[Sequence[Action]]) -> dict[tuple[int, Action], in
             while pc[s] < len(order):
                 action = order[pc[s]]
                 peer = s - 1 if action.kind == FORWARD else s + 1
-                need = (peer, action) if 0 <= peer < stages else None
+                need = (peer, action) if 0 <= peer < stages and action.kind != WEIGHT \
+                    else None
                 if need is not None and need not in end:
                     break
                 clock[s] = max(clock[s], end[need] if need else 0) + 1
@@ -170,6 +181,8 @@ def place(orders: Sequence[Sequence[Action]], *, peers: Peers | None = None
         events: list[tuple[int, int, int, Action | Comm]] = []
         for position, action in enumerate(order):
             events.append((end[s, action] - 1, 1, position, action))
+            if action.kind == WEIGHT:   # local: no message
+                continue
             i = action.microbatch
             send, recv = (SEND_F, RECV_F) if action.kind == FORWARD else (SEND_B, RECV_B)
             slots: dict[tuple[str, int], list[int]] = {}   # (kind, slot) -> peers
@@ -276,11 +289,44 @@ def one_f_one_b(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...
     return tuple(map(tuple, _build(stages, order)))
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+@_fresh
+def zero_bubble_h1(stages: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """ZB-H1 (Qi et al., ICLR 2024): 1F1B with each backward split into I and W.
+
+    Stage s runs 1F1B's forwards with I in place of B; the W of micro-batch j follows the I of
+    micro-batch j + s, and the last s W's come at the end, where 1F1B's stage s idles in the
+    drain. So stage s keeps s more micro-batches alive than 1F1B (what W needs: the linear
+    layers' inputs and output gradients), p on every stage, 1F1B's peak.
+    stages=3, microbatches=4 (unit F, I and W; `pipeline.zero_bubble.zb_h1` has the timed
+    picture):
+
+        stage 0 | F0 F1 F2 .  .  I0 W0 F3 I1 W1 I2 W2 I3 W3
+        stage 1 | .  F0 F1 .  I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
+        stage 2 | .  .  F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3
+    """
+    m = microbatches
+
+    def order(s: int) -> list[Action]:
+        warmup = min(stages - s - 1, m)
+        actions = [Action(FORWARD, i) for i in range(warmup)]
+        for j in range(m):
+            if warmup + j < m:
+                actions.append(Action(FORWARD, warmup + j))
+            actions.append(Action(INPUT, j))
+            if j >= s:
+                actions.append(Action(WEIGHT, j - s))
+        actions += [Action(WEIGHT, j) for j in range(max(m - s, 0), m)]
+        return actions
+
+    return tuple(map(tuple, _build(stages, order)))
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1}
 
 
 def get_schedule(name: str) -> Callable[[int, int], Schedule]:
-    """The schedule function registered under `name` ("gpipe", "1f1b")."""
+    """The schedule function registered under `name` ("gpipe", "1f1b", "zb-h1")."""
     try:
         return SCHEDULES[name]
     except (KeyError, TypeError):
@@ -333,6 +379,10 @@ def live_microbatches(schedule: Schedule, *,
             elif action.kind == BACKWARD:
                 peak = max(peak, live + dropped)   # a recomputation holds one more
                 live -= not dropped
+            elif action.kind == INPUT:             # held until W (what W needs of it)
+                live += dropped
+            elif action.kind == WEIGHT:
+                live -= 1
             peak = max(peak, live)
         peaks.append(peak)
     return peaks
@@ -341,7 +391,7 @@ def live_microbatches(schedule: Schedule, *,
 # A message kind travels on one channel: SEND_F on stage s pairs with RECV_F on s + 1.
 _SEND_OF = {RECV_F: SEND_F, RECV_B: SEND_B}
 _RECV_OF = {SEND_F: RECV_F, SEND_B: RECV_B}
-_NEEDS = {FORWARD: RECV_F, BACKWARD: RECV_B}
+_NEEDS = {FORWARD: RECV_F, BACKWARD: RECV_B, INPUT: RECV_B}   # W needs no message
 
 
 def _peer(stage: int, kind: str) -> int:
@@ -364,21 +414,28 @@ def _check_stage(s: int, stages: int, actions: Sequence[Action]) -> None:
             raise ScheduleError(f"{where}: stage {s} of {stages} has no peer for {kind}")
         if action in done:
             raise ScheduleError(f"{where} appears twice")
-        if kind == BACKWARD and Action(FORWARD, i) not in done:
-            raise ScheduleError(f"{where} comes before F{i} on the same stage")
-        if kind in COMPUTE and 0 <= _peer(s, _NEEDS[kind]) < stages:
+        before = {BACKWARD: FORWARD, INPUT: FORWARD, WEIGHT: INPUT}.get(kind)
+        if before is not None and Action(before, i) not in done:
+            raise ScheduleError(f"{where} comes before {before}{i} on the same stage")
+        if kind in GRADIENT and {Action(BACKWARD, i), Action(INPUT, i)} & done:
+            raise ScheduleError(f"{where}: micro-batch {i} is already backwarded")
+        if kind in _NEEDS and 0 <= _peer(s, _NEEDS[kind]) < stages:
             if Action(_NEEDS[kind], i) not in done:
                 raise ScheduleError(f"{where} needs {_NEEDS[kind]}{i} posted earlier")
         if kind in _RECV_OF:
-            producer = FORWARD if kind == SEND_F else BACKWARD
-            if Action(producer, i) not in done:
-                raise ScheduleError(f"{where} comes before {producer}{i} that produces it")
+            producers = (FORWARD,) if kind == SEND_F else GRADIENT
+            if not {Action(p, i) for p in producers} & done:
+                raise ScheduleError(f"{where} comes before {'/'.join(producers)}{i} that "
+                                    "produces it")
         done.add(action)
     forwards = {i for kind, i in done if kind == FORWARD}
-    backwards = {i for kind, i in done if kind == BACKWARD}
+    backwards = {i for kind, i in done if kind in GRADIENT}
     if forwards != backwards:
         missing = sorted(forwards - backwards)
         raise ScheduleError(f"stage {s}: micro-batches {missing} are forwarded, never backwarded")
+    halves = {i for kind, i in done if kind == INPUT} - {i for kind, i in done if kind == WEIGHT}
+    if halves:
+        raise ScheduleError(f"stage {s}: micro-batches {sorted(halves)} have I without W")
 
 
 def _check_channel(src: int, dst: int, send: str, schedule: Schedule) -> None:
@@ -448,16 +505,19 @@ def simulate(
     *,
     forward_time: float = 1.0,
     backward_time: float = 1.0,
+    weight_time: float = 0.0,
     transfer_time: float = 0.0,
 ) -> SimResult:
     """Run every stage's actions in order with the given durations; prove there's no deadlock.
 
+    I takes `backward_time`, W `weight_time` and B, their sum, both.
     Sends never block and put the message on its channel `transfer_time` after they are
     posted; a compute waits for the message it needs. Raises `ScheduleError` for unmatched
     or reordered messages (see `validate`) and for a deadlock, naming what each stage waits on.
     """
     validate(schedule)
-    durations = {FORWARD: forward_time, BACKWARD: backward_time}
+    durations = {FORWARD: forward_time, BACKWARD: backward_time + weight_time,
+                 INPUT: backward_time, WEIGHT: weight_time}
     stages = len(schedule)
     clock = [0.0] * stages
     pc = [0] * stages
@@ -467,7 +527,7 @@ def simulate(
     def waits_for(s: int) -> tuple[int, int, str, int] | None:
         """The message the next action of stage s needs that has not been sent yet."""
         kind, i = schedule[s][pc[s]]
-        if kind in COMPUTE and 0 <= _peer(s, _NEEDS[kind]) < stages:
+        if kind in _NEEDS and 0 <= _peer(s, _NEEDS[kind]) < stages:
             key = (_peer(s, _NEEDS[kind]), s, _SEND_OF[_NEEDS[kind]], i)
             if key not in arrival:
                 return key
@@ -484,7 +544,7 @@ def simulate(
                     arrival[(s, _peer(s, kind), kind, i)] = clock[s] + transfer_time
                 elif kind in COMPUTE:
                     start = clock[s]
-                    if 0 <= _peer(s, _NEEDS[kind]) < stages:
+                    if kind in _NEEDS and 0 <= _peer(s, _NEEDS[kind]) < stages:
                         key = (_peer(s, _NEEDS[kind]), s, _SEND_OF[_NEEDS[kind]], i)
                         start = max(start, arrival[key])
                     clock[s] = start + durations[kind]

@@ -13,11 +13,12 @@ Everything else (norms, embeddings, convolutions, custom Functions) computes its
 gradients during I, as a plain backward does: the generic fallback, exact as well.
 
 How: while a stage's forward runs under `SplitLinear`, each `F.linear` whose weight is a
-leaf that requires grad goes through `_SplitLinear`. Its backward always returns dx; the
-weight gradients it either returns (a plain backward: nothing deferred) or, inside
-`deferring(grads)`, appends to `grads` (a `WeightGrads`) as (x, dy) for `grads.run()` to
-compute and accumulate later, through autograd (`torch.autograd.backward` on the leaf), so
-gradient hooks (the dp buckets) fire as they would. Recomputation is unaffected: the
+Parameter that requires grad goes through `_SplitLinear`, which takes the weight and bias
+detached (the graph of I never reaches their accumulate nodes). Its backward returns dx;
+inside `deferring(grads)` it appends (x, dy) to `grads` (a `WeightGrads`) for `grads.run()`
+to compute dW, db later, outside it computes them at once; either way they accumulate
+through autograd (`torch.autograd.backward` on the Parameters), so gradient hooks (the dp
+buckets) fire once per accumulation, when it happens. Recomputation is unaffected: the
 recomputed forward runs under `SplitLinear` too, and W needs no randomness.
 
 Under autocast the forward computes in the autocast dtype (as `F.linear` would) and the
@@ -43,6 +44,7 @@ class WeightGrads:
     """The deferred weight-gradient work of one micro-batch on one stage (filled by its I)."""
 
     def __init__(self) -> None:
+        # (input, output gradient, weight, bias or None, compute dtype) per linear call
         self.pending: list[tuple[Tensor, Tensor, Tensor, Tensor | None, torch.dtype]] = []
 
     def __len__(self) -> int:
@@ -51,12 +53,12 @@ class WeightGrads:
     def run(self) -> None:
         """W: compute every deferred dW (and db) and accumulate it into `.grad`."""
         pending, self.pending = self.pending, []
-        for x, dy, weight, bias, dtype in pending:
+        for x, dy, weight, bias, dtype in pending:   # bias: None when it needs no gradient
             dy2 = dy.reshape(-1, dy.shape[-1]).to(dtype)                  # (N, out)
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)                     # (N, in)
             leaves = [weight]
             grads = [(dy2.t() @ x2).to(weight.dtype)]                     # (out, in)
-            if bias is not None and bias.requires_grad:
+            if bias is not None:
                 leaves.append(bias)
                 grads.append(dy2.sum(0).to(bias.dtype))                  # (out,)
             torch.autograd.backward(leaves, grads)
@@ -79,32 +81,44 @@ def deferring(grads: WeightGrads) -> Iterator[WeightGrads]:
 
 
 class _SplitLinear(torch.autograd.Function):
-    """`F.linear` whose weight gradient may be deferred (see the module docstring)."""
+    """`F.linear` whose weight gradient may be deferred (see the module docstring).
+
+    The weight and bias enter detached, the Parameters themselves ride in `leaves`: the graph
+    of I has no edge to their accumulate nodes (autograd would run those, and fire their
+    hooks, with no gradient), and W accumulates into them through autograd. When the input
+    needs no gradient either (a first layer), `anchor`, an empty leaf that requires grad,
+    keeps the output in the graph (torchgpipe's phony), so the backward still runs.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,
+                anchor: Tensor | None, leaves: tuple[Tensor, Tensor | None]) -> Tensor:
         out = F.linear(x, weight, bias)              # autocast applies here, as in F.linear
         ctx.dtype, ctx.x_dtype = out.dtype, x.dtype
         ctx.save_for_backward(x.to(out.dtype) if x.dtype != out.dtype else x)
-        ctx.weight, ctx.bias = weight, bias          # leaves: the W pass accumulates into them
+        ctx.leaves = leaves
         return out
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, None, None, None, None]:
         (x,) = ctx.saved_tensors
-        weight, bias, dtype = ctx.weight, ctx.bias, ctx.dtype
+        weight, bias = ctx.leaves
+        dtype = ctx.dtype
         dy = dy.to(dtype)
         dx = (dy @ weight.to(dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        wants_w, wants_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        if not (wants_w or wants_b):
-            return dx, None, None
-        if _DEFERRING is not None and wants_w:
-            _DEFERRING.pending.append((x, dy, weight, bias if wants_b else None, dtype))
-            return dx, None, None
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        dw = (dy2.t() @ x2).to(weight.dtype) if wants_w else None
-        db = dy2.sum(0).to(bias.dtype) if wants_b else None
-        return dx, dw, db
+        work = (x, dy, weight, bias if bias is not None and bias.requires_grad else None, dtype)
+        if _DEFERRING is not None:
+            _DEFERRING.pending.append(work)
+        else:                                        # not split: accumulate now (re-entrant)
+            pending = WeightGrads()
+            pending.pending.append(work)
+            pending.run()
+        return dx, None, None, None, None
+
+
+def _anchor(device: torch.device) -> Tensor:
+    """An empty leaf that requires grad (it never gets a gradient)."""
+    return torch.empty(0, device=device, requires_grad=True)
 
 
 class SplitLinear(TorchFunctionMode):
@@ -119,5 +133,8 @@ class SplitLinear(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if isinstance(weight, torch.nn.Parameter) and weight.requires_grad and \
                     weight.is_leaf and x.dim() >= 1:
-                return _SplitLinear.apply(x, weight, bias)
+                return _SplitLinear.apply(x, weight.detach(),
+                                          None if bias is None else bias.detach(),
+                                          None if x.requires_grad else _anchor(weight.device),
+                                          (weight, bias))
         return func(*args, **kwargs)

@@ -23,6 +23,7 @@ from torchgpipe.skip.namespace import Namespace
 from hybridpar import comm
 from hybridpar.pipeline.checkpoint import RNGReplay
 from hybridpar.pipeline.skip import SkipRoute
+from hybridpar.pipeline.split_backward import WeightGrads
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 
 __all__ = ["MicroBatch", "SpecKey", "StageSpec", "StepResult", "StepState", "as_tuple",
@@ -88,6 +89,7 @@ class MicroBatch:
     recv_b: comm.Incoming | None = None
     recv_skip: dict[int, comm.Incoming] = field(default_factory=dict)
     recv_skip_grad: dict[int, comm.Incoming] = field(default_factory=dict)
+    weight_grads: WeightGrads | None = None   # split backward: what its W computes
 
 
 def as_tuple(x: TensorOrTensors) -> tuple[Tensor, ...]:
@@ -140,6 +142,7 @@ class StepState:
     at: int = 0                                          # the action being run
     waiting: str = ""                                    # what the host waits for in it
     last_done: Any = None                                # the last completed action
+    split: bool = False                                  # the schedule has W: split backward
 
 
 def describe_spec(spec: comm.MessageSpec | None) -> str:

@@ -19,6 +19,7 @@ from hybridpar.files import atomic_write
 __all__ = ["write_gantt"]
 
 _COLORS = {"forward": "#4c78a8", "backward": "#59a14f", "recompute": "#f28e2b",
+           "weight": "#76b7b2",
            "wait": "#d0d0d0", "send": "#b07aa1", "recv": "#9c755f", "collective": "#e15759"}
 _TICKS = ("send", "recv", "collective")
 
@@ -50,7 +51,7 @@ def write_gantt(path: str | os.PathLike[str], ranks: Sequence[Sequence[Any]], *,
             ax.broken_barh(bars, box, facecolors=color, edgecolor="white" if kind not in _TICKS
                            else color, linewidth=0.4)
         for e in events:
-            if e.kind in ("forward", "backward", "recompute"):
+            if e.kind in ("forward", "backward", "recompute", "weight"):
                 ax.text((e.start + e.end - 2 * t0) / 2e6, y - 0.05, e.name, ha="center",
                         va="center", fontsize=6, color="white", clip_on=True)
     ax.set_yticks(range(len(ranks)), list(reversed(labels)), fontsize=8)

@@ -45,9 +45,9 @@ __all__ = ["Event", "StageRow", "TraceReport", "TraceRequest", "analytic_bubble"
 
 log = logging.getLogger(__name__)
 
-COMPUTE = ("forward", "backward", "recompute")
+COMPUTE = ("forward", "backward", "recompute", "weight")
 _CHANNEL = {FWD: "F", BWD: "B", SKIP: "SKIP", SKIPG: "SKIPG"}
-_LETTER = {"forward": "F", "backward": "B", "recompute": "R"}
+_LETTER = {"forward": "F", "backward": "B", "recompute": "R", "weight": "W"}
 
 
 class Event(NamedTuple):
@@ -217,14 +217,15 @@ def stage_table(ranks: Sequence[Sequence[Event]], *, stage_of: Sequence[int],
 
 
 def compute_times(ranks: Sequence[Sequence[Event]]) -> tuple[float, float]:
-    """(t_f, t_b) in ms: the mean forward, and backward + recompute, of one micro-batch."""
+    """(t_f, t_b) in ms: the mean forward, and backward + recompute (+ W), of one
+    micro-batch."""
 
     def mean(kinds: tuple[str, ...], per: str) -> float:
         spans = [e for events in ranks for e in events if e.kind in kinds]
         count = sum(e.kind == per for events in ranks for e in events)
         return sum(e.end - e.start for e in spans) / 1e6 / count if count else 0.0
 
-    return mean(("forward",), "forward"), mean(("backward", "recompute"), "backward")
+    return mean(("forward",), "forward"), mean(("backward", "recompute", "weight"), "backward")
 
 
 def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,

@@ -11,9 +11,12 @@ from hybridpar.pipeline.plan import (
     Plan,
     Task,
     check_size,
+    from_schedule,
     plan_of,
+    validate_plan,
     vshape,
 )
+from hybridpar.pipeline.schedule import zero_bubble_h1
 
 __all__ = ["zb_h1", "zbv"]
 
@@ -22,7 +25,8 @@ __all__ = ["zb_h1", "zbv"]
 def zb_h1(ranks: int, microbatches: int) -> Plan:
     """ZB-H1 (Qi et al., ICLR 2024): 1F1B's order and memory, each W deferred to the tail.
 
-    Rank r runs 1F1B with the backward split: min(p - r - 1, m) warm-up forwards, then F, I
+    The plan of `schedule.zero_bubble_h1`, the order HybridPipe(schedule="zb-h1") runs:
+    each rank r runs 1F1B with the backward split: min(p - r - 1, m) warm-up forwards, then F, I
     pairs, then the remaining I's; the W of micro-batch j comes right after the I of
     micro-batch j + r, and the last r W's at the end. So r more micro-batches stay alive than
     1F1B keeps on rank r (p - r): p on every rank, 1F1B's peak. The later ranks, whose I's
@@ -37,20 +41,9 @@ def zb_h1(ranks: int, microbatches: int) -> Plan:
     """
     check_size("ranks", ranks)
     check_size("microbatches", microbatches)
-    p, m = ranks, microbatches
-    tasks = []
-    for r in range(p):
-        warmup = min(p - r - 1, m)
-        order = [Task(FORWARD, i, r) for i in range(warmup)]
-        for j in range(m):
-            if warmup + j < m:
-                order.append(Task(FORWARD, warmup + j, r))
-            order.append(Task(INPUT, j, r))
-            if j >= r:
-                order.append(Task(WEIGHT, j - r, r))
-        order += [Task(WEIGHT, j, r) for j in range(max(m - r, 0), m)]
-        tasks.append(order)
-    return plan_of(tasks, tuple(range(p)), m, name="zb-h1")
+    plan = from_schedule(zero_bubble_h1(ranks, microbatches), name="zb-h1")
+    validate_plan(plan)
+    return plan
 
 
 def _numbered(script: list[tuple[str, int]], microbatches: int) -> list[Task]:
