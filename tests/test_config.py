@@ -171,17 +171,23 @@ def test_wrong_types_name_the_key_and_the_type(small, override, expected):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("parallel.schedule=zb", "parallel.schedule must be one of 'gpipe', '1f1b', got 'zb'"),
+    ("parallel.schedule=zb", "parallel.schedule must be one of 'gpipe', '1f1b', 'zb-h1', got "
+                             "'zb'"),
     ("parallel.checkpoint=sometimes", "'always', 'except_last', 'never'"),
     ("train.precision=fp16", "train.precision must be one of 'fp32', 'bf16'"),
     ("parallel.balance=fast", "'time', 'size', 'params', 'uniform', got 'fast'"),
     ("data.source=web", "data.source must be one of 'synthetic', 'text', 'corpus'"),
     ("parallel.tp_plan=manual", "parallel.tp_plan must be one of 'auto'"),
     ('parallel.tp_plan={"*.fc" = "col"}',
-     "'column', 'row', 'vocab', 'replicate' or a Hugging Face style"),
+     "'column', 'row', 'vocab', 'replicate', a TPDense style ('dense_gather', "),
 ])
 def test_values_outside_their_choices_list_the_choices(small, override, expected):
     assert expected in error_of(small, override)
+
+
+def test_a_tpdense_style_in_the_tp_plan_is_accepted(small):
+    cfg = load_config(small, ['parallel.tp_plan={"*.mlp.fc" = "dense_gather"}'])
+    assert cfg.parallel.tp_plan == {"*.mlp.fc": "dense_gather"}
 
 
 @pytest.mark.parametrize("override, expected", [

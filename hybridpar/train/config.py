@@ -40,7 +40,7 @@ from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
 from hybridpar.pipeline.partition import balance_problem
 from hybridpar.pipeline.schedule import SCHEDULES
 from hybridpar.tensor_parallel.hf_plan import HF_STYLES
-from hybridpar.tensor_parallel.plan import STYLES
+from hybridpar.tensor_parallel.plan import DENSE_STYLES, STYLES
 from hybridpar.tensor_parallel.strategy import strategy_problem
 
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig",
@@ -340,9 +340,10 @@ def _check_layout(cfg: Config, where: _Where) -> Config:
                 if problem:
                     raise where.error(f"parallel.tp_plan[{glob!r}] = {style}: {problem}",
                                       "parallel.tp_plan", "parallel.tp")
-            elif style not in STYLES and style not in HF_STYLES:
+            elif style not in (*STYLES, *DENSE_STYLES, *HF_STYLES):
                 raise where.error(f"parallel.tp_plan[{glob!r}] must be one of "
-                                  f"{', '.join(map(repr, STYLES))} or a Hugging Face style "
+                                  f"{', '.join(map(repr, STYLES))}, a TPDense style "
+                                  f"({', '.join(map(repr, DENSE_STYLES))}) or a Hugging Face style "
                                   f"({', '.join(map(repr, HF_STYLES))}), got {style!r}",
                                   "parallel.tp_plan")
     if par.pp > layers:
