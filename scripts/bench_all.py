@@ -11,6 +11,7 @@ Benchmarks (one module each under scripts/bench/, in this order):
     overhead   HybridPipe at pp = tp = dp = 1 vs a plain PyTorch loop
     tp_mlp     a large MLP at tp = 2 vs tp = 1 and DTensor Colwise / Rowwise
     gpt        the quick-start GPT at pp = 2 x tp = 2 vs torch pipelining + DTensor TP
+    zero_bubble  ZB-H1 on F / I / W sleeps vs its simulated bound, 1F1B and torch's zero bubble
     tpdense    scripts/bench_tpdense.py (sync vs async TPDense), as a subprocess
 
 Writes ``OUT_DIR/<name>.json`` per benchmark, ``OUT_DIR/bench_all.json`` (all of them) and

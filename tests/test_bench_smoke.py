@@ -31,7 +31,7 @@ def smoke(tmp_path_factory):
 def test_every_benchmark_writes_its_table_and_json(smoke):
     out, combined = smoke
     names = [r["name"] for r in combined["results"]]
-    assert names == ["schedule", "comm", "memory", "overhead", "tp_mlp", "gpt"]
+    assert names == ["schedule", "comm", "memory", "overhead", "tp_mlp", "gpt", "zero_bubble"]
     markdown = (out / "bench_all.md").read_text()
     assert markdown.startswith("## Benchmarks") and "--smoke" in markdown
     for result in combined["results"]:
@@ -50,6 +50,9 @@ def test_the_peers_ran_and_are_compared(smoke):
         assert row["loss_diff"] < 1e-4          # DTensor holds the same weights
     for row in by_name["gpt"]["rows"]:
         assert abs(row["first_loss"] - row["peer_first_loss"]) < 1e-4
+    for row in by_name["zero_bubble"]["rows"]:
+        assert row["peer_zb_s"]["median"] > 0 and row["hybridpar_zb_s"]["median"] > 0
+        assert row["bound_zb_s"] < row["bound_1f1b_s"]       # the simulated W fill
 
 
 def test_exact_counts_meet_their_formulas(smoke):

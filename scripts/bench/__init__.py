@@ -7,6 +7,8 @@
     overhead   HybridPipe at pp = tp = dp = 1                          a plain PyTorch loop
     tp_mlp     a large MLP at tp = 2                                   tp = 1 and DTensor TP
     gpt        the quick-start GPT at pp = 2 x tp = 2, tokens/s        pipelining + DTensor TP
+    zero_bubble  ZB-H1 on F / I / W sleeps: simulated bound, 1F1B      pipelining's 1F1B and
+                                                                       zero-bubble schedule
 
 Each module has ``NAME``, ``TITLE`` and ``run(mode) -> dict`` (mode "full", "quick" or
 "smoke"); the dict holds ``rows``, a markdown ``table``, ``notes`` and ``config``.
@@ -14,4 +16,4 @@ Each module has ``NAME``, ``TITLE`` and ``run(mode) -> dict`` (mode "full", "qui
 
 __all__ = ["BENCHMARKS"]
 
-BENCHMARKS = ("schedule", "comm", "memory", "overhead", "tp_mlp", "gpt")
+BENCHMARKS = ("schedule", "comm", "memory", "overhead", "tp_mlp", "gpt", "zero_bubble")
