@@ -22,11 +22,9 @@ from hybridpar.pipeline.schedule import (
     live_microbatches,
     one_f_one_b,
     render,
-    render_timeline,
-    simulate,
-    validate,
     zero_bubble_h1,
 )
+from hybridpar.pipeline.schedule_check import render_timeline, simulate, validate
 
 SIZES = [(p, m) for p in range(1, 7) for m in range(1, 11)]
 

@@ -8,7 +8,8 @@ import pytest
 
 from hybridpar.pipeline.interleaved import interleaved_1f1b
 from hybridpar.pipeline.plan import Plan, Task, from_schedule
-from hybridpar.pipeline.schedule import ScheduleError, gpipe, one_f_one_b, simulate
+from hybridpar.pipeline.schedule import ScheduleError, gpipe, one_f_one_b
+from hybridpar.pipeline.schedule_check import simulate
 from hybridpar.pipeline.simulate import simulate_plan
 from hybridpar.pipeline.zero_bubble import zb_h1, zbv
 
