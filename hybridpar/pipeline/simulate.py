@@ -141,7 +141,7 @@ def simulate_plan(plan: Plan, *, forward_time: Times = 1.0, backward_time: Times
                   weight_time: Times = 1.0, latency: float = 0.0) -> Timing:
     """Time a plan: F takes `forward_time`, I `backward_time`, W `weight_time`, a full B
     their sum (each a number, or one per virtual stage, default 1); a message between two
-    ranks takes `latency`. With `weight_time` 0 a v = 1 plan times like `schedule.simulate`
+    ranks takes `latency`. With `weight_time` 0 a v = 1 plan times like `schedule_check.simulate`
     with the same `backward_time`; with unit F, I and W:
 
         from_schedule(one_f_one_b(2, 2)): makespan (m + p - 1)(F + I + W) = 9
