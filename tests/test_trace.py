@@ -364,3 +364,25 @@ def test_each_recorder_records_only_inside_its_own_block():
     assert [KINDS[e[0]] for e in outer.events] == ["forward"]
     assert [(KINDS[e[0]], OPS[e[1]], e[6]) for e in inner.events] == \
         [("collective", "all_reduce", 4)]
+
+
+def _zero_bubble_worker(folder):
+    topo = hybridpar.init(pp=2, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(4)])
+    pipe = hybridpar.HybridPipe(model, [2, 2], chunks=M, topology=topo, loss_fn=_mse,
+                                schedule="zb-h1", trace=True)
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
+    pipe.train_step(x, x)
+    report = pipe.write_trace(folder, show=False)
+    return None if report is None else report.table
+
+
+def test_a_zero_bubble_trace_counts_w_and_compares_with_its_own_simulation(tmp_path):
+    table = hybridpar.spawn(_zero_bubble_worker, 2, args=(str(tmp_path),), timeout=60)[0]
+    lines = table.splitlines()
+    assert lines[3].split()[:6] == ["stage", "ranks", "F", "B", "R", "W"]
+    # checkpoint="except_last": M - 1 recomputations (in I); one W per micro-batch
+    assert lines[4].split()[:6] == ["0", "0", str(M), str(M), str(M - 1), str(M)]
+    assert "analytic and bound: zb-h1's simulated step with the mean measured t_f, t_b, t_w" \
+        in table

@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 from hybridpar.files import atomic_write_text
 from hybridpar.pipeline.lowering import BWD, FWD, SKIP, SKIPG
+from hybridpar.pipeline.schedule import get_schedule
+from hybridpar.pipeline.schedule_check import SimResult, simulate
 from hybridpar.trace import COLUMNS, KINDS, OPS, Recorder
 
 if TYPE_CHECKING:
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Event", "StageRow", "TraceReport", "TraceRequest", "analytic_bubble",
            "chrome_trace", "compute_times", "format_table", "gather_events", "request_trace",
-           "stage_table", "traced_step", "write_trace"]
+           "simulated_step", "stage_table", "traced_step", "write_trace"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,15 @@ def gather_events(recorder: Recorder, *, device: torch.device | None = None
 def analytic_bubble(stages: int, microbatches: int) -> float:
     """(p - 1) / (m + p - 1): the idle share of GPipe and 1F1B with equal stages."""
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def simulated_step(schedule: str, stages: int, microbatches: int,
+                   times: tuple[float, float, float]) -> SimResult:
+    """`schedule`'s step on equal stages taking `times` (t_f, t_b, t_w) per micro-batch: t_b
+    is B, or I under a split backward, whose W takes t_w (`schedule_check.simulate`)."""
+    t_f, t_b, t_w = times
+    return simulate(get_schedule(schedule)(stages, microbatches), forward_time=t_f,
+                    backward_time=t_b, weight_time=t_w)
 
 
 def _window(ranks: Sequence[Sequence[Event]]) -> tuple[int, int]:
@@ -181,6 +192,7 @@ class StageRow:
     forwards: int
     backwards: int
     recomputes: int
+    weights: int
     busy_ms: float
     busy: float
     bubble: float
@@ -193,12 +205,14 @@ def _overlap(e: Event, lo: int, hi: int) -> int:
 
 
 def stage_table(ranks: Sequence[Sequence[Event]], *, stage_of: Sequence[int],
-                microbatches: int) -> list[StageRow]:
-    """Busy, bubble and wait of each stage over the step window, against the analytic bubble."""
+                microbatches: int, bubble: float | None = None) -> list[StageRow]:
+    """Busy, bubble and wait of each stage over the step window, against the analytic bubble
+    (default: GPipe's and 1F1B's)."""
     lo, hi = _window(ranks)
     span = max(hi - lo, 1)
     stages = max(stage_of) + 1
-    bubble = analytic_bubble(stages, microbatches)
+    if bubble is None:
+        bubble = analytic_bubble(stages, microbatches)
     rows = []
     for s in range(stages):
         members = [r for r, st in enumerate(stage_of) if st == s]
@@ -211,35 +225,37 @@ def stage_table(ranks: Sequence[Sequence[Event]], *, stage_of: Sequence[int],
             forwards=sum(e.kind == "forward" for e in first),
             backwards=sum(e.kind == "backward" for e in first),
             recomputes=sum(e.kind == "recompute" for e in first),
+            weights=sum(e.kind == "weight" for e in first),
             busy_ms=mean_busy / 1e6, busy=mean_busy / span, bubble=1 - mean_busy / span,
             wait=mean_wait / span, analytic=bubble))
     return rows
 
 
-def compute_times(ranks: Sequence[Sequence[Event]]) -> tuple[float, float]:
-    """(t_f, t_b) in ms: the mean forward, and backward + recompute (+ W), of one
-    micro-batch."""
+def compute_times(ranks: Sequence[Sequence[Event]]) -> tuple[float, float, float]:
+    """(t_f, t_b, t_w) in ms: the mean forward, backward + recompute (B, or I), and deferred
+    weight gradients (W; 0 unless the backward is split) of one micro-batch."""
 
     def mean(kinds: tuple[str, ...], per: str) -> float:
         spans = [e for events in ranks for e in events if e.kind in kinds]
         count = sum(e.kind == per for events in ranks for e in events)
         return sum(e.end - e.start for e in spans) / 1e6 / count if count else 0.0
 
-    return mean(("forward",), "forward"), mean(("backward", "recompute", "weight"), "backward")
+    return (mean(("forward",), "forward"), mean(("backward", "recompute"), "backward"),
+            mean(("weight",), "weight"))
 
 
 def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,
-                 times: tuple[float, float], header: str) -> str:
+                 times: tuple[float, float, float], header: str, schedule: str = "1f1b") -> str:
     """The rows as the text `write_trace` prints and saves in table.txt."""
     lines = [header, f"step {step_ms:.3f} ms: first rank's start to last rank's end", ""]
-    names = ("stage", "ranks", "F", "B", "R", "busy ms", "busy %", "bubble %", "wait %",
+    names = ("stage", "ranks", "F", "B", "R", "W", "busy ms", "busy %", "bubble %", "wait %",
              "analytic %")
     cells = [[str(r.stage), ",".join(map(str, r.ranks)), str(r.forwards), str(r.backwards),
-              str(r.recomputes), f"{r.busy_ms:.3f}", f"{100 * r.busy:.1f}",
+              str(r.recomputes), str(r.weights), f"{r.busy_ms:.3f}", f"{100 * r.busy:.1f}",
               f"{100 * r.bubble:.1f}", f"{100 * r.wait:.1f}", f"{100 * r.analytic:.1f}"]
              for r in rows]
     n = len(rows)
-    cells.append(["mean", "", "", "", "", f"{sum(r.busy_ms for r in rows) / n:.3f}",
+    cells.append(["mean", "", "", "", "", "", f"{sum(r.busy_ms for r in rows) / n:.3f}",
                   f"{100 * sum(r.busy for r in rows) / n:.1f}",
                   f"{100 * sum(r.bubble for r in rows) / n:.1f}",
                   f"{100 * sum(r.wait for r in rows) / n:.1f}", f"{100 * rows[0].analytic:.1f}"])
@@ -248,14 +264,21 @@ def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,
         lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(line, widths))).rstrip())
     p, m = len(rows), microbatches
-    (t_f, t_b), slots = times, m + p - 1
-    bound = slots * (t_f + t_b)
-    lines += ["", "busy: forward + backward + recompute; bubble: 100 - busy (idle, waiting, "
-              "communicating);", f"wait: blocked on a peer; analytic: (p - 1) / (m + p - 1) = "
-              f"{p - 1}/{slots}",
-              f"bound: (m + p - 1)(t_f + t_b) = {slots} x ({t_f:.3f} + {t_b:.3f}) ms = "
-              f"{bound:.3f} ms with the mean measured t_f, t_b: "
-              f"{bound / step_ms if step_ms else 0:.2f} of the step"]
+    (t_f, t_b, t_w), slots = times, m + p - 1
+    lines += ["", "busy: forward + backward + recompute + weight; bubble: 100 - busy (idle, "
+              "waiting, communicating);"]
+    if not t_w:
+        bound = slots * (t_f + t_b)
+        lines += [f"wait: blocked on a peer; analytic: (p - 1) / (m + p - 1) = {p - 1}/{slots}",
+                  f"bound: (m + p - 1)(t_f + t_b) = {slots} x ({t_f:.3f} + {t_b:.3f}) ms = "
+                  f"{bound:.3f} ms with the mean measured t_f, t_b: "
+                  f"{bound / step_ms if step_ms else 0:.2f} of the step"]
+    else:   # a split backward: B is I, W apart; the bound is the schedule's own simulation
+        bound = simulated_step(schedule, p, m, (t_f, t_b, t_w)).makespan
+        lines += ["wait: blocked on a peer; B: the input-gradient part (I), W: the deferred "
+                  "weight gradients;", f"analytic and bound: {schedule}'s simulated step with "
+                  f"the mean measured t_f, t_b, t_w = {t_f:.3f}, {t_b:.3f}, {t_w:.3f} ms: "
+                  f"{bound:.3f} ms, {bound / step_ms if step_ms else 0:.2f} of the step"]
     return "\n".join(lines) + "\n"
 
 
@@ -289,15 +312,18 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
              f"{pipe.checkpoint!r}")
     labels = [f"rank {r} | stage {c.pp} | tp {c.tp} | dp {c.dp}" for r, c in enumerate(coords)]
     lo, hi = _window(ranks)
-    rows = stage_table(ranks, stage_of=[c.pp for c in coords], microbatches=m)
-    table = format_table(rows, step_ms=(hi - lo) / 1e6, microbatches=m,
-                         times=compute_times(ranks), header=title)
+    times = compute_times(ranks)
+    bubble = simulated_step(pipe.schedule, topo.pp, m, times).bubble_fraction if times[2] \
+        else analytic_bubble(topo.pp, m)
+    rows = stage_table(ranks, stage_of=[c.pp for c in coords], microbatches=m, bubble=bubble)
+    table = format_table(rows, step_ms=(hi - lo) / 1e6, microbatches=m, times=times,
+                         header=title, schedule=pipe.schedule)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     trace = chrome_trace(ranks, labels=labels, meta={
         "title": title, "pp": topo.pp, "tp": topo.tp, "dp": topo.dp, "microbatches": m,
         "schedule": pipe.schedule, "checkpoint": pipe.checkpoint,
-        "analytic_bubble": analytic_bubble(topo.pp, m)})
+        "analytic_bubble": bubble})
     atomic_write_text(out / "trace.json", json.dumps(trace))
     atomic_write_text(out / "table.txt", table)
     files = [out / "trace.json", out / "table.txt"]

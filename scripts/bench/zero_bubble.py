@@ -17,7 +17,8 @@ A stage is ``y = linear(sleep(x), w)`` with a (H, H) weight. Where the sleeps si
 
 The two libraries split a backward differently (hybridpar: the linear's own weight GEMM;
 torch: the autograd graph cut at the weights), so the W sleep goes where each one runs the
-weight gradient; the work per micro-batch and stage is T_F + T_B + T_W in both.
+weight gradient; the work per micro-batch and stage is T_F + T_B + T_W in both, except on
+the first stage, whose input gradient neither computes (T_F + T_W there).
 
 The bound of each schedule is the timed simulator's makespan of its order with the sleeps
 (`pipeline.simulate.simulate_plan`), with the sleeps as they lasted (``time.sleep``
@@ -128,10 +129,11 @@ def _peer_step(p: int, m: int, schedule: str, t: tuple[float, float, float], x: 
 
 
 def _bound(name: str, p: int, m: int, t: tuple[float, float, float]) -> float:
-    """The timed simulator's makespan of `name` with these sleeps (1F1B's B = I + W)."""
+    """The timed simulator's makespan of `name` with these sleeps (1F1B's B = I + W; the
+    first stage's input gradient is never needed, so it sleeps no T_B, in both libraries)."""
     t_f, t_b, t_w = t
-    return simulate_plan(get_plan(name)(p, m), forward_time=t_f, backward_time=t_b,
-                         weight_time=t_w).makespan
+    return simulate_plan(get_plan(name)(p, m), forward_time=t_f,
+                         backward_time=[0.0] + [t_b] * (p - 1), weight_time=t_w).makespan
 
 
 def _worker(p: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
