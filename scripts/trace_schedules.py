@@ -22,8 +22,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import hybridpar  # noqa: E402
-from bench.zero_bubble import HIDDEN, ROWS, SEQ, SleepStage, _loss  # noqa: E402
+from bench.zero_bubble import HIDDEN, ROWS, SEQ, SleepStage, _loss
+
+import hybridpar
 
 
 def _worker(pp: int, chunks: int, times: tuple[float, float, float], out: str) -> None:
