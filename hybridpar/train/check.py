@@ -20,8 +20,9 @@ send them (ranks go in order, stage s - 1 before stage s), derives the `comm.Mes
 every FWD / SKIP message it sends, and commits what it sends and receives into its executor's
 `SpecBook` under the step's signature: the step runs in its steady state, payloads only.
 
-The fake GPU and the numbers measured are `check_memory`'s. `dry_run` runs the ranks in a
-child process by default: the fake GPU's registration lasts for the process.
+The fake GPU is `check_fake_gpu`'s, the numbers measured are `check_memory`'s. `dry_run`
+runs the ranks in a child process by default: the fake GPU's registration lasts for the
+process.
 """
 
 from __future__ import annotations
@@ -50,14 +51,11 @@ from torch import Tensor, nn
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.microbatch import signature, split_batch
 from hybridpar.topology import ParallelDims, Topology, using
+from hybridpar.train.check_fake_gpu import STANDIN, FakeFunctions, clear_cast_cache, fake_gpu
 from hybridpar.train.check_memory import (
-    STANDIN,
     CheckReport,
-    FakeFunctions,
     RankReport,
     SavedActivations,
-    clear_cast_cache,
-    fake_gpu,
     memory_problem,
     optimizer_bytes,
     tensor_bytes,
@@ -485,7 +483,7 @@ def _failure(error: BaseException, where: str, layers: _LayerStack | None, durin
 def _site(error: BaseException) -> str:
     """The deepest frame of `error` outside torch and this dry run: `` at file:line `code` ``."""
     skip = (str(Path(torch.__file__).parent), "torchgpipe", __file__,
-            str(Path(__file__).with_name("check_memory.py")))
+            *(str(Path(__file__).with_name(n)) for n in ("check_memory.py", "check_fake_gpu.py")))
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not any(f.filename.startswith(s) or s in f.filename for s in skip)]
     if not frames:

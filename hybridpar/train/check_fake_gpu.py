@@ -1,0 +1,206 @@
+"""The fake GPU of a dry run: PrivateUse1 as ``fakegpu``, its bf16 autocast, FakeFunctions.
+
+On a CPU-only build of torch, FakeTensorMode makes `cuda` tensors, but autograd and indexing
+on them ask torch for a CUDA device guard, which such a build lacks. So the fake GPU is torch's
+PrivateUse1 device registered as ``fakegpu``: a device guard and hooks, no kernels, every op
+computed by FakeTensorMode. The registration lasts for the process (`torch.accelerator` then
+reports the device), which is why `hybridpar.train.check.dry_run` runs in a child process by
+default. bf16 autocast on it casts as CUDA's autocast does where memory is concerned (matmuls,
+convolutions and attention in bf16; softmax, norms, losses, reductions in fp32; weight casts
+cached for the step). `FakeFunctions` fills the gaps of FakeTensorMode listed in its
+docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+__all__ = ["STANDIN", "FakeFunctions", "clear_cast_cache", "fake_gpu"]
+
+STANDIN = "fakegpu"   # the PrivateUse1 name of the fake GPU
+
+
+def fake_gpu() -> str:
+    """Register the fake GPU (PrivateUse1 as ``fakegpu``, with bf16 autocast) once; its
+    device type."""
+    name = torch._C._get_privateuse1_backend_name()
+    if name == STANDIN:
+        return STANDIN
+    if name != "privateuseone":
+        raise RuntimeError(f"this process already uses PrivateUse1 as {name!r}; run the dry "
+                           "run in its own process (dry_run(..., isolate=True))")
+    from torch.utils.backend_registration import (
+        _DummyBackendModule,
+        _setup_privateuseone_for_python_backend,
+    )
+
+    class Module(_DummyBackendModule):
+        def get_amp_supported_dtype(self) -> list[torch.dtype]:
+            return [torch.float16, torch.bfloat16]
+
+    _setup_privateuseone_for_python_backend(rename=STANDIN, backend_module=Module())
+    _register_autocast()
+    return STANDIN
+
+
+# CUDA autocast's op lists (autocast_mode.cpp), the part that shapes memory
+_LOWER = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv",
+          "einsum", "conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
+          "conv_transpose2d", "conv_transpose3d", "prelu", "scaled_dot_product_attention")
+_FP32 = ("softmax", "log_softmax", "layer_norm", "native_layer_norm", "group_norm", "nll_loss",
+         "nll_loss_nd", "nll_loss2d", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+         "binary_cross_entropy_with_logits", "kl_div", "exp", "expm1", "log", "log1p", "log2",
+         "log10", "reciprocal", "rsqrt", "pow", "softplus", "logsumexp", "cumsum", "cumprod",
+         "prod", "sum", "norm", "linalg_vector_norm", "cosine_similarity", "cdist", "renorm")
+_LIBRARY: list[Any] = []
+_CAST_CACHE: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+def _register_autocast() -> None:
+    """Autocast kernels for the fake GPU: CUDA's casts of the ops above, others fall through."""
+    everything, lib = torch.library.Library("_", "IMPL"), torch.library.Library("aten", "IMPL")
+    _LIBRARY.extend((everything, lib))   # registrations live as long as the library objects
+    everything.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
+    for names, lower in ((_LOWER, True), (_FP32, False)):
+        for name in names:
+            packet = getattr(torch.ops.aten, name, None)
+            for overload in packet.overloads() if packet is not None else ():
+                if "out" in overload:
+                    continue
+                op = getattr(packet, overload)
+                qualified = name if overload == "default" else f"{name}.{overload}"
+                lib.impl(qualified, _autocast_kernel(op, lower), "AutocastPrivateUse1")
+
+
+def _autocast_kernel(op: Any, lower: bool) -> Callable[..., Any]:
+    key = torch._C.DispatchKey.AutocastPrivateUse1   # type: ignore[attr-defined]
+    keys = torch._C.DispatchKeySet(key)
+
+    def cast(a: Any) -> Any:
+        if not isinstance(a, Tensor) or not a.is_floating_point() or a.device.type != STANDIN:
+            return a
+        target = torch.get_autocast_dtype(STANDIN) if lower else torch.float32
+        if a.dtype in (target, torch.float64) or (not lower and a.dtype == torch.float32):
+            return a
+        cacheable = lower and a.is_leaf and a.requires_grad and \
+            torch.is_autocast_cache_enabled()
+        if cacheable and id(a) in _CAST_CACHE and _CAST_CACHE[id(a)][0] is a:
+            return _CAST_CACHE[id(a)][1]
+        out = a.to(target)
+        if cacheable:
+            _CAST_CACHE[id(a)] = (a, out)
+        return out
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(keys):
+            args = tuple(cast(a) if not isinstance(a, (list, tuple)) else
+                         type(a)(cast(b) for b in a) for a in args)
+            return op(*args, **{k: cast(v) for k, v in kwargs.items()})
+
+    return kernel
+
+
+def clear_cast_cache() -> None:
+    """Forget the weight casts of the step that ended (autocast clears its cache so)."""
+    _CAST_CACHE.clear()
+
+
+class FakeFunctions(torch.overrides.TorchFunctionMode):
+    """What FakeTensorMode needs on top, at the torch-function level:
+
+        call                            does
+        ops on real tensors only        run for real (RNG states are real CPU tensors)
+        torch.tensor(..., fake GPU)     made on the CPU, then moved (no fake-GPU kernels)
+        Tensor.detach                   its result leaves FakeTensorMode's memo (a weak
+                                        reference there stops Module.to swapping params)
+        Tensor.data_ptr of a fake       a zero byte (comm's abort check reads one on CPU)
+        scaled_dot_product_attention    CUDA's fused kernels (`_attention`), not the math one
+        an op moving a small constant   run without the constant (FakeTensorMode computes
+        to the fake GPU                 constants for real; the fake GPU has no kernels)
+    """
+
+    _ZERO = torch.zeros(8, dtype=torch.uint8)
+
+    def __init__(self, mode: Any) -> None:
+        super().__init__()
+        self.memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is Tensor.data_ptr and isinstance(args[0], FakeTensor):
+            return self._ZERO.data_ptr()
+        if func is F.scaled_dot_product_attention and isinstance(args[0], FakeTensor) and \
+                args[0].device.type == STANDIN:
+            return _attention(*args, **kwargs)
+        if func in (torch.tensor, torch.as_tensor) and _on_standin(kwargs.get("device")):
+            device = kwargs.pop("device")
+            return func(*args, **kwargs, device="cpu").to(device)
+        real = False
+        for a in (*args, *kwargs.values()):
+            for b in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(b, FakeTensor) or _on_standin(b):
+                    break
+                real = real or isinstance(b, Tensor)
+            else:
+                continue
+            break
+        else:
+            if real:   # only real tensors, nothing for the fake GPU: run it for real
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError as e:   # FakeTensorMode ran it on a constant's real data
+            constants = [a for a in (*args, *kwargs.values())
+                         if isinstance(a, FakeTensor) and a.constant is not None]
+            if f"'{STANDIN}' backend" not in str(e) or not constants:
+                raise
+            saved = [a.constant for a in constants]
+            for a in constants:
+                a.constant = None
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                for a, constant in zip(constants, saved):
+                    a.constant = constant
+        if func is Tensor.detach:
+            for key in [k for k, v in self.memo.items() if v is out]:
+                del self.memo[key]
+        return out
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> Tensor:
+    """`F.scaled_dot_product_attention` as CUDA runs it: the flash kernel (fp16 / bf16, no
+    mask) or the memory-efficient one, which save O(T) per head, not the math kernel's
+    (B, h, T, T) probabilities, which a device without fused kernels would fall back to."""
+    if torch.is_autocast_enabled(STANDIN):   # attention is on autocast's lower-precision list
+        low = torch.get_autocast_dtype(STANDIN)
+        q, k, v = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v))
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if enable_gqa or q.dim() != 4 or q.shape[1] != k.shape[1] or \
+            q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is None and q.dtype != torch.float32 and q.shape[-1] <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:   # as CUDA: a float bias
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device) \
+            .masked_fill(~attn_mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, attn_mask, grads, dropout_p, is_causal, scale=scale)[0]
+
+
+def _on_standin(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.split(":")[0] == STANDIN
+    return isinstance(device, torch.device) and device.type == STANDIN
