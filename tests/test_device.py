@@ -112,13 +112,13 @@ class _CacheProbe(nn.Module):
         return x
 
 
-def _bf16_grads(mode):
+def _bf16_grads(mode, schedule="gpipe"):
     topo = hybridpar.init(timeout=30)
     torch.manual_seed(0)
     probe = _CacheProbe()
     model = nn.Sequential(nn.Linear(8, 8), probe, nn.ReLU(), nn.Linear(8, 3))
     pipe = hybridpar.HybridPipe(model, [4], chunks=2, topology=topo, checkpoint=mode,
-                                loss_fn=nn.functional.cross_entropy)
+                                schedule=schedule, loss_fn=nn.functional.cross_entropy)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -141,3 +141,15 @@ def test_under_bf16_every_parameter_gets_the_same_gradient_in_every_checkpoint_m
     assert runs["always"]["seen"] == [False, False, False, False]
     assert runs["except_last"]["seen"] == [False, True, False]  # F0 ckpt, F1 plain, R0
     assert runs["never"]["seen"] == [True, True]
+
+
+def test_under_bf16_a_split_backward_gives_every_parameter_its_gradient():
+    # ZB-H1: the linears' weight gradients computed in W in the autocast dtype, cast to fp32:
+    # bit for bit what autograd computes in B
+    plain = hybridpar.spawn(_bf16_grads, 1, args=("never",), timeout=60)[0]
+    for mode in ("always", "never"):
+        split = hybridpar.spawn(_bf16_grads, 1, args=(mode, "zb-h1"), timeout=60)[0]
+        assert split["loss_dtype"] == "torch.float32"
+        for name, g in split["grads"].items():
+            assert g is not None and g.dtype == torch.float32, (mode, name)
+            assert torch.equal(g, plain["grads"][name]), (mode, name)
