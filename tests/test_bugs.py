@@ -170,7 +170,7 @@ def test_profiling_a_sharded_layer_repeats_it_the_same_number_of_times_on_every_
     # a real tp group runs collectives, and two ranks that stopped after different numbers of
     # repeats left one waiting in an all-reduce the other never joined ("Connection closed by
     # peer" once the other exited). The ranks now agree on every repeat (an all-reduce MAX of
-    # "I want more", `balance.profile._time_layer`; fixed in 3164838). Here rank 1's slow
+    # "I want more", `balance.profile_time.time_layer`; fixed in 3164838). Here rank 1's slow
     # warm-up starts its clock 0.3 s after rank 0's: rank 0's budget (0.1 s per layer) is spent
     # after its first two repeats, rank 1's only after ~16.
     # Checked: with `more()` returning the rank's own wish (no all-reduce), this test fails
