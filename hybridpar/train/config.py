@@ -1,4 +1,4 @@
-"""Run configuration: TOML sections as typed dataclasses, `--set` overrides, checks before launch.
+"""Run configuration: TOML sections as typed dataclasses, read from a file and `--set` overrides.
 
     [model]       name = "gpt" and the model's keyword options as flat keys (n_layer = 4, ...)
     [data]        source, path, seq_len, val_fraction, seed
@@ -8,10 +8,9 @@
     [checkpoint]  every, keep
 
 Every key has a default. A value is checked against its field's type (``--set`` values are
-parsed as TOML values, a bare word is a string), its choices and its range; then the layout
-against the model, built on the meta device with tp=None: tp must divide what the model
-shards, pp must not exceed its layers, a list balance must cover them. Every failure is one
-`ConfigError` line naming the file, the key and what would be valid, before any worker starts.
+parsed as TOML values, a bare word is a string), its choices and its range; then the whole
+config against the model (`config_check`). Every failure is one `ConfigError` line naming the
+file, the key and what would be valid, before any worker starts.
 """
 
 from __future__ import annotations
@@ -30,21 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hybridpar.balance import BALANCERS
 from hybridpar.files import atomic_write_text
-from hybridpar.models.gpt import check_gpt_config
-from hybridpar.models.registry import build, builder, has_synthetic_data, takes_tokens
+from hybridpar.models.registry import builder
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
-from hybridpar.pipeline.partition import balance_problem
 from hybridpar.pipeline.schedule import SCHEDULES
-from hybridpar.tensor_parallel.hf_plan import HF_STYLES
-from hybridpar.tensor_parallel.plan import DENSE_STYLES, STYLES
-from hybridpar.tensor_parallel.strategy import strategy_problem
+from hybridpar.train.config_check import check_layout
 
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig",
-           "ParallelConfig", "TrainConfig", "load_config", "load_resolved", "write_resolved"]
+           "ParallelConfig", "TrainConfig", "Where", "load_config", "load_resolved",
+           "write_resolved"]
 
 SECTIONS = ("model", "data", "parallel", "train", "checkpoint")
 _SET_BY_PARALLEL = ("tp", "group")   # model options the trainer fills from [parallel]
@@ -153,7 +147,7 @@ class Config:
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         """Check and resolve plain data shaped like `to_dict` (``name`` optional)."""
         raw = dict(data)
-        return _build(raw, name=str(raw.pop("name", "config")), where=_Where(source, {}))
+        return _build(raw, name=str(raw.pop("name", "config")), where=Where(source, {}))
 
 
 class _Mismatch(Exception):
@@ -203,7 +197,7 @@ def _coerce(value: Any, tp: Any) -> Any:
 
 
 @dataclass
-class _Where:
+class Where:
     """The file being read, and which keys came from which ``--set``."""
 
     source: str
@@ -224,14 +218,14 @@ class _Where:
                           f"{', '.join(prefix + v for v in valid)}", origin or prefix + key)
 
 
-def _typed(value: Any, tp: Any, key: str, where: _Where) -> Any:
+def _typed(value: Any, tp: Any, key: str, where: Where) -> Any:
     try:
         return _coerce(value, tp)
     except _Mismatch:
         raise where.error(f"{key} must be {_describe(tp)}, got {value!r}", key) from None
 
 
-def _check_value(value: Any, key: str, where: _Where) -> None:
+def _check_value(value: Any, key: str, where: Where) -> None:
     choices = _CHOICES.get(key)
     if choices and isinstance(value, str) and value not in choices:
         raise where.error(f"{key} must be one of {', '.join(map(repr, choices))}, "
@@ -248,7 +242,7 @@ def _check_value(value: Any, key: str, where: _Where) -> None:
         raise where.error(f"{key} must be >= 0, got {value!r}", key)
 
 
-def _section(cls: type, section: str, table: Mapping[str, Any], where: _Where) -> Any:
+def _section(cls: type, section: str, table: Mapping[str, Any], where: Where) -> Any:
     hints = typing.get_type_hints(cls)
     fields = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}
@@ -261,7 +255,7 @@ def _section(cls: type, section: str, table: Mapping[str, Any], where: _Where) -
     return cls(**values)
 
 
-def _model_section(table: Mapping[str, Any], where: _Where) -> ModelConfig:
+def _model_section(table: Mapping[str, Any], where: Where) -> ModelConfig:
     name = table.get("name", "gpt")
     try:
         fn = builder(name)
@@ -291,114 +285,7 @@ def _model_section(table: Mapping[str, Any], where: _Where) -> ModelConfig:
         args[key] = _typed(raw, tp, full, where)
     return ModelConfig(name=name, args=args)
 
-
-def _count_layers(model: ModelConfig, where: _Where) -> int:
-    """The model's nn.Sequential length, built on the meta device (no memory, no init cost)."""
-    try:
-        with torch.device("meta"):
-            return len(build(model.name, **model.args)[0])
-    except (ValueError, TypeError, OSError) as e:
-        message = str(e).removeprefix(f"{model.name}: ")
-        raise where.error(f"model {model.name!r}: {message}",
-                          *[f"model.{k}" for k in model.args]) from None
-
-
-def _check_tp(model: ModelConfig, tp: int, where: _Where) -> None:
-    """Raise if tp does not divide what the model's own parallel layers shard."""
-    args = model.args
-    try:
-        if model.name == "gpt":
-            check_gpt_config(tp=tp, **{k: args[k] for k in (
-                "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout")})
-        elif model.name == "mlp" and args["hidden"] % tp:
-            valid = [d for d in range(1, args["hidden"] + 1) if args["hidden"] % d == 0]
-            raise ValueError(f"hidden={args['hidden']} is not divisible by tp={tp}; valid "
-                             f"tp sizes are {valid}")
-    except ValueError as e:
-        message = str(e).removeprefix(f"{model.name}: ")
-        raise where.error(f"parallel.tp={tp} does not fit model {model.name!r}: {message}",
-                          "parallel.tp", *[f"model.{k}" for k in args]) from None
-
-
-def _check_layout(cfg: Config, where: _Where) -> Config:
-    model, par, data, train = cfg.model, cfg.parallel, cfg.data, cfg.train
-    layers = _count_layers(model, where)
-    if par.tp > 1 and par.tp_plan is None:
-        if "tp" not in inspect.signature(builder(model.name)).parameters:
-            raise where.error(f"parallel.tp={par.tp} but model {model.name!r} has no tensor-"
-                              "parallel layers; set parallel.tp_plan = \"auto\" (or a table of "
-                              "layer globs), or parallel.tp = 1", "parallel.tp")
-        _check_tp(model, par.tp, where)
-    if par.tp_plan == "hf" and not model.name.startswith("hf:"):
-        raise where.error(f"parallel.tp_plan = 'hf' is a Hugging Face model's own plan; model "
-                          f"{model.name!r} is not one (model.name = 'hf:...'): use 'auto'",
-                          "parallel.tp_plan", "model.name")
-    if isinstance(par.tp_plan, dict):
-        for glob, style in par.tp_plan.items():
-            if isinstance(style, list):   # a strategy: slices per dimension (hybridpar.shard)
-                problem = strategy_problem(style, par.tp)
-                if problem:
-                    raise where.error(f"parallel.tp_plan[{glob!r}] = {style}: {problem}",
-                                      "parallel.tp_plan", "parallel.tp")
-            elif style not in (*STYLES, *DENSE_STYLES, *HF_STYLES):
-                raise where.error(f"parallel.tp_plan[{glob!r}] must be one of "
-                                  f"{', '.join(map(repr, STYLES))}, a TPDense style "
-                                  f"({', '.join(map(repr, DENSE_STYLES))}) or a Hugging Face style "
-                                  f"({', '.join(map(repr, HF_STYLES))}), got {style!r}",
-                                  "parallel.tp_plan")
-    if par.pp > layers:
-        raise where.error(f"parallel.pp={par.pp} is more stages than the {layers} layers of "
-                          f"model {model.name!r}; choose pp between 1 and {layers}",
-                          "parallel.pp")
-    if isinstance(par.balance, list):
-        problem = balance_problem(par.balance, par.pp, layers, name="parallel.balance",
-                                  model=f"model {model.name!r}")
-        if problem is not None:
-            raise where.error(problem, "parallel.balance", "parallel.pp")
-    if par.dp is not None and train.batch_size % par.dp:
-        raise where.error(f"train.batch_size={train.batch_size} is not divisible by "
-                          f"parallel.dp={par.dp}; each replica takes batch_size / dp samples",
-                          "train.batch_size", "parallel.dp")
-    if train.min_lr > train.lr:
-        raise where.error(f"train.min_lr={train.min_lr} is above train.lr={train.lr}; the "
-                          "learning rate decays from lr to min_lr: set min_lr <= lr",
-                          "train.min_lr", "train.lr")
-    return dataclasses.replace(cfg, data=_check_data(model, data, where))
-
-
-def _check_data(model: ModelConfig, data: DataConfig, where: _Where) -> DataConfig:
-    if data.source == "synthetic" and not has_synthetic_data(model.name):
-        raise where.error(f"data.source = 'synthetic' has batches for the zoo's models only; "
-                          f"model {model.name!r} trains on tokens: set data.source = 'corpus' "
-                          "(or 'text' with data.path)", "data.source", "model.name")
-    if data.source != "synthetic":
-        if not takes_tokens(model.name):
-            raise where.error(f"data.source={data.source!r} gives byte tokens; model "
-                              f"{model.name!r} takes data.source = 'synthetic'",
-                              "data.source", "model.name")
-        if model.args.get("vocab_size", 256) < 256:
-            raise where.error(f"data.source={data.source!r} gives bytes (256 values) but "
-                              f"model.vocab_size={model.args['vocab_size']}; use at least 256",
-                              "data.source", "model.vocab_size")
-    if data.source == "text":
-        if data.path is None:
-            raise where.error("data.path is required with data.source = 'text'", "data.source")
-        if not Path(data.path).is_file():
-            raise where.error(f"data.path {data.path!r}: no such file", "data.path")
-    if data.source != "synthetic" and model.name != "gpt" and data.seq_len is None:
-        raise where.error(f"model {model.name!r} needs the sequence length of its samples: "
-                          "set data.seq_len (e.g. 64)", "data.seq_len")
-    if model.name == "gpt":
-        block = model.args["block_size"]
-        if data.seq_len is None:
-            return dataclasses.replace(data, seq_len=block)
-        if data.seq_len > block:
-            raise where.error(f"data.seq_len={data.seq_len} is longer than model.block_size="
-                              f"{block}; use at most {block}", "data.seq_len")
-    return data
-
-
-def _build(raw: Mapping[str, Any], *, name: str, where: _Where, check: bool = True) -> Config:
+def _build(raw: Mapping[str, Any], *, name: str, where: Where, check: bool = True) -> Config:
     for section, table in raw.items():
         if section not in SECTIONS:
             raise where.unknown("section", section, SECTIONS, origin=next(
@@ -408,7 +295,7 @@ def _build(raw: Mapping[str, Any], *, name: str, where: _Where, check: bool = Tr
     model = _model_section(raw.get("model", {}), where)
     parts = {s: _section(cls, s, raw.get(s, {}), where) for s, cls in _CLASSES.items()}
     config = Config(name=name, model=model, **parts)
-    return _check_layout(config, where) if check else config
+    return check_layout(config, where) if check else config
 
 
 def _parse_override(text: str, source: str) -> tuple[str, str, Any]:
@@ -437,7 +324,7 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
         raw = tomllib.loads(file.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    where = _Where(str(path), {})
+    where = Where(str(path), {})
     for text in overrides:
         section, key, value = _parse_override(text, str(path))
         table = raw.setdefault(section, {})
@@ -452,7 +339,7 @@ def load_resolved(path: str | os.PathLike[str]) -> Config:
     """The config a launcher resolved and checked (RUN_DIR/config.json): read, not checked
     again (its values are typed, the layout against the model was checked once)."""
     raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    return _build(raw, name=str(raw.pop("name", "config")), where=_Where(str(path), {}),
+    return _build(raw, name=str(raw.pop("name", "config")), where=Where(str(path), {}),
                   check=False)
 
 
@@ -461,4 +348,3 @@ def write_resolved(config: Config, run_dir: str | os.PathLike[str]) -> Path:
     target = Path(run_dir) / "config.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(target, json.dumps(config.to_dict(), indent=2) + "\n", fsync=True)
-

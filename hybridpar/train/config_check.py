@@ -1,0 +1,136 @@
+"""Checks of a config across its fields, against the model it names, before any worker starts.
+
+The model is built on the meta device with tp=None (no memory, no init cost): tp must divide
+what the model shards, a tp plan must name known styles, pp must not exceed its layers, a
+list balance must cover them; then the batch against dp, the learning rates, and the data
+against the model (`data.seq_len` defaults to a gpt's block_size here). Every failure is one
+`ConfigError` line (made by `Where`, which names the file and the ``--set`` of a key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from hybridpar.models.gpt import check_gpt_config
+from hybridpar.models.registry import build, builder, has_synthetic_data, takes_tokens
+from hybridpar.pipeline.partition import balance_problem
+from hybridpar.tensor_parallel.hf_plan import HF_STYLES
+from hybridpar.tensor_parallel.plan import DENSE_STYLES, STYLES
+from hybridpar.tensor_parallel.strategy import strategy_problem
+
+if TYPE_CHECKING:   # config.py calls check_layout: the types only, not a cycle at run time
+    from hybridpar.train.config import Config, DataConfig, ModelConfig, Where
+
+__all__ = ["check_layout"]
+
+
+def _count_layers(model: ModelConfig, where: Where) -> int:
+    """The model's nn.Sequential length, built on the meta device (no memory, no init cost)."""
+    try:
+        with torch.device("meta"):
+            return len(build(model.name, **model.args)[0])
+    except (ValueError, TypeError, OSError) as e:
+        message = str(e).removeprefix(f"{model.name}: ")
+        raise where.error(f"model {model.name!r}: {message}",
+                          *[f"model.{k}" for k in model.args]) from None
+
+
+def _check_tp(model: ModelConfig, tp: int, where: Where) -> None:
+    """Raise if tp does not divide what the model's own parallel layers shard."""
+    args = model.args
+    try:
+        if model.name == "gpt":
+            check_gpt_config(tp=tp, **{k: args[k] for k in (
+                "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout")})
+        elif model.name == "mlp" and args["hidden"] % tp:
+            valid = [d for d in range(1, args["hidden"] + 1) if args["hidden"] % d == 0]
+            raise ValueError(f"hidden={args['hidden']} is not divisible by tp={tp}; valid "
+                             f"tp sizes are {valid}")
+    except ValueError as e:
+        message = str(e).removeprefix(f"{model.name}: ")
+        raise where.error(f"parallel.tp={tp} does not fit model {model.name!r}: {message}",
+                          "parallel.tp", *[f"model.{k}" for k in args]) from None
+
+
+def check_layout(cfg: Config, where: Where) -> Config:
+    """`cfg` checked across its fields and against its model; `data.seq_len` resolved."""
+    model, par, data, train = cfg.model, cfg.parallel, cfg.data, cfg.train
+    layers = _count_layers(model, where)
+    if par.tp > 1 and par.tp_plan is None:
+        if "tp" not in inspect.signature(builder(model.name)).parameters:
+            raise where.error(f"parallel.tp={par.tp} but model {model.name!r} has no tensor-"
+                              "parallel layers; set parallel.tp_plan = \"auto\" (or a table of "
+                              "layer globs), or parallel.tp = 1", "parallel.tp")
+        _check_tp(model, par.tp, where)
+    if par.tp_plan == "hf" and not model.name.startswith("hf:"):
+        raise where.error(f"parallel.tp_plan = 'hf' is a Hugging Face model's own plan; model "
+                          f"{model.name!r} is not one (model.name = 'hf:...'): use 'auto'",
+                          "parallel.tp_plan", "model.name")
+    if isinstance(par.tp_plan, dict):
+        for glob, style in par.tp_plan.items():
+            if isinstance(style, list):   # a strategy: slices per dimension (hybridpar.shard)
+                problem = strategy_problem(style, par.tp)
+                if problem:
+                    raise where.error(f"parallel.tp_plan[{glob!r}] = {style}: {problem}",
+                                      "parallel.tp_plan", "parallel.tp")
+            elif style not in (*STYLES, *DENSE_STYLES, *HF_STYLES):
+                raise where.error(f"parallel.tp_plan[{glob!r}] must be one of "
+                                  f"{', '.join(map(repr, STYLES))}, a TPDense style "
+                                  f"({', '.join(map(repr, DENSE_STYLES))}) or a Hugging Face style "
+                                  f"({', '.join(map(repr, HF_STYLES))}), got {style!r}",
+                                  "parallel.tp_plan")
+    if par.pp > layers:
+        raise where.error(f"parallel.pp={par.pp} is more stages than the {layers} layers of "
+                          f"model {model.name!r}; choose pp between 1 and {layers}",
+                          "parallel.pp")
+    if isinstance(par.balance, list):
+        problem = balance_problem(par.balance, par.pp, layers, name="parallel.balance",
+                                  model=f"model {model.name!r}")
+        if problem is not None:
+            raise where.error(problem, "parallel.balance", "parallel.pp")
+    if par.dp is not None and train.batch_size % par.dp:
+        raise where.error(f"train.batch_size={train.batch_size} is not divisible by "
+                          f"parallel.dp={par.dp}; each replica takes batch_size / dp samples",
+                          "train.batch_size", "parallel.dp")
+    if train.min_lr > train.lr:
+        raise where.error(f"train.min_lr={train.min_lr} is above train.lr={train.lr}; the "
+                          "learning rate decays from lr to min_lr: set min_lr <= lr",
+                          "train.min_lr", "train.lr")
+    return dataclasses.replace(cfg, data=_check_data(model, data, where))
+
+
+def _check_data(model: ModelConfig, data: DataConfig, where: Where) -> DataConfig:
+    if data.source == "synthetic" and not has_synthetic_data(model.name):
+        raise where.error(f"data.source = 'synthetic' has batches for the zoo's models only; "
+                          f"model {model.name!r} trains on tokens: set data.source = 'corpus' "
+                          "(or 'text' with data.path)", "data.source", "model.name")
+    if data.source != "synthetic":
+        if not takes_tokens(model.name):
+            raise where.error(f"data.source={data.source!r} gives byte tokens; model "
+                              f"{model.name!r} takes data.source = 'synthetic'",
+                              "data.source", "model.name")
+        if model.args.get("vocab_size", 256) < 256:
+            raise where.error(f"data.source={data.source!r} gives bytes (256 values) but "
+                              f"model.vocab_size={model.args['vocab_size']}; use at least 256",
+                              "data.source", "model.vocab_size")
+    if data.source == "text":
+        if data.path is None:
+            raise where.error("data.path is required with data.source = 'text'", "data.source")
+        if not Path(data.path).is_file():
+            raise where.error(f"data.path {data.path!r}: no such file", "data.path")
+    if data.source != "synthetic" and model.name != "gpt" and data.seq_len is None:
+        raise where.error(f"model {model.name!r} needs the sequence length of its samples: "
+                          "set data.seq_len (e.g. 64)", "data.seq_len")
+    if model.name == "gpt":
+        block = model.args["block_size"]
+        if data.seq_len is None:
+            return dataclasses.replace(data, seq_len=block)
+        if data.seq_len > block:
+            raise where.error(f"data.seq_len={data.seq_len} is longer than model.block_size="
+                              f"{block}; use at most {block}", "data.seq_len")
+    return data
