@@ -33,6 +33,9 @@ none means the payload was real data. The receiver checks the first byte only: a
 does not know the size the receiver expects (it failed before learning it) sends one byte,
 which gloo delivers into a larger receive. This check is a CPU read, done on gloo; on NCCL it
 would synchronise the host, so there the receiver relies on the process group's timeout.
+A rank whose own action failed also stores its error under its pipeline's key
+(``hybridpar/abort/<step>/pipeline-<id>``), which the peers it owes nothing find from a
+thread (`pipeline.listener`); `interrupt` breaks their waits on gloo.
 
 Every transfer is counted (`comm_stats`, kinds ``p2p_send``, ``p2p_recv``, ``p2p_header``;
 the all-gather counts itself) and, while `hybridpar.trace` records, timed. `Wire.log`, when
@@ -72,6 +75,7 @@ __all__ = [
     "DTYPES",
     "HEADER_LEN",
     "MAGIC",
+    "WAKE_TAG",
     "CommStats",
     "Incoming",
     "MessageSpec",
@@ -84,9 +88,11 @@ __all__ = [
     "comm_stats",
     "header",
     "header_dummy",
+    "interrupt",
     "payloads",
     "publish_abort",
     "read_abort",
+    "read_pipeline_abort",
     "record",
     "reset_comm_stats",
     "send_message",
@@ -101,6 +107,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _NO_TAG = 9
 MAGIC = bytes.fromhex("f47fadbadea1ed5e")  # the first bytes of an abort dummy (a NaN in f64)
+WAKE_TAG = (1 << 13) + 1   # gloo only: the receive `interrupt` times out (nothing is sent on it)
 
 CommStats = trace.CommStats
 comm_stats = trace.comm_stats
@@ -469,14 +476,19 @@ def _starts_with_magic(t: Tensor) -> bool:
     return _nbytes(t) > 0 and ctypes.string_at(t.data_ptr(), 1) == MAGIC[:1]
 
 
-def _abort_key(step: int, rank: int) -> str:
+def _abort_key(step: int, rank: int | str) -> str:
     return f"hybridpar/abort/{step}/{rank}"
 
 
-def publish_abort(step: int, *, origin_rank: int, origin_stage: int, message: str) -> None:
-    """Store this rank's abort of `step` (before sending any dummy): the origin and text."""
+def publish_abort(step: int, *, origin_rank: int, origin_stage: int, message: str,
+                  pipeline: str | None = None) -> None:
+    """Store this rank's abort of `step` (before sending any dummy): the origin and text;
+    with `pipeline`, under that pipeline's key too, where its peers' listeners look."""
     store = dist.distributed_c10d._get_default_store()
-    store.set(_abort_key(step, dist.get_rank()), f"{origin_rank}\n{origin_stage}\n{message}")
+    value = f"{origin_rank}\n{origin_stage}\n{message}"
+    store.set(_abort_key(step, dist.get_rank()), value)
+    if pipeline is not None:
+        store.set(_abort_key(step, f"pipeline-{pipeline}"), f"{dist.get_rank()}\n{value}")
 
 
 def read_abort(step: int, src: int) -> PeerFailed | None:
@@ -487,6 +499,32 @@ def read_abort(step: int, src: int) -> PeerFailed | None:
         return None
     rank, stage, text = store.get(key).decode(errors="replace").split("\n", 2)
     return PeerFailed(src, int(rank), int(stage), text)
+
+
+def read_pipeline_abort(step: int, pipeline: str) -> PeerFailed | None:
+    """The failure a rank of `pipeline` published for `step` (one store read when none did;
+    `PeerFailed.src` is the rank that published it)."""
+    store = dist.distributed_c10d._get_default_store()
+    key = _abort_key(step, f"pipeline-{pipeline}")
+    if not store.check([key]):
+        return None
+    src, rank, stage, text = store.get(key).decode(errors="replace").split("\n", 3)
+    return PeerFailed(int(src), int(rank), int(stage), text)
+
+
+def interrupt(group: ProcessGroup | None, peer: int) -> None:
+    """Make every wait of this rank on `group` (None: the default group) fail now, gloo only.
+
+    A receive from `peer` (a global rank of `group`) on `WAKE_TAG`, which nothing sends,
+    waited for 1 ms: gloo answers a timed-out wait by closing every pair of the group's
+    context, so the blocked waits raise ("Application timeout caused pair closure"), and so
+    does every later operation of the group. torch 2.13 binds no `Work.abort` in Python.
+    """
+    try:
+        wait(dist.irecv(torch.zeros(1), peer, group=group, tag=WAKE_TAG),
+             datetime.timedelta(milliseconds=1))
+    except RuntimeError:   # the timeout that breaks the waits
+        pass
 
 
 def abort_dummy(spec: TensorSpec | None, tp_group: ProcessGroup | None,

@@ -142,7 +142,8 @@ class HybridPipe(nn.Module):
 
     ``watchdog``: a thread that reports a step with no progress for the topology timeout (or
     that many seconds) and stops the stage when a peer published its failure; on by default
-    on GPUs, where NCCL waits do not time out on the host (`pipeline.watchdog`).
+    on GPUs, where NCCL waits do not time out on the host (`pipeline.watchdog`). On gloo
+    without it, a lighter listener stops the stage when a peer failed (`pipeline.listener`).
 
     ``init_fn``: for a model built on the `meta` device, a callable applied to every module
     of the stage after `to_empty` (e.g. a Hugging Face model's ``_init_weights``); without it,
@@ -401,7 +402,7 @@ class HybridPipe(nn.Module):
 
     def _guard(self, operation: str, group: Any) -> contextlib.AbstractContextManager[None]:
         """A collective outside the schedule: a timeout becomes a `PipelineError` block."""
-        return self._executor.guard(operation, dist.get_process_group_ranks(group))
+        return self._executor.guard(operation, dist.get_process_group_ranks(group), group)
 
     # inference ---------------------------------------------------------------------------
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:

@@ -257,6 +257,47 @@ def test_an_exception_on_one_stage_stops_every_stage_promptly_with_that_error():
         assert "which sent an abort instead" in fields["waiting for"]
 
 
+class Fails(nn.Module):
+    def forward(self, x):
+        raise KeyError("boom")
+
+
+def _forward_only_failure(step, failing):
+    """pp=3, stage `failing` raises in `pipe(x)` or `eval_step` and stays alive past the
+    timeout; each rank returns (seconds until it stopped, error type, message)."""
+    topo = hybridpar.init(pp=3, timeout=TIMEOUT)
+    layers = [nn.Linear(4, 4) for _ in range(3)]
+    layers[failing] = Fails()
+    pipe = hybridpar.HybridPipe(nn.Sequential(*layers), [1, 1, 1], chunks=3, topology=topo,
+                                loss_fn=lambda out, y: out.pow(2).mean())
+    x = torch.randn(6, 4)
+    start = time.monotonic()
+    try:
+        pipe(x) if step == "forward" else pipe.eval_step(x, x)
+        kind, message = "", "no error"
+    except Exception as e:
+        kind, message = type(e).__name__, str(e)
+    seconds = time.monotonic() - start
+    if topo.pp_rank == failing:
+        time.sleep(TIMEOUT + 0.5)   # its peers must not need its process to end
+    return [seconds, kind, message]
+
+
+@pytest.mark.parametrize("step,failing", [("forward", 1), ("eval_step", 2)])
+def test_a_failure_in_a_forward_only_step_stops_the_stages_it_owes_nothing(step, failing):
+    # the stages before the failed one wait on sends to it, in the output broadcast or in the
+    # loss: their listeners read its failure in the store and break those waits
+    results = hybridpar.spawn(_forward_only_failure, 3, args=(step, failing), timeout=60)
+    assert results[failing][1] == "KeyError"
+    for rank, (seconds, kind, message) in enumerate(results):
+        if rank == failing:
+            continue
+        assert kind == "PipelineError" and seconds < TIMEOUT, (rank, seconds, message)
+        head, _ = _block(message)
+        assert f"a peer failed first: stage {failing} (rank {failing}) failed at F(0) of " \
+            f"{step}: KeyError: 'boom'" in head, head
+
+
 def _dp_replica_stalls():
     topo = hybridpar.init(dp=2, timeout=TIMEOUT)
     pipe = hybridpar.HybridPipe(nn.Sequential(nn.Linear(2, 2)), [1], topology=topo,

@@ -33,7 +33,8 @@ Failures (`stops.py`, `failure.py`): the failing rank re-raises its own error wi
 block as a note (stage, action, micro-batch, the last completed action), its peers a
 `PipelineError` block (the peer and operation waited for), after aborts (`comm`: an entry in
 the store, then a dummy of the expected size) to the peers still owed a message this step,
-so they stop at once. The step's data: `step.py`.
+so they stop at once; on gloo the others' listeners (`listener.py`) stop them before their
+next action or break their waits. The step's data: `step.py`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class StageExecutor(StageStops):
         self.watchdog = None if spec.watchdog is None else Watchdog(
             spec.watchdog, describe=self._hang_report, pending=self._pending,
             peer_failed=self._peer_abort)
+        self.listener = self._listener()   # gloo: stops this stage when a peer failed
         s = spec.stage
         self.first, self.last = s == 0, s == spec.num_stages - 1
         self.tp = 1 if spec.tp_group is None else dist.get_world_size(spec.tp_group)
@@ -137,6 +139,7 @@ class StageExecutor(StageStops):
         self.recorder.stage, self.recorder.microbatch = self.spec.stage, -1
         if self.watchdog is not None:
             self.watchdog.enter()
+        self.listener.enter(self.steps)
         try:
             with trace.span("step"):
                 self._run_actions(before_last_backward)
@@ -144,6 +147,7 @@ class StageExecutor(StageStops):
         finally:
             if self.watchdog is not None:
                 self.watchdog.leave()
+            self.listener.leave()
             self.steps += 1
             self.wire.pending.clear()
             self.wire.early.clear()
@@ -169,6 +173,8 @@ class StageExecutor(StageStops):
             self.step.at, self.step.waiting = index, ""
             recorder.microbatch = action.microbatch  # tags the events of this action
             try:
+                if self.listener.stopped is not None:   # a peer failed: stop before acting
+                    raise self._peer_stopped()
                 if action.kind in COMPUTE or action.kind == GROUP:
                     self._issue(index)
                 if index == last_backward and before_last_backward is not None:

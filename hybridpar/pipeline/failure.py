@@ -14,11 +14,15 @@ expect messages from it, so they stop at once instead of waiting out the timeout
 
 An abort carries the headline (and hint) of the rank that failed first, so every peer's error
 quotes it: it is published in the store, then a dummy of the size the peer expects takes the
-place of the next message owed (`comm`). Sends of aborts are awaited within the timeout (a
-gloo send completes when it is received). A stage stopped by a peer's abort raises
+place of the next message owed (`comm`). A rank's own exception is also published for its
+whole pipeline, owed or not: the peers' listeners (`listener.py`, gloo) stop them with it
+(`PeerStopped`, "stopped by: ... (listener)"). Sends of aborts are awaited within the
+timeout (a gloo send completes when it is received), or, with listeners, `WAKE_AFTER`
+seconds: a peer stopped between actions never receives it. A stage stopped by a peer raises
 `PEER_GRACE` seconds later, so a launcher that reports the first failure by time shows the
-original error. After a `PipelineError` the P2P channels hold unmatched messages: end the job
-(launchers restart it from a checkpoint).
+original error. After a `PipelineError` the P2P channels hold unmatched messages (and a
+listener may have broken the process group): end the job (launchers restart it from a
+checkpoint).
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ from torch import Tensor
 from hybridpar import comm
 from hybridpar.pipeline.schedule import Action
 
-__all__ = ["PEER_GRACE", "Aborted", "PipelineError", "Report", "StepPlace", "WaitFailed",
-           "action_name", "collective_error", "describe", "hang_report", "peer_abort_report",
-           "send_aborts"]
+__all__ = ["PEER_GRACE", "Aborted", "PeerStopped", "PipelineError", "Report", "StepPlace",
+           "WaitFailed", "action_name", "collective_error", "collective_stopped", "describe",
+           "hang_report", "peer_abort_report", "send_aborts"]
 
 PEER_GRACE = 0.5  # seconds a stage stopped by a peer's abort waits before raising
 
@@ -58,6 +62,11 @@ class Aborted(WaitFailed):
     """The peer waited for sent an abort: `cause` is the `comm.PeerFailed` it carried."""
 
     cause: comm.PeerFailed
+
+
+class PeerStopped(Aborted):
+    """The listener found a pipeline peer's failure in the store (`cause`): the stage stops
+    before its next action (`op` empty), or a wait it broke (`op`, the peer waited for)."""
 
 
 def action_name(action: Action) -> str:
@@ -129,13 +138,22 @@ def describe(error: Exception, place: StepPlace, *, hint: str = "") -> Report:
         first = error.cause
         peer_head, _, peer_hint = first.message.partition("\n")
         headline = f"{place.who} stopped at {at}; a peer failed first: {peer_head}"
-        details.append(("waiting for", f"{error.op} stage {error.peer_stage} (rank "
-                                       f"{error.peer_rank}), which sent an abort instead"))
+        peer = f"stage {error.peer_stage} (rank {error.peer_rank})"
+        knows = {error.peer_rank, first.origin_rank}   # whom not to send an abort
+        if not isinstance(error, PeerStopped):
+            details.append(("waiting for", f"{error.op} {peer}, which sent an abort instead"))
+        else:   # the listener: a peer told by the store, not by the one waited for
+            knows = {first.origin_rank}
+            if error.op:
+                details.append(("waiting for", f"{error.op} {peer}"))
+            details.append(("stopped by", f"stage {first.origin_stage} (rank "
+                                          f"{first.origin_rank})'s failure in the store "
+                                          "(listener)"))
         if peer_hint:
             details.append(("peer's hint", peer_hint))
         return Report(_block(headline, place, details),
-                      (first.origin_rank, first.origin_stage, first.message),
-                      {error.peer_rank, first.origin_rank}, by_peer=True)
+                      (first.origin_rank, first.origin_stage, first.message), knows,
+                      by_peer=True)
     skip: set[int] = set()
     if isinstance(error, WaitFailed):
         skip.add(error.peer_rank)
@@ -198,27 +216,52 @@ def collective_error(operation: str, ranks: Sequence[int], place: StepPlace,
     return PipelineError(_block(headline, place, details, doing))
 
 
-def send_aborts(targets: Iterable[tuple[int, int, Tensor]], report: Report,
-                timeout: datetime.timedelta, *, step: int, dummies: bool = True) -> None:
-    """Tell each peer of `targets` (rank, tag, abort dummy) not skipped that this rank
-    stopped: publish `report`'s origin in the store, then send the dummies; await them.
+def collective_stopped(operation: str, ranks: Sequence[int], place: StepPlace,
+                       failed: comm.PeerFailed) -> PipelineError:
+    """A collective after the schedule broken by the listener: a peer failed in the step."""
+    head, _, hint = failed.message.partition("\n")
+    headline = (f"{place.who} stopped in {operation} (ranks {list(ranks)}) after its schedule "
+                f"of {place.what} ran; a peer failed first: {head}")
+    details = [("waiting for", f"ranks {list(ranks)} to join {operation}"),
+               ("stopped by", f"stage {failed.origin_stage} (rank {failed.origin_rank})'s "
+                              "failure in the store (listener)")]
+    if hint:
+        details.append(("peer's hint", hint))
+    doing = f"{operation}, after every action of this {place.what}"
+    return PipelineError(_block(headline, place, details, doing))
 
-    Without `dummies` (NCCL: a send would hold the stream, and the peer could not read the
-    marker without a host sync) the store alone tells the peers' watchdogs. A stage stopped
-    by a peer then waits `PEER_GRACE` seconds, so the first failure is reported first.
+
+def send_aborts(targets: Iterable[tuple[int, int, Tensor]], report: Report,
+                timeout: datetime.timedelta, *, step: int, dummies: bool = True,
+                pipeline: str | None = None, awaited: float | None = None) -> None:
+    """Tell each peer of `targets` (rank, tag, abort dummy) not skipped that this rank
+    stopped: publish `report`'s origin in the store, then send the dummies; await them
+    within the timeout, or `awaited` seconds (gloo's timed-out wait then breaks the group:
+    the peers' listeners tell them).
+
+    `pipeline`: this rank's own failure, published under the pipeline's key even when no
+    message is owed, for every peer's listener (or watchdog). Without `dummies` (NCCL: a
+    send would hold the stream, and the peer could not read the marker without a host sync)
+    the store alone tells the peers' watchdogs. A stage stopped by a peer then waits
+    `PEER_GRACE` seconds, so the first failure is reported first.
     """
     rank, stage, text = report.origin
     targets = [t for t in targets if t[0] not in report.skip]
-    if not targets:
-        if report.by_peer:
-            time.sleep(PEER_GRACE)
-        return
-    try:
-        comm.publish_abort(step, origin_rank=rank, origin_stage=stage, message=text)
-    except RuntimeError:  # the store is gone: the peers will time out
-        return
-    if not dummies:
-        return
+    if targets or pipeline is not None:
+        try:
+            comm.publish_abort(step, origin_rank=rank, origin_stage=stage, message=text,
+                               pipeline=pipeline)
+        except RuntimeError:  # the store is gone: the peers will time out
+            targets = []
+    if dummies and targets:
+        _send_dummies(targets, timeout if awaited is None else min(
+            timeout, datetime.timedelta(seconds=awaited)))
+    if report.by_peer:
+        time.sleep(PEER_GRACE)
+
+
+def _send_dummies(targets: Sequence[tuple[int, int, Tensor]],
+                  timeout: datetime.timedelta) -> None:
     works = []
     for dst, tag, dummy in targets:
         try:
@@ -233,5 +276,3 @@ def send_aborts(targets: Iterable[tuple[int, int, Tensor]], report: Report,
                 work.wait(datetime.timedelta(seconds=left))
         except RuntimeError:  # not received in time, or the peer's process ended
             pass
-    if report.by_peer:
-        time.sleep(PEER_GRACE)

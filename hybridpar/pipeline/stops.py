@@ -1,9 +1,13 @@
 """How a stage stops: its failures raised with the step's place, aborts sent to the peers
-still owed a message, and the watchdog's questions (what is pending, who failed).
+still owed a message, the listener's and the watchdog's questions (what is pending, who
+failed).
 
     this rank's own error     re-raised, the step's block added as a note (as torchgpipe)
     a wait that failed        a `PipelineError` block (a timeout, a peer gone or aborted)
-    before raising            an abort to every peer owed a message this step (`failure`)
+    a peer's failure seen     a `PipelineError` block before the next action, or out of the
+    by the listener (gloo)    wait it broke (`listener.py`): the stage "stopped"
+    before raising            an abort to every peer owed a message this step (`failure`);
+                              an own error is also published for the whole pipeline
 
 `StageStops` is a base of `StageExecutor`: these methods read the step it runs.
 """
@@ -11,16 +15,20 @@ still owed a message, and the watchdog's questions (what is pending, who failed)
 from __future__ import annotations
 
 import datetime
+import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NoReturn
 
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from hybridpar import comm
 from hybridpar.pipeline import failure
-from hybridpar.pipeline.failure import PipelineError, WaitFailed
+from hybridpar.pipeline.failure import PEER_GRACE, Aborted, PeerStopped, PipelineError, WaitFailed
+from hybridpar.pipeline.listener import Listener
 from hybridpar.pipeline.lowering import FWD, SKIP, messages
 from hybridpar.pipeline.schedule import FORWARD, Action
 from hybridpar.pipeline.skip import SkipRoute
@@ -28,6 +36,11 @@ from hybridpar.pipeline.step import StageSpec, StepState, as_tuple
 from hybridpar.pipeline.watchdog import Watchdog
 
 __all__ = ["StageStops"]
+
+# executors made in this process, in the same order on every rank (a HybridPipe is built by
+# every rank together): keys a pipeline's failures in the store, so that an earlier pipe's
+# failure at step k never stops a later pipe's step k
+_executors = itertools.count()
 
 
 class StageStops:
@@ -40,6 +53,8 @@ class StageStops:
     steps: int
     first: bool
     watchdog: Watchdog | None
+    listener: Listener
+    _pipeline: str
     skip_in: dict[int, list[SkipRoute]]
     skip_out: dict[int, list[SkipRoute]]
     _rank: Callable[[int], int]
@@ -76,6 +91,50 @@ class StageStops:
                 return failure.peer_abort_report(self._place(self.step.at), failed)
         return None
 
+    # the listener (gloo) -------------------------------------------------------------------
+    def _listener(self) -> Listener:
+        """This stage's listener: on gloo with peers and no watchdog (which, when asked for,
+        answers a peer's failure as on NCCL: it reports and ends the process)."""
+        self._pipeline = f"{next(_executors)}.{self._rank(0)}"   # its key in the store
+        if self.spec.device.type != "cpu" or self.spec.num_stages == 1 or \
+                self.spec.watchdog is not None or "gloo" not in str(dist.get_backend()):
+            return Listener()
+        return Listener(self._peer_failure, self._wake)
+
+    def _peer_failure(self, step: int) -> comm.PeerFailed | None:
+        """The failure a pipeline peer published for `step` (one store read)."""
+        failed = comm.read_pipeline_abort(step, self._pipeline)
+        return None if failed is None or failed.src == dist.get_rank() else failed
+
+    def _wake(self, failed: comm.PeerFailed, groups: Sequence[ProcessGroup | None]) -> None:
+        """Break this rank's waits on `groups` (the listener's thread; the stage stops)."""
+        me = dist.get_rank()
+        for group in groups:
+            ranks = dist.get_process_group_ranks(group) if group is not None else \
+                [failed.src]
+            peer = failed.src if failed.src in ranks else next(
+                (r for r in ranks if r != me), None)
+            if peer is not None and peer != me:
+                comm.interrupt(group, peer)
+
+    def _peer_stopped(self) -> PeerStopped:
+        """The error of a stage stopped between actions by the listener."""
+        failed = self.listener.stopped
+        assert failed is not None
+        return PeerStopped("", failed.origin_stage, failed.origin_rank, failed)
+
+    def _stopped_by(self, step: int) -> comm.PeerFailed | None:
+        """A pipeline peer's failure of `step`, when a wait broke: the listener's, or read now
+        (a peer's process may have closed the connection first)."""
+        if not self.listener.on:
+            return None
+        if self.listener.stopped is not None:
+            return self.listener.stopped
+        try:
+            return self._peer_failure(step)
+        except RuntimeError:
+            return None
+
 
     # failures ----------------------------------------------------------------------------
     def _place(self, index: int = 0) -> failure.StepPlace:
@@ -85,16 +144,27 @@ class StageStops:
                                  self.step.last_done)
 
     @contextmanager
-    def guard(self, operation: str, ranks: Sequence[int]) -> Iterator[None]:
-        """Run a collective of the step outside the schedule (loss, dp gradients, norm);
-        its failure (a timeout, a peer gone) becomes a `PipelineError` block."""
+    def guard(self, operation: str, ranks: Sequence[int],
+              group: ProcessGroup | None = None) -> Iterator[None]:
+        """Run a collective of the step outside the schedule (loss, dp gradients, norm) on
+        `group`; its failure (a timeout, a peer gone, a pipeline peer's failure the listener
+        saw) becomes a `PipelineError` block."""
+        step = self.steps - 1   # the step just run
+        self.listener.enter(step, group)
         try:
             yield
         except PipelineError:
             raise
         except RuntimeError as e:
             self.book.clear()
+            failed = self._stopped_by(step)
+            if failed is not None:
+                time.sleep(PEER_GRACE)   # the failing rank reports first
+                raise failure.collective_stopped(operation, ranks, self._place(), failed) \
+                    from e
             raise failure.collective_error(operation, ranks, self._place(), e) from e
+        finally:
+            self.listener.leave()
 
     def _raise(self, error: Exception, index: int) -> NoReturn:
         """Raise the failure at action `index` after telling the peers (as torchgpipe, the
@@ -113,11 +183,17 @@ class StageStops:
         self.step.incoming = []
         if isinstance(error, PipelineError):
             return error
+        if isinstance(error, WaitFailed) and not isinstance(error, Aborted):
+            failed = self._stopped_by(self.steps)   # the wait the listener broke, or lost
+            if failed is not None:                  # a peer that failed first
+                error = PeerStopped(error.op, error.peer_stage, error.peer_rank, failed)
         place = self._place(index)
         hint = "" if isinstance(error, WaitFailed) else self._hint(error, place.action)
         report = failure.describe(error, place, hint=hint)
         failure.send_aborts(self._owed(), report, self.spec.timeout, step=self.steps,
-                            dummies=self.spec.device.type == "cpu")
+                            dummies=self.spec.device.type == "cpu",
+                            pipeline=None if isinstance(error, WaitFailed) else self._pipeline,
+                            awaited=self.listener.wake_after if self.listener.on else None)
         if isinstance(error, WaitFailed):
             return PipelineError(report.message)
         error.add_note(report.message)
