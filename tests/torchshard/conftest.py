@@ -33,7 +33,7 @@ _MISSES_THRESHOLD = {
 # thread per rank it misses by 9e-7 (diff 1.9e-6), and torchshard 0.1.0 itself misses it
 # there (and both cross-entropy tests); with two threads, or on an AMD EPYC, it passes. The
 # failure reaches pytest as the ranks' ProcessRaisedException, so the mark cannot single out
-# that assertion: the test's other checks are run by the sibling cross-entropy tests.
+# that assertion: it covers the whole test.
 _MAY_MISS_THRESHOLD = {
     "test_parallel_cross_entropy_within_ddp_mode_and_row_parallel":
         "the summed float32 loss misses torchshard's 1e-6 threshold by an ulp or two on some "
