@@ -62,7 +62,7 @@ class StageStops:
 
     @property
     def _timeout(self) -> datetime.timedelta | None:
-        raise NotImplementedError   # StageExecutor's
+        raise NotImplementedError   # StageMessages's
 
     def _pending(self) -> list[str]:
         """Issued P2P operations not completed yet (NCCL works can be polled; gloo's say
