@@ -5,6 +5,13 @@ For tests, notebooks and examples. Each child gets ``RANK``, ``WORLD_SIZE``, ``L
 `hybridpar.init`. The parent returns the children's return values in rank order, re-raises the
 first child exception with its rank and traceback, and kills every child when one fails or
 when the timeout passes (a hang fails the call instead of blocking it).
+
+Rank 0 hosts the job's store (`hybridpar.init` with a loopback ``MASTER_ADDR``), where a rank
+that fails publishes its abort for its peers to read. So a child whose function has returned
+or raised keeps its process, its process group and so the store, until the parent has every
+rank's result (or gives up: a failure, a dead child, the timeout) and says so through an
+event; a child waits for it no longer than `timeout`. Without that, rank 0 failing at once
+took the store down before its peers read why (they failed on the store instead).
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ def _decode(data: bytes) -> Any:
 
 
 def _child(fn: Callable[..., Any], args: Sequence[Any], rank: int, env: dict[str, str],
-           threads: int, results: Any) -> None:
+           threads: int, results: Any, done: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
     os.environ.update(env)
     torch.set_num_threads(threads)
     try:
@@ -73,6 +81,12 @@ def _child(fn: Callable[..., Any], args: Sequence[Any], rank: int, env: dict[str
     finally:
         from hybridpar.topology import shutdown
 
+        try:
+            # Keep the process group, and rank 0 the store its peers may still read (an
+            # abort this rank published), until the parent has heard from every rank.
+            done.wait(max(deadline - time.monotonic(), 0.0))
+        except BaseException:  # the child is exiting anyway
+            pass
         try:
             shutdown()   # forget the topology, destroy the process group
         except Exception:  # the child is exiting anyway
@@ -88,13 +102,15 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: Sequence[Any] = (),
     `torch.save` and must load with ``weights_only=True`` (tensors, numbers, strings, lists,
     dicts). `threads` is ``torch.set_num_threads`` of each child. `env` adds variables.
     Raises `SpawnError` for the first child that raised, `SpawnTimeout` after `timeout`
-    seconds.
+    seconds. A child that is done waits (keeping rank 0's store up for its peers) until all
+    have reported or the call fails, then ends.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
+    done = ctx.Event()   # set by the parent: every rank reported, or the call fails
     port = free_port()
     base = {
         "MASTER_ADDR": "127.0.0.1",
@@ -108,8 +124,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: Sequence[Any] = (),
     procs = []
     for rank in range(nprocs):
         child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        p = ctx.Process(target=_child, args=(fn, tuple(args), rank, child_env, threads, results),
-                        name=f"hybridpar-rank{rank}", daemon=True)
+        p = ctx.Process(target=_child, name=f"hybridpar-rank{rank}", daemon=True,
+                        args=(fn, tuple(args), rank, child_env, threads, results, done, timeout))
         p.start()
         procs.append(p)
 
@@ -143,6 +159,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *, args: Sequence[Any] = (),
                 raise SpawnError(rank, payload)
             values[rank] = _decode(payload)
     finally:
+        done.set()   # the children may shut down and end now
         for p in procs:
             p.join(timeout=5 if len(values) == nprocs else 0.1)
         for p in procs:

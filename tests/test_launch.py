@@ -60,3 +60,43 @@ def test_a_child_that_dies_without_a_traceback_is_reported():
 def test_nprocs_must_be_positive():
     with pytest.raises(ValueError, match="nprocs must be a positive integer"):
         hybridpar.spawn(_rank_and_env, 0)
+
+
+def _rank_zero_fails_at_once_rank_one_reads_its_store_later():
+    hybridpar.init()
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:   # rank 0 hosts the store
+        store.set("why", "rank 0 failed")   # as a failing stage publishes its abort
+        return "failed"        # as a pipeline worker returns its error: done at once
+    time.sleep(1)              # rank 0 has long returned: its store must still answer
+    return store.get("why").decode()
+
+
+def test_rank_zero_keeps_its_store_up_until_every_rank_reported():
+    out = hybridpar.spawn(_rank_zero_fails_at_once_rank_one_reads_its_store_later, 2,
+                          timeout=60)
+    assert out == ["failed", "rank 0 failed"]
+
+
+def _done_at_once_or_stuck(folder):
+    (folder / f"pid{os.environ['RANK']}").write_text(str(os.getpid()))
+    if os.environ["RANK"] == "1":
+        time.sleep(600)
+
+
+def test_a_rank_that_is_done_ends_with_the_timeout_when_a_peer_is_stuck(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(hybridpar.SpawnTimeout, match=r"ranks \[1\] of 2 did not finish"):
+        hybridpar.spawn(_done_at_once_or_stuck, 2, args=(tmp_path,), timeout=3)
+    assert time.monotonic() - start < 20
+    for rank in (0, 1):   # the finished rank waited for its peer, but not past the timeout
+        assert _gone(int((tmp_path / f"pid{rank}").read_text()))
+
+
+def _gone(pid):
+    """The process ended (it may linger as a zombie until its parent, the forkserver, reaps it)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
