@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
-import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,9 +13,16 @@ from torch import Tensor, nn
 
 from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
-from hybridpar.broadcast import broadcast_tensors
+from hybridpar.balance.choose import choose_balance
 from hybridpar.pipeline import clip, consolidate
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
+from hybridpar.pipeline.build import (
+    apply_plan,
+    as_chunks,
+    check_layer_names,
+    stage_routes,
+    watchdog_timeout,
+)
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
 from hybridpar.pipeline.loss import LossShare
@@ -33,17 +38,10 @@ from hybridpar.pipeline.partition import (
 )
 from hybridpar.pipeline.reduce import GradBuckets
 from hybridpar.pipeline.schedule import FORWARD, get_schedule
-from hybridpar.pipeline.skip import skip_routes
-from hybridpar.pipeline.tied import (
-    TiedGroups,
-    aliases,
-    check_kept,
-    detach_other_stages,
-    find_ties,
-    names_by_id,
-)
+from hybridpar.pipeline.skip import SkipRoute
+from hybridpar.pipeline.stage_module import StageModule
+from hybridpar.pipeline.tied import Tie, TiedGroups, aliases, detach_other_stages, find_ties
 from hybridpar.tensor_parallel import random as tp_random
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.topology import Topology, current_topology
 
 if TYPE_CHECKING:
@@ -51,90 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["HybridPipe"]
 
-log = logging.getLogger(__name__)
 
-
-
-def _choose_balance(module: nn.Sequential, name: str, topo: Topology,
-                    sample: TensorOrTensors | None, chunks: int,
-                    init_fn: Callable[[nn.Module], None] | None) -> list[int]:
-    """Resolve ``balance="time" | "size" | "params" | "uniform"`` to the same list on every rank.
-
-    Global rank 0 profiles and broadcasts its choice; when the model already holds sharded
-    layers (their collectives need every tp peer), every rank profiles alongside it.
-    """
-    from hybridpar.balance import BALANCERS, balance_by
-
-    if name not in BALANCERS:
-        raise ValueError(f"unknown balance {name!r}; give a list of layer counts per stage or "
-                         "one of " + ", ".join(repr(b) for b in BALANCERS))
-    if name in ("time", "size") and sample is None:
-        raise ValueError(f"balance={name!r} profiles the model on a sample: pass "
-                         "balance_sample=<a mini-batch of input> (one rank profiles it), or use "
-                         "balance='params' / 'uniform'")
-    sharded = any(get_parallel_dim(p) is not None for p in module.parameters())
-    # profiled on the run's device, under the caller's autocast (timing synchronises it)
-    options: dict[str, Any] = {"tp": topo.tp, "device": topo.device, "init_fn": init_fn} \
-        if name in ("time", "size") else {}
-    if name == "size":
-        options["chunks"] = chunks
-    choice: list[int] = []
-    with fail_together((ValueError, TypeError, RuntimeError)):  # profiling may fail on one rank
-        if topo.rank == 0 or (sharded and name in ("time", "size")):
-            choice = list(balance_by(name, topo.pp, module, sample, **options))
-    (counts,) = broadcast_tensors(
-        (torch.tensor(choice, dtype=torch.int64),) if topo.rank == 0 else None, 0,
-        device=topo.device)
-    if topo.rank == 0:
-        log.info("balance=%r chose %s for %d stages", name, choice, topo.pp)
-    return [int(c) for c in counts.tolist()]
-
-
-def _as_chunks(chunks: object) -> int:
-    """`chunks` as an int: an int or an integral number (torchgpipe takes ``int(chunks)``),
-    at least 1; a bool, a fraction or anything else is a `ValueError`."""
-    if isinstance(chunks, bool) or (not isinstance(chunks, (int, float)) and not hasattr(
-            chunks, "__index__")):
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    value = int(chunks)
-    if value != chunks or value < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    return value
-
-
-def _check_layer_names(pipe: nn.Module, names: Sequence[str]) -> None:
-    """A `ValueError` when a layer's name is an attribute of the pipe (``"checkpoint"``).
-
-    The pipe holds its stage's layers under their own names (layout-free parameter names), so
-    a layer may not take the name of one of its attributes. Every rank checks every layer's
-    name, so a clash on one stage stops all of them alike.
-    """
-    clash = [name for name in names if hasattr(pipe, name)]
-    if clash:
-        raise ValueError(
-            f"layer name(s) {clash} are attributes of HybridPipe (it keeps every layer under "
-            "its own name, so that parameter names stay those of the model); rename them, e.g. "
-            "nn.Sequential(OrderedDict([('ckpt', layer), ...])) instead of 'checkpoint'")
-
-
-def _watchdog_timeout(watchdog: bool | float | None, topo: Topology
-                      ) -> datetime.timedelta | None:
-    """None / True / seconds / False -> how long a step may make no progress (None: off).
-
-    By default the watchdog runs on GPUs only: on gloo every wait is bounded already.
-    """
-    if watchdog is None:
-        watchdog = topo.device.type == "cuda"
-    if watchdog is False:
-        return None
-    if watchdog is True:
-        return topo.timeout
-    if isinstance(watchdog, (int, float)) and watchdog > 0:
-        return datetime.timedelta(seconds=float(watchdog))
-    raise ValueError(f"watchdog must be True, False, None or positive seconds, got {watchdog!r}")
-
-
-class HybridPipe(nn.Module):
+class HybridPipe(StageModule):
     """Pipeline parallelism over `topology.pp` stages, with tp-sharded layers inside stages.
 
     Every rank builds the same `nn.Sequential` (same seed, or on the `meta` device); each keeps
@@ -164,27 +80,16 @@ class HybridPipe(nn.Module):
                  init_fn: Callable[[nn.Module], None] | None = None) -> None:
         super().__init__()
         check_sequential(module)
-        chunks = _as_chunks(chunks)
+        chunks = as_chunks(chunks)
         checkpoint = check_checkpoint(checkpoint)   # any object whose str() is a mode
         self.schedule_fn = get_schedule(schedule)
         topo = topology if topology is not None else current_topology()
-        self.tp_plan_decisions: list[str] = []
-        if tp_plan is not None:
-            from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
-
-            tied = names_by_id(module)
-            module = check_sequential(apply_tp_plan(module, tp_plan, group=topo.tp_group))
-            check_kept(tied, module)
-            self.tp_plan_decisions = plan_decisions(module)
+        module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)
         if isinstance(balance, str):
-            balance = _choose_balance(module, balance, topo, balance_sample, chunks, init_fn)
+            balance = choose_balance(module, balance, topo, sample=balance_sample, chunks=chunks,
+                                     init_fn=init_fn)
         counts = check_balance(module, balance, topo.pp)
-        try:
-            routes = skip_routes(module, counts)
-        except TypeError as e:   # torchgpipe's verify_skippables says what, not how to fix
-            raise TypeError(f"{e}\nEvery stash('name') needs one pop('name') in a later layer "
-                            "and every pop a stash before it; a skippable layer used twice needs "
-                            "its own namespace: layer.isolate(Namespace())") from None
+        routes = stage_routes(module, counts)
         if deferred_batch_norm:
             module = convert_deferred_batch_norm(module, chunks)
 
@@ -192,22 +97,13 @@ class HybridPipe(nn.Module):
         self.stage, self.num_stages = topo.pp_rank, topo.pp
         self.checkpoint, self.schedule, self.loss_fn = checkpoint, schedule, loss_fn
         self.trace = trace
+        self.device = topo.device
         ties = find_ties(module, counts)
         #: ``{name: canonical name}`` of parameters held under several names (`pipeline.tied`)
         self.tied_aliases = aliases(ties)
         self._state_keys = list(module.state_dict().keys())
         names = list(module._modules)
-        stages = split(module, counts)
-        self._stage_keys = [[k for k in stage.state_dict() if k not in self.tied_aliases]
-                            for stage in stages]
-        local = stages[self.stage]
-        detach_other_stages(stages, self.stage, ties)
-        free_layers(stages, keep=self.stage)
-        self.device = topo.device
-        with fail_together((TypeError, ValueError, RuntimeError, NotImplementedError)):
-            # a stage of its own: may fail on this rank only
-            materialize(local, self.device, init_fn=init_fn)
-            local.to(self.device)
+        local = self._keep_stage(module, counts, ties, init_fn=init_fn)
         # copies of a parameter tied across stages: equal at the start, gradients summed
         self._ties = TiedGroups(ties, dict(local.named_parameters(remove_duplicate=False)),
                                 topo)
@@ -217,68 +113,47 @@ class HybridPipe(nn.Module):
                                        topo.dp_group if topo.dp > 1 else None)
         self._route_pairs = [(r.src, r.dst) for r in routes]
         self._programs: dict[tuple[int, bool], list[Any]] = {}
-        self._executor = StageExecutor(StageSpec(
+        self._executor = self._build_executor(local, routes, watchdog=watchdog)
+        self._loss = LossShare(topo, self._guard)
+        # the stage's layers, last: a name every rank checks against the pipe's attributes
+        check_layer_names(self, names)
+        for name, layer in local.named_children():
+            self.add_module(name, layer)
+
+    def _keep_stage(self, module: nn.Sequential, counts: list[int], ties: list[Tie], *,
+                    init_fn: Callable[[nn.Module], None] | None) -> nn.Sequential:
+        """Split `module` by `counts` and keep this rank's stage, materialized on its device
+        (the other stages' layers are released); notes each stage's state-dict keys."""
+        stages = split(module, counts)
+        self._stage_keys = [[k for k in stage.state_dict() if k not in self.tied_aliases]
+                            for stage in stages]
+        local = stages[self.stage]
+        detach_other_stages(stages, self.stage, ties)
+        free_layers(stages, keep=self.stage)
+        with fail_together((TypeError, ValueError, RuntimeError, NotImplementedError)):
+            # a stage of its own: may fail on this rank only
+            materialize(local, self.device, init_fn=init_fn)
+            local.to(self.device)
+        return local
+
+    def _build_executor(self, local: nn.Sequential, routes: list[SkipRoute], *,
+                        watchdog: bool | float | None) -> StageExecutor:
+        """The executor that runs this stage's actions (`pipeline.executor`)."""
+        topo = self.topology
+        return StageExecutor(StageSpec(
             stage=self.stage, num_stages=self.num_stages, partition=local, routes=routes,
             rank_of_stage=topo.stage_rank, tp_group=topo.tp_group if topo.tp > 1 else None,
-            timeout=topo.timeout, checkpoint=checkpoint,
+            timeout=topo.timeout, checkpoint=self.checkpoint,
             replay=RNGReplay(tp_random.get_rng_state_all, tp_random.set_rng_state_all,
                              device_type=self.device.type),
             device=self.device, p2p_tags=topo.p2p_tags,
-            watchdog=_watchdog_timeout(watchdog, topo)))
-        self._loss = LossShare(topo, self._guard)
-        # the stage's layers, last: a name every rank checks against the pipe's attributes
-        _check_layer_names(self, names)
-        for name, layer in local.named_children():
-            self.add_module(name, layer)
+            watchdog=watchdog_timeout(watchdog, topo)))
 
     # the local stage ---------------------------------------------------------------------
     @property
     def partition(self) -> nn.Sequential:
         """This rank's stage as an `nn.Sequential` (original layer names)."""
         return self._executor.spec.partition
-
-    # sequence-like over this stage's layers, as torchgpipe's GPipe over the whole model
-    def __len__(self) -> int:
-        return len(self.partition)
-
-    def __getitem__(self, index: int) -> nn.Module:
-        return self.partition[index]
-
-    def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self.partition)
-
-    # moving is denied (as torchgpipe): the stage lives on `topology.device`; casts are allowed
-    def cuda(self, device: int | torch.device | None = None) -> HybridPipe:
-        target = torch.device("cuda", device) if isinstance(device, int) else \
-            torch.device(device if device is not None else "cuda")
-        self._deny_move(target)
-        return super().cuda(device)
-
-    def cpu(self) -> HybridPipe:
-        self._deny_move(torch.device("cpu"))
-        return super().cpu()
-
-    def to(self, *args: Any, **kwargs: Any) -> HybridPipe:
-        device = kwargs.get("device", args[0] if args else None)
-        tensor = kwargs.get("tensor", device if isinstance(device, Tensor) else None)
-        if tensor is not None:
-            self._deny_move(tensor.device)
-        elif isinstance(device, int) and not isinstance(device, bool):
-            self._deny_move(torch.device(
-                "cuda" if self.device.type == "cpu" else self.device.type, device))
-        elif isinstance(device, (str, torch.device)):
-            self._deny_move(torch.device(device))
-        return super().to(*args, **kwargs)
-
-    def _deny_move(self, target: torch.device) -> None:
-        """A `TypeError` unless `target` is this stage's device (then nothing moves)."""
-        if target.type == self.device.type and target.index in (None, self.device.index):
-            return
-        raise TypeError(
-            f"HybridPipe keeps its stage on {self.device} (topology.device) and cannot move it "
-            f"to {target}: the stage's messages and micro-batches live there. Choose the device "
-            "through hybridpar.init (one device per rank, cuda:LOCAL_RANK with NCCL); casting is "
-            "allowed (pipe.to(torch.bfloat16))")
 
     @property
     def recorder(self) -> tracing.Recorder:

@@ -97,12 +97,12 @@ def test_a_watched_stage_reports_where_it_waits_while_its_peer_stalls(tmp_path, 
 
 
 def test_watchdog_values_are_checked():
-    from hybridpar.pipe import _watchdog_timeout
+    from hybridpar.pipeline.build import watchdog_timeout
     from hybridpar.topology import ParallelDims, Topology
 
     topo = Topology(ParallelDims(), 0, None, timeout=datetime.timedelta(seconds=7))
-    assert _watchdog_timeout(None, topo) is None            # gloo: every wait is bounded
-    assert _watchdog_timeout(True, topo) == datetime.timedelta(seconds=7)
-    assert _watchdog_timeout(2.5, topo) == datetime.timedelta(seconds=2.5)
+    assert watchdog_timeout(None, topo) is None            # gloo: every wait is bounded
+    assert watchdog_timeout(True, topo) == datetime.timedelta(seconds=7)
+    assert watchdog_timeout(2.5, topo) == datetime.timedelta(seconds=2.5)
     with pytest.raises(ValueError, match="watchdog must be True, False, None or positive"):
-        _watchdog_timeout(-1, topo)
+        watchdog_timeout(-1, topo)

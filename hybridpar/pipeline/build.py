@@ -1,0 +1,86 @@
+"""HybridPipe's construction steps that need no pipe: options checked, tp plan, skip routes."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from hybridpar.pipeline.partition import check_sequential
+from hybridpar.pipeline.skip import SkipRoute, skip_routes
+from hybridpar.pipeline.tied import check_kept, names_by_id
+from hybridpar.topology import Topology
+
+__all__ = ["apply_plan", "as_chunks", "check_layer_names", "stage_routes", "watchdog_timeout"]
+
+
+def as_chunks(chunks: object) -> int:
+    """`chunks` as an int: an int or an integral number (torchgpipe takes ``int(chunks)``),
+    at least 1; a bool, a fraction or anything else is a `ValueError`."""
+    if isinstance(chunks, bool) or (not isinstance(chunks, (int, float)) and not hasattr(
+            chunks, "__index__")):
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    value = int(chunks)
+    if value != chunks or value < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    return value
+
+
+def check_layer_names(pipe: nn.Module, names: Sequence[str]) -> None:
+    """A `ValueError` when a layer's name is an attribute of the pipe (``"checkpoint"``).
+
+    The pipe holds its stage's layers under their own names (layout-free parameter names), so
+    a layer may not take the name of one of its attributes. Every rank checks every layer's
+    name, so a clash on one stage stops all of them alike.
+    """
+    clash = [name for name in names if hasattr(pipe, name)]
+    if clash:
+        raise ValueError(
+            f"layer name(s) {clash} are attributes of HybridPipe (it keeps every layer under "
+            "its own name, so that parameter names stay those of the model); rename them, e.g. "
+            "nn.Sequential(OrderedDict([('ckpt', layer), ...])) instead of 'checkpoint'")
+
+
+def watchdog_timeout(watchdog: bool | float | None, topo: Topology
+                     ) -> datetime.timedelta | None:
+    """None / True / seconds / False -> how long a step may make no progress (None: off).
+
+    By default the watchdog runs on GPUs only: on gloo every wait is bounded already.
+    """
+    if watchdog is None:
+        watchdog = topo.device.type == "cuda"
+    if watchdog is False:
+        return None
+    if watchdog is True:
+        return topo.timeout
+    if isinstance(watchdog, (int, float)) and watchdog > 0:
+        return datetime.timedelta(seconds=float(watchdog))
+    raise ValueError(f"watchdog must be True, False, None or positive seconds, got {watchdog!r}")
+
+
+def apply_plan(module: nn.Sequential, tp_plan: Any, *, group: ProcessGroup
+               ) -> tuple[nn.Sequential, list[str]]:
+    """`module` with `tp_plan` applied over the tp `group` (tied parameters stay tied), and
+    the plan's decisions; without a plan, `module` as it is and no decisions."""
+    if tp_plan is None:
+        return module, []
+    from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
+
+    tied = names_by_id(module)
+    module = check_sequential(apply_tp_plan(module, tp_plan, group=group))
+    check_kept(tied, module)
+    return module, plan_decisions(module)
+
+
+def stage_routes(module: nn.Sequential, balance: Sequence[int]) -> list[SkipRoute]:
+    """The cross-stage skips of `module` split by `balance` (`pipeline.skip.skip_routes`);
+    a stash without its pop is a `TypeError` that says how to fix it."""
+    try:
+        return skip_routes(module, balance)
+    except TypeError as e:   # torchgpipe's verify_skippables says what, not how to fix
+        raise TypeError(f"{e}\nEvery stash('name') needs one pop('name') in a later layer "
+                        "and every pop a stash before it; a skippable layer used twice needs "
+                        "its own namespace: layer.isolate(Namespace())") from None
