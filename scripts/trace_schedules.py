@@ -2,7 +2,7 @@
 
     python scripts/trace_schedules.py [--pp 4] [--chunks 8] [--times 20,10,10] [--out docs/images]
 
-Each stage is benchmark 7's (`scripts/bench/zero_bubble.py`): it sleeps T_F ms in forward,
+Each stage is benchmark 8's (`scripts/bench/zero_bubble.py`): it sleeps T_F ms in forward,
 T_B in the input-gradient backward and T_W in the weight-gradient backward. After two warm-up
 steps, one step of each schedule is traced (`HybridPipe(trace=True)`) and drawn: OUT/NAME.png
 (one row per rank: forward, backward (I), weight (W), waits) and OUT/NAME.txt, the bubble

@@ -1,4 +1,4 @@
-"""Benchmark 7: ZB-H1 against its timed simulation, 1F1B, and torch pipelining's zero bubble.
+"""Benchmark 8: ZB-H1 against its timed simulation, 1F1B, and torch pipelining's zero bubble.
 
 BENCH.md's zero-bubble protocol: each stage sleeps T_F in forward, T_B in the input-gradient
 backward and T_W in the weight-gradient backward (20 / 10 / 10 ms), ``OMP_NUM_THREADS=1``,
@@ -45,7 +45,7 @@ from .common import fmt, load, markdown_table, timed_round_robin
 __all__ = ["NAME", "TITLE", "run"]
 
 NAME = "zero_bubble"
-TITLE = "7. Zero bubble: ZB-H1 against its simulation, 1F1B and torch pipelining"
+TITLE = "8. Zero bubble: ZB-H1 against its simulation, 1F1B and torch pipelining"
 
 SETTINGS = {
     #        stages       micro-batches   T_F     T_B     T_W   warm-up iters repeats
