@@ -170,6 +170,20 @@ class HybridPipe(StageModule):
     def p2p_log(self, log: list[Any] | None) -> None:
         self._executor.wire.log = log
 
+    @property
+    def skip_routes(self) -> tuple[dict[int, list[SkipRoute]], dict[int, list[SkipRoute]]]:
+        """The skips this stage receives and sends: ({source stage: routes}, {destination
+        stage: routes}), each list in the order its message carries them."""
+        return self._executor.skip_in, self._executor.skip_out
+
+    def agree_specs(self, inputs: Sequence[TensorOrTensors],
+                    specs: dict[tuple[int, int, int], Any]) -> None:
+        """Take `specs` ({(channel, peer stage, micro-batch): comm.MessageSpec}, what a shape
+        pass found) as agreed for training steps of these input micro-batches' shapes: such
+        a step then sends no header (`hybridpar check` agrees the shapes of every rank in
+        advance, since its fake ranks run one after another)."""
+        self._executor.book.commit((True, signature(inputs)), specs)
+
     def _program(self, microbatches: int, *, train: bool) -> list[Any]:
         """This stage's actions for a step: the schedule lowered with every message in its
         slot (`pipeline.lowering.lower`); forward-only steps lower the forwards alone."""

@@ -65,6 +65,54 @@ def _classes_last(input: Tensor, target: Tensor) -> bool:
 # scaled by the incoming gradient (divided by D for 'mean'), and 0 on ignored rows.
 
 
+def _row_max_and_classes(x: Tensor, n: int, rank: int, group: ProcessGroup | None
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """Step 1: each row's max over all classes, C and this rank's first class, in one MAX
+    all-reduce (each rank adds its width); C and the start stay 0-d tensors on the device
+    (reading them would synchronise the host)."""
+    rows, width = x.shape
+    head = x.new_zeros(rows + n)
+    if width > 0:
+        head[:rows] = x.amax(dim=-1)
+    else:  # a rank may hold no class at all (3 classes over 4 ranks)
+        head[:rows] = float("-inf")
+    head[rows + rank] = width
+    if n > 1:
+        with collective("all_reduce", head.numel() * head.element_size()):
+            dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
+    widths = head[rows:].round().long()                              # (n,)
+    return head[:rows], widths.sum(), widths[:rank].sum()            # (R,), C, start
+
+
+def _check_targets(t: Tensor, ignored: Tensor, classes: Tensor, ignore_index: int) -> None:
+    """A target outside [0, C) that is not ignored: an IndexError on the CPU, a device assert
+    on a GPU (no host sync)."""
+    bad = ~ignored & ((t < 0) | (t >= classes))
+    if t.device.type == "cpu":   # a clear error where it costs nothing
+        if bool(bad.any()):
+            raise IndexError(f"Target {int(t[bad][0])} is out of bounds for "
+                             f"{int(classes)} classes (ignore_index={ignore_index})")
+    else:                        # on a GPU: checked on the device, no host sync
+        torch._assert_async(~bad.any(), "a target is out of bounds for the classes of "
+                                        "the sharded logits")
+
+
+def _class_weights(weight: Tensor | None, t: Tensor, ignored: Tensor, classes: Tensor,
+                   start: Tensor, width: int, dtype: torch.dtype, device: torch.device
+                   ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(w_target (R,), this rank's slice of the class weights (Cl,) or None, their sum)."""
+    if weight is None:
+        return (~ignored).to(dtype), None, classes.to(dtype)
+    if weight.dim() != 1 or (weight.device.type == "cpu" and weight.shape[0] != int(classes)):
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)} but the sharded logits have "
+            f"{int(classes)} classes in all; give the full ({int(classes)},) class weight on "
+            "every rank")
+    weight = weight.detach().to(device=device, dtype=dtype)
+    w_target = weight[t.masked_fill(ignored, 0)].masked_fill(ignored, 0.0)   # (R,)
+    return w_target, weight.narrow(0, start, width), weight.sum()
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy of logits sharded on the last dim; backward is local."""
 
@@ -80,47 +128,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         x = logits.detach().reshape(rows, width).to(dtype)          # (R, Cl)
         t = target.reshape(rows).long()                              # (R,)
 
-        # 1. row max and the widths of every rank, in one MAX all-reduce.
-        head = x.new_zeros(rows + n)
-        if width > 0:
-            head[:rows] = x.amax(dim=-1)
-        else:  # a rank may hold no class at all (3 classes over 4 ranks)
-            head[:rows] = float("-inf")
-        head[rows + rank] = width
-        if n > 1:
-            with collective("all_reduce", head.numel() * head.element_size()):
-                dist.all_reduce(head, op=dist.ReduceOp.MAX, group=group)
-        row_max = head[:rows]                                        # (R,)
-        # C and this rank's start stay on the device: reading them would synchronise the host
-        widths = head[rows:].round().long()                          # (n,)
-        classes, start = widths.sum(), widths[:rank].sum()           # 0-d tensors
-
+        row_max, classes, start = _row_max_and_classes(x, n, rank, group)       # 1.
         ignored = t == ignore_index                                  # (R,)
-        bad = ~ignored & ((t < 0) | (t >= classes))
-        if t.device.type == "cpu":   # a clear error where it costs nothing
-            if bool(bad.any()):
-                raise IndexError(f"Target {int(t[bad][0])} is out of bounds for "
-                                 f"{int(classes)} classes (ignore_index={ignore_index})")
-        else:                        # on a GPU: checked on the device, no host sync
-            torch._assert_async(~bad.any(), "a target is out of bounds for the classes of "
-                                            "the sharded logits")
-        if weight is not None:
-            if weight.dim() != 1 or (weight.device.type == "cpu"
-                                     and weight.shape[0] != int(classes)):
-                raise ValueError(
-                    f"weight has shape {tuple(weight.shape)} but the sharded logits have "
-                    f"{int(classes)} classes in all; give the full ({int(classes)},) class "
-                    "weight on "
-                    "every rank"
-                )
-            weight = weight.detach().to(device=x.device, dtype=dtype)
-            w_target = weight[t.masked_fill(ignored, 0)].masked_fill(ignored, 0.0)  # (R,)
-            w_local = weight.narrow(0, start, width)                 # (Cl,)
-            w_total = weight.sum()
-        else:
-            w_target = (~ignored).to(dtype)
-            w_local = None
-            w_total = classes.to(dtype)
+        _check_targets(t, ignored, classes, ignore_index)
+        w_target, w_local, w_total = _class_weights(weight, t, ignored, classes, start,
+                                                    width, dtype, x.device)
 
         # 2-3. shifted logits, local sums, the owner's target logit: one SUM all-reduce.
         shifted = x - row_max.unsqueeze(-1)                          # (R, Cl)

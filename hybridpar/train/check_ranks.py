@@ -139,7 +139,7 @@ class DryRun:
                 book = self._agree_shapes(pipe, topo, inputs)
         except Exception as e:
             raise failure(e, where, layers, "its shape pass", cpu=cpu) from e
-        pipe._executor.book.commit((True, signature(inputs)), book)
+        pipe.agree_specs(inputs, book)
         pipe.p2p_log = []
         comm.reset_comm_stats()
         saved = SavedActivations(exclude=[*pipe.parameters(), *pipe.buffers()])
@@ -184,7 +184,8 @@ class DryRun:
         sends in the inboxes of its downstream stages; its book (sent and received)."""
         from hybridpar.pipeline.lowering import FWD, SKIP
 
-        ex, s, dp, tp = pipe._executor, topo.pp_rank, topo.dp_rank, topo.tp_rank
+        s, dp, tp = topo.pp_rank, topo.dp_rank, topo.tp_rank
+        skip_in, _ = pipe.skip_routes
         received = self.inbox.pop((dp, s, tp), {})
         book = dict(received)
         sends: dict[Any, dict[tuple[int, int], Any]] = {}   # input specs -> what it sends
@@ -195,7 +196,7 @@ class DryRun:
                 # outputs depend on input shapes only (the executor requires it): equal
                 # micro-batches need one forward
                 key = (signature([first_input]) if s == 0 else received[FWD, s - 1, i],
-                       *(received[SKIP, src, i] for src in ex.skip_in))
+                       *(received[SKIP, src, i] for src in skip_in))
                 if key not in sends:
                     sends[key] = _sends(pipe, s, first_input, received, i)
                 for (channel, dst), spec in sends[key].items():
@@ -216,20 +217,23 @@ def _sends(pipe: HybridPipe, s: int, first_input: Any, received: dict[SpecKey, A
     from hybridpar.pipeline.lowering import FWD, SKIP
     from hybridpar.pipeline.skip import StageSkipTracker
 
-    ex = pipe._executor
+    skip_in, skip_out = pipe.skip_routes
+    tp = pipe.topology.tp
     x = first_input if s == 0 else _fake_message(received[FWD, s - 1, i], pipe.device)
     incoming: dict[Any, Tensor | None] = {}
-    for src, routes in ex.skip_in.items():
+    for src, routes in skip_in.items():
         tensors = _fake_message(received[SKIP, src, i], pipe.device)
         incoming.update((r.key, t) for r, t in zip(routes, tensors))
-    tracker = StageSkipTracker(ex.spec.routes, s, incoming)
+    routes_here = [r for routes in (*skip_in.values(), *skip_out.values()) for r in routes]
+    tracker = StageSkipTracker(routes_here, s, incoming)
     with torch.no_grad(), use_skip_tracker(tracker):
         out = pipe.partition(x)
-    sent = {} if ex.last else {(FWD, s + 1): comm.spec_of(
-        out if isinstance(out, tuple) else (out,), ex.tp, grads=True,
+    last = s == pipe.num_stages - 1
+    sent = {} if last else {(FWD, s + 1): comm.spec_of(
+        out if isinstance(out, tuple) else (out,), tp, grads=True,
         single=isinstance(out, Tensor))}
-    for dst, routes in ex.skip_out.items():
-        sent[SKIP, dst] = comm.spec_of([tracker.outgoing[r.key] for r in routes], ex.tp,
+    for dst, routes in skip_out.items():
+        sent[SKIP, dst] = comm.spec_of([tracker.outgoing[r.key] for r in routes], tp,
                                        grads=True, single=False)
     return sent
 
