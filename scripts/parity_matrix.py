@@ -17,6 +17,7 @@ import torch
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
+from hybridpar.pipeline.schedule import SCHEDULES
 
 SMALL = {"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 4, "n_embd": 16}
 LAYOUTS = [(2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)]
@@ -61,7 +62,7 @@ def main() -> None:
     print(f"{'pp tp dp':>9} {'schedule':>8} {'checkpoint':>11} {'loss diff':>10} "
           f"{'weight diff':>11} {'seconds':>8}")
     for layout, schedule, checkpoint in itertools.product(
-            LAYOUTS, ("gpipe", "1f1b"), ("always", "except_last", "never")):
+            LAYOUTS, tuple(SCHEDULES), ("always", "except_last", "never")):
         start = time.perf_counter()
         results = hybridpar.spawn(run, layout[0] * layout[1] * layout[2],
                                   args=(layout, schedule, checkpoint, args.steps), timeout=300)
