@@ -68,6 +68,16 @@ def pipe_worker(model_name: str, model_kwargs: dict, balance, layout, steps: int
     return {"losses": losses, "state": pipe.consolidated_state_dict()}
 
 
+def attempt(fn) -> list[str]:
+    """["ok", ""] when fn() returns, else [exception type name, message] (for a rank to
+    report a failure to the test as a value)."""
+    try:
+        fn()
+        return ["ok", ""]
+    except Exception as e:  # recorded for the test to assert
+        return [type(e).__name__, str(e)]
+
+
 # a net whose skips jump over stages, with BatchNorm -----------------------------------------
 from torchgpipe.skip import pop, skippable, stash  # noqa: E402
 

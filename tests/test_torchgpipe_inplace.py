@@ -20,6 +20,8 @@ from torch import nn
 
 import hybridpar
 
+from pipe_harness import attempt
+
 MATCH = "a leaf Variable that requires grad (is being|has been) used in an in-place operation."
 
 
@@ -43,20 +45,12 @@ def _sum(output, target):
     return output.sum()
 
 
-def _try(fn):
-    try:
-        fn()
-        return ["ok", ""]
-    except Exception as e:  # recorded for the test to assert
-        return [type(e).__name__, str(e)]
-
-
 def _worker():
     topo = hybridpar.init(pp=2, timeout=30)
     r = {}
     pipe = hybridpar.HybridPipe(nn.Sequential(nn.ReLU(inplace=True), nn.Identity()), [1, 1],
                                 checkpoint="always", topology=topo, loss_fn=_sum)
-    r["not_requires_grad"] = _try(lambda: pipe.train_step(torch.rand(1, 1), torch.zeros(1)))
+    r["not_requires_grad"] = attempt(lambda: pipe.train_step(torch.rand(1, 1), torch.zeros(1)))
 
     pipe = hybridpar.HybridPipe(nn.Sequential(M(), nn.Identity()), [1, 1], checkpoint="always",
                                 topology=topo, loss_fn=_sum)
@@ -69,7 +63,7 @@ def _worker():
     torch.manual_seed(0)
     pipe = hybridpar.HybridPipe(nn.Sequential(nn.Linear(1, 1), nn.ReLU(inplace=True)), [1, 1],
                                 checkpoint="always", topology=topo, loss_fn=_sum)
-    r["requires_grad"] = _try(lambda: pipe.train_step(torch.rand(1, 1), torch.zeros(1)))
+    r["requires_grad"] = attempt(lambda: pipe.train_step(torch.rand(1, 1), torch.zeros(1)))
     return r
 
 

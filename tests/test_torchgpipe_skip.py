@@ -37,13 +37,7 @@ from torchgpipe.skip import Namespace, pop, skippable, stash
 import hybridpar
 from hybridpar.pipeline.skip import skip_routes
 
-
-def _try(fn):
-    try:
-        fn()
-        return ["ok", ""]
-    except Exception as e:  # recorded for the test to assert
-        return [type(e).__name__, str(e)]
+from pipe_harness import attempt
 
 
 def _mean(output, target):
@@ -173,7 +167,7 @@ def _alive():
 def _two_stages():
     topo = hybridpar.init(pp=2, timeout=30)
     r = {}
-    r["verify"] = {name: _try(lambda: hybridpar.HybridPipe(
+    r["verify"] = {name: attempt(lambda: hybridpar.HybridPipe(
         nn.Sequential(*layers), [len(layers) // 2, len(layers) - len(layers) // 2],
         topology=topo)) for name, layers in _verify_cases().items()}
 
@@ -272,7 +266,7 @@ def _one_stage():
         "pop_not_declared": [StashDouble(), PopNotDeclared()],
         "pop_not_stashed": [PopFooOnly()],
     }
-    r = {name: _try(lambda: hybridpar.HybridPipe(nn.Sequential(*layers), [len(layers)],
+    r = {name: attempt(lambda: hybridpar.HybridPipe(nn.Sequential(*layers), [len(layers)],
                                                  topology=topo)(x))
          for name, layers in cases.items()}
     r["pop"] = hybridpar.HybridPipe(nn.Sequential(StashDouble(), PopFooOnly()), [2],
