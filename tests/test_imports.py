@@ -42,8 +42,17 @@ def _imports(module: str) -> set[str]:
 _ALONE = """
 import importlib, os, sys, traceback
 import torch  # imported once, before the fork: each child starts without any hybridpar module
-failed = []
+failed, running = [], {}   # two children at a time (the machines have two cores)
+
+def reap():
+    pid, status = os.wait()
+    if status != 0:
+        failed.append(running[pid])
+    del running[pid]
+
 for module in sys.argv[1:]:
+    if len(running) == 2:
+        reap()
     pid = os.fork()
     if pid == 0:
         try:
@@ -52,9 +61,10 @@ for module in sys.argv[1:]:
             traceback.print_exc()
             os._exit(1)
         os._exit(0)
-    if os.waitpid(pid, 0)[1] != 0:
-        failed.append(module)
-print(" ".join(failed))
+    running[pid] = module
+while running:
+    reap()
+print(" ".join(sorted(failed)))
 sys.exit(1 if failed else 0)
 """
 
