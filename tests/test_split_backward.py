@@ -115,4 +115,4 @@ def test_under_autocast_every_parameter_gets_its_gradient_in_its_own_dtype(dtype
         grads.run()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None and p.grad.dtype == torch.float32, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2, msg=name)
+        assert torch.equal(p.grad, q.grad), name   # the same bf16 GEMMs, the same casts

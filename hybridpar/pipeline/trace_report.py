@@ -245,8 +245,10 @@ def compute_times(ranks: Sequence[Sequence[Event]]) -> tuple[float, float, float
 
 
 def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,
-                 times: tuple[float, float, float], header: str, schedule: str = "1f1b") -> str:
-    """The rows as the text `write_trace` prints and saves in table.txt."""
+                 times: tuple[float, float, float], header: str, schedule: str = "1f1b",
+                 simulated: SimResult | None = None) -> str:
+    """The rows as the text `write_trace` prints and saves in table.txt (`simulated`: the
+    split `schedule`'s step with the measured `times`, when W ran)."""
     lines = [header, f"step {step_ms:.3f} ms: first rank's start to last rank's end", ""]
     names = ("stage", "ranks", "F", "B", "R", "W", "busy ms", "busy %", "bubble %", "wait %",
              "analytic %")
@@ -267,14 +269,14 @@ def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,
     (t_f, t_b, t_w), slots = times, m + p - 1
     lines += ["", "busy: forward + backward + recompute + weight; bubble: 100 - busy (idle, "
               "waiting, communicating);"]
-    if not t_w:
+    if simulated is None:
         bound = slots * (t_f + t_b)
         lines += [f"wait: blocked on a peer; analytic: (p - 1) / (m + p - 1) = {p - 1}/{slots}",
                   f"bound: (m + p - 1)(t_f + t_b) = {slots} x ({t_f:.3f} + {t_b:.3f}) ms = "
                   f"{bound:.3f} ms with the mean measured t_f, t_b: "
                   f"{bound / step_ms if step_ms else 0:.2f} of the step"]
     else:   # a split backward: B is I, W apart; the bound is the schedule's own simulation
-        bound = simulated_step(schedule, p, m, (t_f, t_b, t_w)).makespan
+        bound = simulated.makespan
         lines += ["wait: blocked on a peer; B: the input-gradient part (I), W: the deferred "
                   "weight gradients;", f"analytic and bound: {schedule}'s simulated step with "
                   f"the mean measured t_f, t_b, t_w = {t_f:.3f}, {t_b:.3f}, {t_w:.3f} ms: "
@@ -313,11 +315,12 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
     labels = [f"rank {r} | stage {c.pp} | tp {c.tp} | dp {c.dp}" for r, c in enumerate(coords)]
     lo, hi = _window(ranks)
     times = compute_times(ranks)
-    bubble = simulated_step(pipe.schedule, topo.pp, m, times).bubble_fraction if times[2] \
-        else analytic_bubble(topo.pp, m)
+    # a split backward (W ran): the schedule's own simulated step, once, for both
+    simulated = simulated_step(pipe.schedule, topo.pp, m, times) if times[2] else None
+    bubble = analytic_bubble(topo.pp, m) if simulated is None else simulated.bubble_fraction
     rows = stage_table(ranks, stage_of=[c.pp for c in coords], microbatches=m, bubble=bubble)
     table = format_table(rows, step_ms=(hi - lo) / 1e6, microbatches=m, times=times,
-                         header=title, schedule=pipe.schedule)
+                         header=title, schedule=pipe.schedule, simulated=simulated)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     trace = chrome_trace(ranks, labels=labels, meta={
