@@ -152,15 +152,32 @@ class Wire:
         self.pending.append(Op(send, tensor, peer, channel, message, index))
         return len(self.pending) - 1
 
-    def issue(self, *, early: bool = False) -> list[tuple[Op, list[dist.Work]]]:
+    def issue(self, *, early: bool = False, hold_payloads: bool = False
+              ) -> list[tuple[Op, list[dist.Work]]]:
         """Issue the queued ops as one `batch_isend_irecv`; each op with the works to wait on,
         in the order they were queued.
 
         gloo returns one work per op; NCCL coalesces a group into one work, which then
         stands for every op of the group. `early`: receives of the next group posted ahead
-        of it (gloo only); the log keeps them in the group they belong to.
+        of it (gloo only); the log keeps them in the group they belong to. `hold_payloads`:
+        the payloads sent after a header stay queued (no works yet) for the next `issue`,
+        which the receiver's payloads also go in once it read the headers (a slot as two
+        groups on both ends: what NCCL needs when activations go round a cycle of ranks,
+        `plan_lowering.lower_plan_rank`).
         """
         queued, self.pending = self.pending, []
+        if hold_payloads:
+            headed = {(op.peer, op.message) for op in queued if op.send and op.header}
+            held = [op.send and not op.header and (op.peer, op.message) in headed
+                    for op in queued]
+            if any(held):
+                self.pending = [op for op, h in zip(queued, held) if h]
+                now = self._issue_ops([op for op, h in zip(queued, held) if not h], early)
+                works = iter(now)
+                return [(op, []) if h else next(works) for op, h in zip(queued, held)]
+        return self._issue_ops(queued, early)
+
+    def _issue_ops(self, queued: list[Op], early: bool) -> list[tuple[Op, list[dist.Work]]]:
         order = None                          # the steady state: the ops as queued
         if any(op.header for op in queued):   # a step of new shapes: headers go first
             order = sorted(range(len(queued)), key=lambda k: not queued[k].header)
@@ -235,9 +252,9 @@ class Incoming:
 
     def __init__(self, wire: Wire, src: int, channel: int, label: str, *,
                  spec: MessageSpec | None, tp_group: ProcessGroup | None,
-                 device: torch.device, step: int, microbatch: int) -> None:
+                 device: torch.device, step: int, microbatch: int, stage: int = -1) -> None:
         self.wire, self.src, self.channel, self.label = wire, src, channel, label
-        self.microbatch = microbatch
+        self.microbatch, self.stage = microbatch, stage   # stage: the sender's (-1: unsaid)
         self.step = step   # the key of the peer's abort, if it sends one
         self.spec, self.tp_group, self.device = spec, tp_group, device
         self.header: Tensor | None = None
@@ -263,6 +280,11 @@ class Incoming:
             self.buffers.append((s, full, buf))
             self.slots.append(self.wire.add(False, buf, self.src, self.channel, self.label, k))
             record("p2p_recv", _nbytes(buf))
+
+    @property
+    def single(self) -> bool:
+        """The message is one Tensor (not a tuple of them)."""
+        return self.spec is not None and self.spec.single
 
     def issued(self, group: list[tuple[Op, list[dist.Work]]]) -> None:
         """Take this message's works from the group just issued."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridpar import comm
 from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
 from hybridpar.balance.choose import choose_balance
@@ -25,6 +27,7 @@ from hybridpar.pipeline.build import (
 )
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
+from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.loss import LossShare
 from hybridpar.pipeline.lowering import lower
 from hybridpar.pipeline.microbatch import TensorOrTensors, rows, signature, split_batch, to_device
@@ -37,10 +40,12 @@ from hybridpar.pipeline.partition import (
     split,
 )
 from hybridpar.pipeline.reduce import GradBuckets
-from hybridpar.pipeline.schedule import FORWARD, get_schedule
+from hybridpar.pipeline.schedule import FORWARD
 from hybridpar.pipeline.skip import SkipRoute
 from hybridpar.pipeline.stage_module import StageModule
+from hybridpar.pipeline.step import StepResult
 from hybridpar.pipeline.tied import Tie, TiedGroups, aliases, detach_other_stages, find_ties
+from hybridpar.pipeline.virtual import RankStages
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.topology import Topology, current_topology
 
@@ -77,24 +82,29 @@ class HybridPipe(StageModule):
                  tp_plan: Any = None, deferred_batch_norm: bool = False,
                  balance_sample: TensorOrTensors | None = None, trace: bool = False,
                  watchdog: bool | float | None = None,
-                 init_fn: Callable[[nn.Module], None] | None = None) -> None:
+                 init_fn: Callable[[nn.Module], None] | None = None,
+                 virtual_stages: int | None = None) -> None:
         super().__init__()
         check_sequential(module)
         chunks = as_chunks(chunks)
         checkpoint = check_checkpoint(checkpoint)   # any object whose str() is a mode
-        self.schedule_fn = get_schedule(schedule)
         topo = topology if topology is not None else current_topology()
+        #: the virtual stages of the model, where each lives (stage -> pp rank), the plan
+        self.layout = Layout.of(schedule, topo.pp, virtual_stages)
         module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)
         if isinstance(balance, str):
             balance = choose_balance(module, balance, topo, sample=balance_sample, chunks=chunks,
-                                     init_fn=init_fn)
-        counts = check_balance(module, balance, topo.pp)
+                                     init_fn=init_fn, parts=self.layout.stages)
+        counts = check_balance(module, balance, self.layout.stages,
+                               unit=self.layout.unit)
         routes = stage_routes(module, counts)
         if deferred_batch_norm:
             module = convert_deferred_batch_norm(module, chunks)
 
         self.topology, self.balance, self.chunks = topo, counts, chunks
         self.stage, self.num_stages = topo.pp_rank, topo.pp
+        #: the virtual stages this rank holds, in forward order (``(stage,)`` without them)
+        self.stages = self.layout.stages_of(self.stage)
         self.checkpoint, self.schedule, self.loss_fn = checkpoint, schedule, loss_fn
         self.trace = trace
         self.device = topo.device
@@ -106,15 +116,15 @@ class HybridPipe(StageModule):
         local = self._keep_stage(module, counts, ties, init_fn=init_fn)
         # copies of a parameter tied across stages: equal at the start, gradients summed
         self._ties = TiedGroups(ties, dict(local.named_parameters(remove_duplicate=False)),
-                                topo)
+                                topo, placement=self.layout.placement)
         self._ties.sync()
         # dp averaging in buckets launched during each step's last backward (no-op at dp=1)
         self._dp_buckets = GradBuckets(list(local.parameters()),
                                        topo.dp_group if topo.dp > 1 else None)
         self._route_pairs = [(r.src, r.dst) for r in routes]
         self._programs: dict[tuple[int, bool], list[Any]] = {}
-        self._executor = self._build_executor(local, routes, watchdog=watchdog)
-        self._loss = LossShare(topo, self._guard)
+        self._executor, self._rank_stages = self._build_executors(routes, watchdog=watchdog)
+        self._loss = LossShare(topo, self._guard, last=self.layout.last_rank)
         # the stage's layers, last: a name every rank checks against the pipe's attributes
         check_layer_names(self, names)
         for name, layer in local.named_children():
@@ -122,38 +132,60 @@ class HybridPipe(StageModule):
 
     def _keep_stage(self, module: nn.Sequential, counts: list[int], ties: list[Tie], *,
                     init_fn: Callable[[nn.Module], None] | None) -> nn.Sequential:
-        """Split `module` by `counts` and keep this rank's stage, materialized on its device
-        (the other stages' layers are released); notes each stage's state-dict keys."""
+        """Split `module` by `counts` and keep this rank's stages, materialized on its device
+        (the other stages' layers are released); notes each rank's state-dict keys."""
         stages = split(module, counts)
-        self._stage_keys = [[k for k in stage.state_dict() if k not in self.tied_aliases]
-                            for stage in stages]
-        local = stages[self.stage]
-        detach_other_stages(stages, self.stage, ties)
-        free_layers(stages, keep=self.stage)
+        mine = set(self.stages)
+        self._stage_keys = [[k for s in self.layout.stages_of(r) for k in stages[s].state_dict()
+                             if k not in self.tied_aliases] for r in range(self.num_stages)]
+        detach_other_stages(stages, mine, ties)
+        free_layers(stages, keep=mine)
+        self._parts = {s: stages[s] for s in self.stages}
+        local = nn.Sequential(OrderedDict((name, layer) for s in self.stages
+                                          for name, layer in stages[s].named_children()))
         with fail_together((TypeError, ValueError, RuntimeError, NotImplementedError)):
             # a stage of its own: may fail on this rank only
             materialize(local, self.device, init_fn=init_fn)
             local.to(self.device)
         return local
 
-    def _build_executor(self, local: nn.Sequential, routes: list[SkipRoute], *,
-                        watchdog: bool | float | None) -> StageExecutor:
-        """The executor that runs this stage's actions (`pipeline.executor`)."""
-        topo = self.topology
-        return StageExecutor(StageSpec(
-            stage=self.stage, num_stages=self.num_stages, partition=local, routes=routes,
-            rank_of_stage=topo.stage_rank, tp_group=topo.tp_group if topo.tp > 1 else None,
+    def _build_executors(self, routes: list[SkipRoute], *, watchdog: bool | float | None
+                         ) -> tuple[StageExecutor, RankStages | None]:
+        """The executor of each stage this rank holds (`pipeline.executor`): the first, and
+        with virtual stages the rank's program over all of them (`pipeline.virtual`)."""
+        topo, layout = self.topology, self.layout
+        timeout = watchdog_timeout(watchdog, topo)
+        wire = comm.Wire(tags=topo.p2p_tags, coalesce=self.device.type != "cpu")
+        executors = [StageExecutor(StageSpec(
+            stage=s, num_stages=layout.stages, partition=self._parts[s], routes=routes,
+            rank_of_stage=lambda t: topo.stage_rank(layout.placement[t]),
+            tp_group=topo.tp_group if topo.tp > 1 else None,
             timeout=topo.timeout, checkpoint=self.checkpoint,
             replay=RNGReplay(tp_random.get_rng_state_all, tp_random.set_rng_state_all,
                              device_type=self.device.type),
             device=self.device, p2p_tags=topo.p2p_tags,
-            watchdog=watchdog_timeout(watchdog, topo)))
+            watchdog=timeout if k == 0 else None,
+            local_stages=frozenset(self.stages) - {s}, listen=k == 0), wire=wire)
+            for k, s in enumerate(self.stages)]
+        if layout.virtual == 1:
+            return executors[0], None
+        return executors[0], RankStages(executors)
 
     # the local stage ---------------------------------------------------------------------
     @property
     def partition(self) -> nn.Sequential:
-        """This rank's stage as an `nn.Sequential` (original layer names)."""
-        return self._executor.spec.partition
+        """This rank's stage as an `nn.Sequential` (original layer names; with virtual stages
+        all of the rank's layers, in order)."""
+        if self._rank_stages is None:
+            return self._executor.spec.partition
+        return nn.Sequential(OrderedDict(self.named_children()))
+
+    @property
+    def _executors(self) -> list[StageExecutor]:
+        """The executor of every stage this rank holds."""
+        if self._rank_stages is None:
+            return [self._executor]
+        return list(self._rank_stages.executors.values())
 
     @property
     def recorder(self) -> tracing.Recorder:
@@ -185,18 +217,27 @@ class HybridPipe(StageModule):
         self._executor.book.commit((True, signature(inputs)), specs)
 
     def _program(self, microbatches: int, *, train: bool) -> list[Any]:
-        """This stage's actions for a step: the schedule lowered with every message in its
-        slot (`pipeline.lowering.lower`); forward-only steps lower the forwards alone."""
+        """This rank's actions for a step: the schedule lowered with every message in its
+        slot (`pipeline.lowering.lower`; with virtual stages `plan_lowering.lower_plan`, as
+        (stage, action) items); forward-only steps lower the forwards alone."""
         key = (microbatches, train)
         if key not in self._programs:
-            schedule = self.schedule_fn(self.num_stages, microbatches)
-            if not train:
-                schedule = [[a for a in actions if a.kind == FORWARD] for actions in schedule]
-            self._programs[key] = lower(schedule, routes=self._route_pairs)[self.stage]
+            if self._rank_stages is not None:
+                self._programs[key] = self.layout.items(
+                    self.stage, microbatches, train=train, routes=self._route_pairs)
+            else:
+                schedule = self.layout.schedule_of(microbatches)
+                if not train:
+                    schedule = [[a for a in actions if a.kind == FORWARD]
+                                for actions in schedule]
+                self._programs[key] = lower(schedule, routes=self._route_pairs)[self.stage]
         return self._programs[key]
 
-    def _last_rank(self) -> int:
-        return self.topology.stage_rank(self.num_stages - 1)
+    def _run(self, actions: list[Any], **options: Any) -> StepResult:
+        """Run this rank's `actions` of a step (`StageExecutor.run`'s options)."""
+        if self._rank_stages is not None:
+            return self._rank_stages.run(actions, **options)
+        return self._executor.run(actions, **options)
 
     # training ----------------------------------------------------------------------------
     def train_step(self, input: TensorOrTensors, target: Any) -> Tensor:
@@ -211,14 +252,15 @@ class HybridPipe(StageModule):
         inputs, targets, weights = self._microbatches(input, target)
         actions = self._program(len(inputs), train=True)
         # as torchgpipe: `checkpoint` as it is now, and no checkpointing in evaluation mode
-        self._executor.spec.checkpoint = check_checkpoint(self.checkpoint) \
-            if self.training else "never"
+        mode = check_checkpoint(self.checkpoint) if self.training else "never"
+        for executor in self._executors:
+            executor.spec.checkpoint = mode
         with self._recording("train_step", len(inputs)):
             self._loss.post()
-            result = self._executor.run(actions, inputs=inputs, targets=targets,
-                                        loss_fn=self.loss_fn, weights=weights, train=True,
-                                        what="train_step", signature=signature(inputs),
-                                        before_last_backward=self._dp_buckets.arm)
+            result = self._run(actions, inputs=inputs, targets=targets,
+                               loss_fn=self.loss_fn, weights=weights, train=True,
+                               what="train_step", signature=signature(inputs),
+                               before_last_backward=self._dp_buckets.arm)
             commit_deferred_batch_norms(self)
             if self.topology.dp > 1:
                 with self._guard("the all-reduce of the gradients over dp",
@@ -241,9 +283,9 @@ class HybridPipe(StageModule):
         actions = self._program(len(inputs), train=False)
         with self._recording("eval_step", len(inputs)):
             self._loss.post()
-            result = self._executor.run(actions, inputs=inputs, targets=targets,
-                                        loss_fn=self.loss_fn, weights=weights, train=False,
-                                        what="eval_step", signature=signature(inputs))
+            result = self._run(actions, inputs=inputs, targets=targets,
+                               loss_fn=self.loss_fn, weights=weights, train=False,
+                               what="eval_step", signature=signature(inputs))
             commit_deferred_batch_norms(self)   # a forward in training mode: as torchgpipe
             return self._loss.share(result.loss)
 
@@ -283,9 +325,9 @@ class HybridPipe(StageModule):
                              "they must have the same batch size")
         total = rows(input)
         weights = [rows(x) / total for x in inputs]
-        if self.stage == 0:
+        if 0 in self.stages:
             inputs = [to_device(x, self.device) for x in inputs]
-        if self.stage == self.num_stages - 1:
+        if self.layout.stages - 1 in self.stages:
             targets = [to_device(y, self.device) for y in targets]
         return inputs, targets, weights
 
@@ -301,18 +343,18 @@ class HybridPipe(StageModule):
         rank); its output reaches the other stages as tensors with a shape header (no pickles).
         """
         inputs = split_batch(input, self.chunks, "input")
-        if self.stage == 0:
+        if 0 in self.stages:
             inputs = [to_device(x, self.device) for x in inputs]
         actions = self._program(len(inputs), train=False)
         with self._recording("forward", len(inputs)):
-            result = self._executor.run(actions, inputs=inputs, targets=None, loss_fn=None,
-                                        weights=[1.0] * len(inputs), train=False,
-                                        what="forward", signature=signature(inputs))
+            result = self._run(actions, inputs=inputs, targets=None, loss_fn=None,
+                               weights=[1.0] * len(inputs), train=False,
+                               what="forward", signature=signature(inputs))
         # deferred BatchNorm in training mode: this mini-batch's statistics, committed now
         # (torchgpipe commits after its last micro-batch; a later train_step is its own update)
         commit_deferred_batch_norms(self)
-        return share_output(result.outputs if self.stage == self.num_stages - 1 else None,
-                            self.topology, self._guard)
+        return share_output(result.outputs if self.layout.last_rank == self.stage else None,
+                            self.topology, self._guard, last=self.layout.last_rank)
 
     # state -------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, Tensor]:

@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 
 def choose_balance(module: nn.Sequential, name: str, topo: Topology, *,
                    sample: TensorOrTensors | None, chunks: int,
-                   init_fn: Callable[[nn.Module], None] | None) -> list[int]:
-    """Resolve ``balance="time" | "size" | "params" | "uniform"`` to the same list on every rank.
+                   init_fn: Callable[[nn.Module], None] | None,
+                   parts: int | None = None) -> list[int]:
+    """Resolve ``balance="time" | "size" | "params" | "uniform"`` to the same list on every rank
+    (`parts` layer counts: by default one per pipeline stage, pp).
 
     Global rank 0 profiles and broadcasts its choice; when the model already holds sharded
     layers (their collectives need every tp peer), every rank profiles alongside it.
@@ -45,10 +47,10 @@ def choose_balance(module: nn.Sequential, name: str, topo: Topology, *,
     choice: list[int] = []
     with fail_together((ValueError, TypeError, RuntimeError)):  # profiling may fail on one rank
         if topo.rank == 0 or (sharded and name in ("time", "size")):
-            choice = list(balance_by(name, topo.pp, module, sample, **options))
+            choice = list(balance_by(name, parts or topo.pp, module, sample, **options))
     (counts,) = broadcast_tensors(
         (torch.tensor(choice, dtype=torch.int64),) if topo.rank == 0 else None, 0,
         device=topo.device)
     if topo.rank == 0:
-        log.info("balance=%r chose %s for %d stages", name, choice, topo.pp)
+        log.info("balance=%r chose %s for %d stages", name, choice, parts or topo.pp)
     return [int(c) for c in counts.tolist()]

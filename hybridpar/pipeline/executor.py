@@ -72,9 +72,10 @@ __all__ = ["PipelineError", "StageExecutor", "StageSpec", "current_microbatch"]
 class StageExecutor(StageMessages):
     """Interprets a stage's action list for one step (training or inference)."""
 
-    def __init__(self, spec: StageSpec) -> None:
-        self.spec = spec
-        self.wire = comm.Wire(tags=spec.p2p_tags, coalesce=spec.device.type != "cpu")
+    def __init__(self, spec: StageSpec, *, wire: comm.Wire | None = None) -> None:
+        self.spec = spec   # `wire`: the rank's, shared by its virtual stages (`virtual.py`)
+        self.wire = wire if wire is not None else \
+            comm.Wire(tags=spec.p2p_tags, coalesce=spec.device.type != "cpu")
         self.recorder = trace.Recorder()   # the timeline of this stage's steps, when traced
         self.book = comm.SpecBook()   # the agreed message specs of each step signature
         self.steps = 0                # steps run: keys this rank's aborts in the store
@@ -86,7 +87,10 @@ class StageExecutor(StageMessages):
         s = spec.stage
         self.first, self.last = s == 0, s == spec.num_stages - 1
         self.tp = 1 if spec.tp_group is None else dist.get_world_size(spec.tp_group)
-        self._stages = {spec.rank_of_stage(t): t for t in range(spec.num_stages)}
+        # a peer rank's stage in reports: the one nearest this stage (virtual stages: a rank
+        # may hold several)
+        self._stages = {spec.rank_of_stage(t): t for t in
+                        sorted(range(spec.num_stages), key=lambda t: -abs(t - s))}
         self.skip_in: dict[int, list[SkipRoute]] = {}
         self.skip_out: dict[int, list[SkipRoute]] = {}
         for r in spec.routes:
@@ -94,6 +98,13 @@ class StageExecutor(StageMessages):
                 self.skip_in.setdefault(r.src, []).append(r)
             if r.src == s and r.dst != s:
                 self.skip_out.setdefault(r.dst, []).append(r)
+
+    @property
+    def handlers(self) -> dict[str, Callable[[Any], None]]:
+        """What each kind of action does."""
+        return {RECV_F: self._communicate, FORWARD: self._forward, SEND_F: self._communicate,
+                RECV_B: self._communicate, BACKWARD: self._backward, INPUT: self._backward,
+                WEIGHT: self._weight, SEND_B: self._communicate, GROUP: lambda _: None}
 
     # one step ----------------------------------------------------------------------------
     def run(self, actions: Sequence[Action | Comm], *, inputs: Sequence[TensorOrTensors] | None,
@@ -108,6 +119,30 @@ class StageExecutor(StageMessages):
         signature seen before sends no headers. `before_last_backward` is called just before
         this stage's last backward (the dp buckets arm there).
         """
+        key = self.begin(actions, inputs=inputs, targets=targets, loss_fn=loss_fn,
+                         weights=weights, train=train, what=what, signature=signature)
+        if self.watchdog is not None:
+            self.watchdog.enter()
+        self.listener.enter(self.steps)
+        done = False
+        try:
+            with trace.span("step"):
+                self._run_actions(before_last_backward)
+                self._finish_sends()
+            done = True
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.leave()
+            self.listener.leave()
+            result = self.end(key, done=done)
+        return result
+
+    def begin(self, actions: Sequence[Action | Comm], *,
+              inputs: Sequence[TensorOrTensors] | None, targets: Sequence[Any] | None,
+              loss_fn: Callable[..., Tensor] | None, weights: Sequence[float], train: bool,
+              what: str, signature: Hashable, split: bool | None = None) -> Hashable:
+        """Make the step's state (`run`'s arguments; `split`: the step's backward is split,
+        by default when `actions` have a W); returns the key of its specs."""
         key = (train, signature)
         self.step = StepState(
             train=train, inputs=inputs, targets=targets, loss_fn=loss_fn, weights=weights,
@@ -115,24 +150,18 @@ class StageExecutor(StageMessages):
             agreed=self.book.get(key),            # None: this step learns the specs
             mbs=[MicroBatch(key=torch.empty(0)) for _ in range(len(weights))],
             what=what, actions=list(actions),
-            split=train and any(a.kind == WEIGHT for a in actions))
+            split=train and (any(a.kind == WEIGHT for a in actions) if split is None
+                             else split))
         self.recorder.stage, self.recorder.microbatch = self.spec.stage, -1
-        if self.watchdog is not None:
-            self.watchdog.enter()
-        self.listener.enter(self.steps)
-        try:
-            with trace.span("step"):
-                self._run_actions(before_last_backward)
-                self._finish_sends()
-        finally:
-            if self.watchdog is not None:
-                self.watchdog.leave()
-            self.listener.leave()
-            self.steps += 1
-            self.wire.pending.clear()
-            self.wire.early.clear()
-            self.step.issued = []
-        if self.step.agreed is None:
+        return key
+
+    def end(self, key: Hashable, *, done: bool) -> StepResult:
+        """After the step, `done` or failed: clear it; keep the specs a done step learned."""
+        self.steps += 1
+        self.wire.pending.clear()
+        self.wire.early.clear()
+        self.step.issued = []
+        if done and self.step.agreed is None:
             self.book.commit(key, self.step.learned)
         self.step.mbs, self.step.sends = [], []
         return StepResult(self.step.loss_sum, self.step.outputs)
@@ -144,10 +173,7 @@ class StageExecutor(StageMessages):
         actions = self.step.actions
         last_backward = max((k for k, a in enumerate(actions) if a.kind in (BACKWARD, WEIGHT)),
                             default=-1)
-        handlers = {RECV_F: self._communicate, FORWARD: self._forward,
-                    SEND_F: self._communicate, RECV_B: self._communicate,
-                    BACKWARD: self._backward, INPUT: self._backward, WEIGHT: self._weight,
-                    SEND_B: self._communicate, GROUP: lambda _: None}
+        handlers = self.handlers
         recorder = self.recorder
         for index, action in enumerate(actions):
             self.step.at, self.step.waiting = index, ""
@@ -190,7 +216,7 @@ class StageExecutor(StageMessages):
             posted, mb.recv_f = mb.recv_f, None
             received = self._recv(posted, f"the activation of micro-batch {i}",
                                   self.spec.stage - 1)
-            single = posted is not None and posted.spec is not None and posted.spec.single
+            single = posted is not None and posted.single
             activations = tuple(t for t in received if t is not None)   # never absent
             mb.inputs = activations[0] if single else activations
         for src, routes in self.skip_in.items():

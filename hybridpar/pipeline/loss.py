@@ -40,17 +40,19 @@ class LossShare:
     `guard(operation, group)` wraps the collectives so that a timeout names them.
     """
 
-    def __init__(self, topology: Topology, guard: Guard) -> None:
+    def __init__(self, topology: Topology, guard: Guard, *, last: int | None = None) -> None:
+        """`last`: the pipeline rank of the stage that computes the loss (default pp - 1)."""
         self.topology, self.guard = topology, guard
         self.device = topology.device
-        self.last = topology.stage_rank(topology.pp - 1)
+        self.last_stage = topology.pp - 1 if last is None else last
+        self.last = topology.stage_rank(self.last_stage)
         self._posted: tuple[Tensor, Any] | None = None
 
     def post(self) -> None:
         """Before the schedule (gloo, not the last stage): post the loss's receive."""
         topo = self.topology
         self._posted = None
-        if self.device.type != "cpu" or topo.pp_rank == topo.pp - 1 or topo.pp == 1:
+        if self.device.type != "cpu" or topo.pp_rank == self.last_stage or topo.pp == 1:
             return
         box = torch.zeros((), dtype=torch.float32, device=self.device)
         self._posted = box, dist.irecv(box, self.last, tag=LOSS_TAG)
@@ -74,7 +76,7 @@ class LossShare:
                     work.wait(topo.timeout)
                 else:
                     works = [dist.isend(loss, topo.stage_rank(s), tag=LOSS_TAG)
-                             for s in range(topo.pp - 1)]
+                             for s in range(topo.pp) if s != self.last_stage]
                     for work in filter(None, works):
                         work.wait(topo.timeout)
         if topo.dp > 1:

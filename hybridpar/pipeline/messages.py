@@ -33,7 +33,7 @@ from hybridpar import comm, trace
 from hybridpar.pipeline.failure import Aborted, WaitFailed
 from hybridpar.pipeline.lowering import BWD, FWD, LABELS, SKIP, SKIPG, messages
 from hybridpar.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, Comm
-from hybridpar.pipeline.step import MicroBatch, as_tuple, describe_spec, nbytes
+from hybridpar.pipeline.step import MicroBatch, Posted, as_tuple, describe_spec, nbytes
 from hybridpar.pipeline.stops import StageStops
 
 __all__ = ["StageMessages"]
@@ -64,21 +64,23 @@ class StageMessages(StageStops):
             return
         with trace.span("wait"):
             for message in learning:
-                stage = self._stage_of(message.src)
-                try:
-                    spec = message.learn(self._timeout, self.step.signature)
-                except comm.PeerFailed as e:
-                    raise Aborted(f"receive {message.label} from", stage, message.src, e) \
-                        from e
-                except ValueError:   # the peer's step has other shapes: this rank's failure
-                    raise
-                except RuntimeError as e:
-                    raise WaitFailed(f"receive {message.label} from", stage, message.src, e) \
-                        from e
-                self.step.learned[message.channel, stage, message.microbatch] = spec
+                self._learn(message)
         works = self._issue_group()
         for message in learning:
             message.issued(works)
+
+    def _learn(self, message: comm.Incoming) -> None:
+        """Wait for `message`'s header; note the spec it says (its payloads get queued)."""
+        stage = message.stage
+        try:
+            spec = message.learn(self._timeout, self.step.signature)
+        except comm.PeerFailed as e:
+            raise Aborted(f"receive {message.label} from", stage, message.src, e) from e
+        except ValueError:   # the peer's step has other shapes: this rank's failure
+            raise
+        except RuntimeError as e:
+            raise WaitFailed(f"receive {message.label} from", stage, message.src, e) from e
+        self.step.learned[message.channel, stage, message.microbatch] = spec
 
     def _prefetch(self, index: int) -> None:
         """gloo: post the receives the next compute needs now, a compute ahead of their slot.
@@ -100,9 +102,10 @@ class StageMessages(StageStops):
             for message in incoming:
                 message.issued(works)
 
-    def _issue_group(self, *, early: bool = False) -> list[tuple[comm.Op, list[Any]]]:
+    def _issue_group(self, *, early: bool = False, hold_payloads: bool = False
+                     ) -> list[tuple[comm.Op, list[Any]]]:
         """Issue the wire's queue; keep the works of its sends to wait for at the end."""
-        group = self.wire.issue(early=early)
+        group = self.wire.issue(early=early, hold_payloads=hold_payloads)
         for op, works in group:
             if op.send:
                 self.step.sends.append((works, op.message, self._stage_of(op.peer)))
@@ -129,7 +132,7 @@ class StageMessages(StageStops):
     def _rank(self, stage: int) -> int:
         return self.spec.rank_of_stage(stage)
 
-    def _recv(self, posted: comm.Incoming | None, what: str, stage: int
+    def _recv(self, posted: Posted | None, what: str, stage: int
               ) -> tuple[Tensor | None, ...]:
         assert posted is not None, f"schedule error: {what} was never posted"
         self.step.waiting = f"receive {what} from stage {stage} (rank {posted.src})"
@@ -161,7 +164,7 @@ class StageMessages(StageStops):
               spec: comm.MessageSpec | None) -> comm.Incoming:
         message = comm.Incoming(self.wire, self._rank(stage), channel, what, spec=spec,
                                 tp_group=self.spec.tp_group, device=self.spec.device,
-                                step=self.steps, microbatch=i)
+                                step=self.steps, microbatch=i, stage=stage)
         self.step.incoming.append(message)
         return message
 
@@ -196,10 +199,14 @@ class StageMessages(StageStops):
 
     # communication -----------------------------------------------------------------------
     def _communicate(self, action: Action | Comm) -> None:
-        """Queue the messages of a SEND / RECV action (`lowering.messages` gives the order)."""
+        """Queue the messages of a SEND / RECV action (`lowering.messages` gives the order;
+        those of another virtual stage of this rank are handed over instead: `virtual.py`)."""
         i = action.microbatch
         mb = self.step.mbs[i]
+        local = self.spec.local_stages
         for m in messages(action, self.spec.stage, list(self.skip_in), list(self.skip_out)):
+            if m.peer in local:
+                continue
             what = LABELS[m.channel].format(i)
             if m.send:
                 self._send_one(mb, m.peer, m.channel, i, what)
@@ -216,7 +223,12 @@ class StageMessages(StageStops):
                 mb.recv_b = incoming
             else:
                 mb.recv_skip_grad[m.peer] = incoming
-        if action.kind == SEND_F and not self.step.train:
+        if isinstance(action, Comm):   # one peer's part: the others' may still be owed
+            if action.kind == SEND_B:
+                mb.skip_grads.pop(action.peer, None)
+                if action.peer == self.spec.stage - 1:
+                    mb.input_grads = ()
+        elif action.kind == SEND_F and not self.step.train:
             mb.outputs, mb.skips_out = None, {}
         elif action.kind == SEND_B:
             mb.input_grads, mb.skip_grads = (), {}

@@ -48,10 +48,12 @@ def gather_outputs(outputs: Sequence[object], topology: Topology) -> TensorOrTen
     return full([o for o in outputs if isinstance(o, Tensor)])
 
 
-def share_output(outputs: Sequence[object] | None, topology: Topology, guard: Guard
-                 ) -> TensorOrTensors:
-    """The whole output on every rank (`outputs`: the last stage's micro-batch outputs)."""
-    last = topology.pp_rank == topology.pp - 1
+def share_output(outputs: Sequence[object] | None, topology: Topology, guard: Guard, *,
+                 last: int | None = None) -> TensorOrTensors:
+    """The whole output on every rank (`outputs`: the last stage's micro-batch outputs, on
+    pipeline rank `last`, by default pp - 1)."""
+    source = topology.pp - 1 if last is None else last
+    last = topology.pp_rank == source
     if topology.pp == 1:
         assert outputs is not None
         return gather_outputs(outputs, topology)
@@ -68,6 +70,6 @@ def share_output(outputs: Sequence[object] | None, topology: Topology, guard: Gu
         single = torch.tensor([int(isinstance(output, Tensor))], dtype=torch.int64)
         payload = (single, output) if isinstance(output, Tensor) else (single, *output)
     with guard("the broadcast of the output from the last stage", topology.pp_group):
-        tensors = broadcast_tensors(payload, topology.stage_rank(topology.pp - 1),
+        tensors = broadcast_tensors(payload, topology.stage_rank(source),
                                     group=topology.pp_group, device=topology.device)
     return tensors[1] if int(tensors[0]) else tuple(tensors[1:])

@@ -12,7 +12,7 @@ independent of each other).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -42,22 +42,25 @@ def check_sequential(module: object) -> nn.Sequential:
     return module
 
 
-def check_balance(module: nn.Sequential, balance: Sequence[int], stages: int) -> list[int]:
-    """Validate `balance` for `module` over `stages` pipeline stages (torchgpipe's rules)."""
+def check_balance(module: nn.Sequential, balance: Sequence[int], stages: int, *,
+                  unit: str = "pp") -> list[int]:
+    """Validate `balance` for `module` over `stages` pipeline stages (torchgpipe's rules;
+    `unit` names the stage count in the message: ``pp`` or ``pp * virtual_stages``)."""
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):  # list expected
         raise TypeError(f"balance must be a list of layer counts, got {balance!r}; "
                         f"{_BALANCE_HINT}")
     counts = list(balance)
     if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
         raise TypeError(f"balance must hold integers, got {counts}; {_BALANCE_HINT}")
-    problem = balance_problem(counts, stages, len(module))
+    problem = balance_problem(counts, stages, len(module), unit=unit)
     if problem is not None:
         raise ValueError(problem)
     return counts
 
 
 def balance_problem(balance: Sequence[int], stages: int, layers: int, *,
-                    name: str = "balance", model: str = "the model") -> str | None:
+                    name: str = "balance", model: str = "the model", unit: str = "pp"
+                    ) -> str | None:
     """What is wrong with the layer counts `balance` for `stages` stages over `layers` layers,
     as one line that says how to fix it (None: nothing).
 
@@ -65,14 +68,14 @@ def balance_problem(balance: Sequence[int], stages: int, layers: int, *,
     `name` and `model` say which balance and which model the line is about.
     """
     counts = list(balance)
-    problem = (f"has {len(counts)} stages but the pipeline has pp={stages}"
+    problem = (f"has {len(counts)} stages but the pipeline has {unit}={stages}"
                if len(counts) != stages else
                "has a stage with no layer" if any(c < 1 for c in counts) else
                f"covers {sum(counts)} layers but {model} has {layers}"
                if sum(counts) != layers else None)
     if problem is None:
         return None
-    return (f"{name} {counts} {problem}; give one layer count per stage (pp={stages}), each at "
+    return (f"{name} {counts} {problem}; give one layer count per stage ({unit}={stages}), each at "
             f"least 1, summing to the {layers} layers of {model}, or one of 'time', 'size', "
             "'params', 'uniform'")
 
@@ -94,10 +97,10 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
             for a, b in stage_bounds(balance)]
 
 
-def free_layers(stages: Sequence[nn.Sequential], keep: int) -> None:
-    """Release the parameters and buffers of every stage but `keep` (moved to `meta`)."""
+def free_layers(stages: Sequence[nn.Sequential], keep: Collection[int]) -> None:
+    """Release the parameters and buffers of every stage not in `keep` (moved to `meta`)."""
     for index, stage in enumerate(stages):
-        if index != keep:
+        if index not in keep:
             stage.to("meta")
 
 

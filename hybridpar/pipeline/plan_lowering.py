@@ -11,10 +11,15 @@ rank of the neighbouring stage (`Plan.placement`):
               SEND_B(i, s) after it       gradient of stage s's input, to the rank of s - 1
     W(i, s)   -
 
+Skips (`routes`: (stash stage a, pop stage b) pairs) add a message a -> b after F(i, a)
+and its gradient b -> a after the backward of (i, b), like the neighbours' messages.
+
 A neighbour on the same rank (ZBV's stages p - 1 and p) gets its tensor without a message.
 Every message sits in the slot its producer ends in, in a unit-time run of the plan
 (`simulate.unit_ends`); both ends use that slot and each rank issues its slots in order,
-one group per slot, so NCCL's rendezvous never waits in a cycle (`schedule.place`).
+one group per slot, so NCCL's rendezvous never waits in a cycle (`schedule.place`). Within a
+slot, the messages between two ranks go in the order of their (producer, consumer) stages,
+which both ends know (a rank's sends first: they leave the task that ends the slot).
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ __all__ = ["Hop", "check_plan", "hop_groups", "lower_plan", "lower_plan_rank"]
 
 class Hop(NamedTuple):
     """A message of a task: `kind` (SEND_F, RECV_F, SEND_B, RECV_B) of `microbatch`, for the
-    local virtual `stage` that sends it or consumes it, with rank `peer` (GROUP: ends a
-    group of communication, -1 elsewhere)."""
+    local virtual `stage` that sends it or consumes it, with virtual stage `peer_stage` on
+    rank `peer` (GROUP: ends a group of communication, -1 elsewhere)."""
 
     kind: str
     microbatch: int
     stage: int
     peer: int
+    peer_stage: int = -1
 
     def __str__(self) -> str:
         return self.kind if self.kind == GROUP else f"{self.stage}{self.kind}{self.microbatch}"
@@ -48,9 +54,11 @@ class Hop(NamedTuple):
 _END = Hop(GROUP, -1, -1, -1)
 
 
-def lower_plan(plan: Plan) -> list[list[Task | Hop]]:
+def lower_plan(plan: Plan, *, routes: Sequence[tuple[int, int]] = ()
+               ) -> list[list[Task | Hop]]:
     """Each rank's tasks with its messages, one group per slot (a GROUP between two slots
-    with no task between), as the executor will issue them.
+    with no task between), as the executor will issue them; `routes`: the skips, as
+    (stash stage, pop stage) pairs.
 
         zbv(2, 1), rank 1: stages 1 and 2 (2's neighbour 3 is on rank 0, 1's neighbour 0 too)
         1RECV_F0 | 1F0 | 2F0 | 2SEND_F0 GROUP 2RECV_B0 | 2I0 | 2W0 | 1I0 | 1SEND_B0 | 1W0
@@ -59,30 +67,50 @@ def lower_plan(plan: Plan) -> list[list[Task | Hop]]:
     end = {(task.kind == FORWARD, task.microbatch, task.stage): t
            for (_, task), t in ends.items() if task.kind != WEIGHT}   # (is F, i, s) -> slot
     where, last = plan.placement, plan.stages - 1
+    consumers = [_peers(s, +1, routes, last) for s in range(plan.stages)]
+    producers = [_peers(s, -1, routes, last) for s in range(plan.stages)]
     lowered = []
     for r, tasks in enumerate(plan.tasks):
-        events: list[tuple[int, int, int, Task | Hop]] = []   # (slot, 0 hop | 1 task, ...)
+        # (slot, 0 hop | 1 task, peer rank | position, (0 send | 1 receive, producer,
+        # consumer), item): a slot's sends come from the task that ends it, its receives
+        # feed later tasks
+        events: list[tuple[int, int, int, tuple[int, int, int], Task | Hop]] = []
         for position, task in enumerate(tasks):
-            events.append((ends[r, task] - 1, 1, position, task))
+            events.append((ends[r, task] - 1, 1, position, (0, 0, 0), task))
             kind, i, s = task
             if kind == WEIGHT:
                 continue
             forward = kind == FORWARD
-            src, dst = (s - 1, s + 1) if forward else (s + 1, s - 1)
+            # forward: outputs to the consumers, inputs from the producers; backward: the
+            # gradients of the inputs to the producers, of the outputs from the consumers
+            to, of = (consumers[s], producers[s]) if forward else (producers[s], consumers[s])
             send, recv = (SEND_F, RECV_F) if forward else (SEND_B, RECV_B)
-            if 0 <= dst <= last and where[dst] != r:
-                events.append((end[forward, i, s], 0, where[dst], Hop(send, i, s, where[dst])))
-            if 0 <= src <= last and where[src] != r:
-                events.append((end[forward, i, src], 0, where[src],
-                               Hop(recv, i, s, where[src])))
-        events.sort(key=lambda e: e[:3])
+            for d in to:
+                if where[d] != r:
+                    events.append((end[forward, i, s], 0, where[d], (0, s, d),
+                                   Hop(send, i, s, where[d], d)))
+            for a in of:
+                if where[a] != r:
+                    events.append((end[forward, i, a], 0, where[a], (1, a, s),
+                                   Hop(recv, i, s, where[a], a)))
+        events.sort(key=lambda e: e[:4])
         items: list[Task | Hop] = []
-        for k, (slot, is_task, _, item) in enumerate(events):
+        for k, (slot, is_task, _, _, item) in enumerate(events):
             if k and not is_task and not events[k - 1][1] and events[k - 1][0] != slot:
                 items.append(_END)   # two slots with no task between
             items.append(item)
         lowered.append(items)
     return lowered
+
+
+def _peers(stage: int, direction: int, routes: Sequence[tuple[int, int]], last: int
+           ) -> list[int]:
+    """The stages that consume `stage`'s outputs (direction +1: the next, then the pops of
+    its stashes) or produce its inputs (-1: the previous, then the stashes it pops)."""
+    neighbour = stage + direction
+    skips = [b if direction > 0 else a for a, b in routes
+             if (a if direction > 0 else b) == stage and a != b]
+    return list(dict.fromkeys(([neighbour] if 0 <= neighbour <= last else []) + skips))
 
 
 def hop_groups(items: Sequence[Task | Hop]) -> list[list[Hop]]:
@@ -100,11 +128,12 @@ def hop_groups(items: Sequence[Task | Hop]) -> list[list[Hop]]:
 def _label(hop: Hop) -> str:
     """The same text on both ends: the stages the message goes between."""
     i, s = hop.microbatch, hop.stage
-    if hop.kind in (SEND_F, RECV_F):
-        a, b = (s, s + 1) if hop.kind == SEND_F else (s - 1, s)
-        return f"the activation of micro-batch {i}, stage {a} -> {b}"
-    a, b = (s, s - 1) if hop.kind == SEND_B else (s + 1, s)
-    return f"the gradient of micro-batch {i}, stage {a} -> {b}"
+    sends = hop.kind in (SEND_F, SEND_B)
+    peer = hop.peer_stage if hop.peer_stage >= 0 else \
+        s + (1 if hop.kind in (SEND_F, RECV_B) else -1)
+    a, b = (s, peer) if sends else (peer, s)
+    what = "activation" if hop.kind in (SEND_F, RECV_F) else "gradient"
+    return f"the {what} of micro-batch {i}, stage {a} -> {b}"
 
 
 def lower_plan_rank(items: Sequence[Task | Hop], *, rank_of: Callable[[int], int],
@@ -145,8 +174,9 @@ def lower_plan_rank(items: Sequence[Task | Hop], *, rank_of: Callable[[int], int
     return out
 
 
-def check_plan(plan: Plan, *, tp: int = 1, dp: int = 1, new_shapes: bool = False,
-               headers_apart: bool = True) -> ReplayResult:
+def check_plan(plan: Plan, *, routes: Sequence[tuple[int, int]] = (), tp: int = 1,
+               dp: int = 1, new_shapes: bool = False, headers_apart: bool = True
+               ) -> ReplayResult:
     """Lower every rank of a (dp, pp, tp) grid and replay it under NCCL's rules
     (`lowering.check_schedule` for plans); raises `replay.NCCLOrderError`."""
     p = plan.ranks
@@ -154,7 +184,7 @@ def check_plan(plan: Plan, *, tp: int = 1, dp: int = 1, new_shapes: bool = False
     def rank(d: int, r: int, *, t: int) -> int:
         return (d * p + r) * tp + t
 
-    program = lower_plan(plan)
+    program = lower_plan(plan, routes=routes)
     lowered = {}
     for d in range(dp):
         for t in range(tp):

@@ -26,12 +26,38 @@ from hybridpar.pipeline.skip import SkipRoute
 from hybridpar.pipeline.split_backward import WeightGrads
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 
-__all__ = ["MicroBatch", "SpecKey", "StageSpec", "StepResult", "StepState", "as_tuple",
-           "current_microbatch", "describe_spec", "floating", "grad_or_zeros",
+__all__ = ["Handed", "MicroBatch", "Posted", "SpecKey", "StageSpec", "StepResult", "StepState",
+           "as_tuple", "current_microbatch", "describe_spec", "floating", "grad_or_zeros",
            "microbatch_context", "nbytes", "scalar_loss"]
 
 TensorOrTensors = Tensor | tuple[Tensor, ...]
 SkipKey = tuple[Namespace, str]
+
+
+class Handed:
+    """A message from another virtual stage of this rank: its tensors, detached (a receiver
+    of the wire gets copies the same way: leaves, requiring grad when floating in
+    training, with their parallel-dim tags)."""
+
+    def __init__(self, tensors: Sequence[Tensor | None], src: int, *, grads: bool,
+                 single: bool = False) -> None:
+        self.src, self.single = src, single   # src: the global rank (this one)
+        self.tensors = tuple(None if t is None else _leaf(t, grads) for t in tensors)
+
+    def finish(self, timeout: object = None) -> tuple[Tensor | None, ...]:
+        """The tensors (nothing to wait for)."""
+        return self.tensors
+
+
+def _leaf(t: Tensor, grads: bool) -> Tensor:
+    leaf = t.detach()
+    tag = get_parallel_dim(t)
+    if tag is not None:
+        register_parallel_dim(leaf, tag)
+    return leaf.requires_grad_(grads and t.is_floating_point())
+
+
+Posted = comm.Incoming | Handed   # a receive of the step: over the wire, or handed over
 
 
 _local = threading.local()
@@ -72,6 +98,8 @@ class StageSpec:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     p2p_tags: bool = False
     watchdog: datetime.timedelta | None = None   # report a step stuck this long (NCCL)
+    local_stages: frozenset[int] = frozenset()   # the other virtual stages of this rank
+    listen: bool = True                          # gloo: a listener for peers' failures
 
 
 @dataclass
@@ -85,10 +113,10 @@ class MicroBatch:
     rng: Any = None
     input_grads: tuple[Tensor, ...] = ()
     skip_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
-    recv_f: comm.Incoming | None = None
-    recv_b: comm.Incoming | None = None
-    recv_skip: dict[int, comm.Incoming] = field(default_factory=dict)
-    recv_skip_grad: dict[int, comm.Incoming] = field(default_factory=dict)
+    recv_f: Posted | None = None
+    recv_b: Posted | None = None
+    recv_skip: dict[int, Posted] = field(default_factory=dict)
+    recv_skip_grad: dict[int, Posted] = field(default_factory=dict)
     weight_grads: WeightGrads | None = None   # split backward: what its W computes
 
 

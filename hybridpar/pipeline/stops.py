@@ -96,7 +96,8 @@ class StageStops:
         """This stage's listener: on gloo with peers and no watchdog (which, when asked for,
         answers a peer's failure as on NCCL: it reports and ends the process)."""
         self._pipeline = f"{next(_executors)}.{self._rank(0)}"   # its key in the store
-        if self.spec.device.type != "cpu" or self.spec.num_stages == 1 or \
+        if not self.spec.listen or self.spec.device.type != "cpu" or \
+                self.spec.num_stages == 1 or \
                 self.spec.watchdog is not None or "gloo" not in str(dist.get_backend()):
             return Listener()
         return Listener(self._peer_failure, self._wake)
@@ -166,16 +167,19 @@ class StageStops:
         finally:
             self.listener.leave()
 
-    def _raise(self, error: Exception, index: int) -> NoReturn:
+    def _raise(self, error: Exception, index: int,
+               owed: list[tuple[int, int, Tensor]] | None = None) -> NoReturn:
         """Raise the failure at action `index` after telling the peers (as torchgpipe, the
         failing rank raises its own exception, the step's block added as a note; a wait on a
-        peer that failed or went away raises the `PipelineError` block)."""
-        failed = self._fail(error, index)
+        peer that failed or went away raises the `PipelineError` block). `owed`: the aborts
+        to send (default: this stage's `_owed`)."""
+        failed = self._fail(error, index, owed)
         if failed is error:
             raise error
         raise failed from error
 
-    def _fail(self, error: Exception, index: int) -> Exception:
+    def _fail(self, error: Exception, index: int,
+              owed: list[tuple[int, int, Tensor]] | None = None) -> Exception:
         """The exception a failure at action `index` raises, after telling the peers (aborts):
         this rank's own error with the step's block as a note, or a `PipelineError` block."""
         self.book.clear()  # this step's messages were not all exchanged
@@ -190,7 +194,8 @@ class StageStops:
         place = self._place(index)
         hint = "" if isinstance(error, WaitFailed) else self._hint(error, place.action)
         report = failure.describe(error, place, hint=hint)
-        failure.send_aborts(self._owed(), report, self.spec.timeout, step=self.steps,
+        failure.send_aborts(self._owed() if owed is None else owed, report, self.spec.timeout,
+                            step=self.steps,
                             dummies=self.spec.device.type == "cpu",
                             pipeline=None if isinstance(error, WaitFailed) else self._pipeline,
                             awaited=self.listener.wake_after if self.listener.on else None)
@@ -209,7 +214,7 @@ class StageStops:
         for action in self.step.actions[self.step.issued_upto:]:
             for m in messages(action, self.spec.stage, list(self.skip_in), list(self.skip_out)):
                 key = (self._rank(m.peer), m.channel if self.spec.p2p_tags else 0)
-                if not m.send or key in owed:
+                if not m.send or key in owed or m.peer in self.spec.local_stages:
                     continue
                 spec = self._expected(m.channel, m.peer, action.microbatch)
                 if spec is None and m.channel in (FWD, SKIP):   # the peer waits for a header

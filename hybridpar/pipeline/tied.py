@@ -23,7 +23,7 @@ one tensor with one gradient; split over stages, each owning stage keeps its own
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,11 +82,13 @@ def aliases(ties: Sequence[Tie]) -> dict[str, str]:
     return {alias: tie.canonical for tie in ties for alias in tie.names[1:]}
 
 
-def detach_other_stages(stages: Sequence[nn.Module], keep: int, ties: Sequence[Tie]) -> None:
-    """In every stage but `keep`, replace the tied Parameters shared with it by meta copies."""
-    kept = {id(p) for p in stages[keep].parameters()}
+def detach_other_stages(stages: Sequence[nn.Module], keep: Collection[int],
+                        ties: Sequence[Tie]) -> None:
+    """In every stage not in `keep`, replace the tied Parameters shared with those by meta
+    copies (the stages kept share theirs: one rank, one Parameter)."""
+    kept = {id(p) for k in keep for p in stages[k].parameters()}
     for index, stage in enumerate(stages):
-        if index == keep:
+        if index in keep:
             continue
         placeholders: dict[int, nn.Parameter] = {}
         for module in stage.modules():
@@ -107,15 +109,19 @@ class TiedGroups:
     """
 
     def __init__(self, ties: Sequence[Tie], params: Mapping[str, nn.Parameter],
-                 topology: Topology) -> None:
+                 topology: Topology, *, placement: Sequence[int] | None = None) -> None:
+        """`placement`: the pipeline rank of each (virtual) stage (default: stage s on rank
+        s); a tie whose stages are all on one rank is one Parameter there, with no group."""
         self.stage = topology.pp_rank
         self._groups: list[tuple[ProcessGroup, int, list[nn.Parameter]]] = []
         self.not_counted: set[int] = set()   # ids of copies whose norm another stage counts
+        where = list(range(topology.pp)) if placement is None else list(placement)
         by_stages: dict[tuple[int, ...], list[Tie]] = {}
         for tie in ties:
-            if tie.across_stages:
-                by_stages.setdefault(tie.stages, []).append(tie)
-        for stages, group_ties in by_stages.items():
+            holders = tuple(dict.fromkeys(where[s] for s in tie.stages))   # the owner first
+            if len(holders) > 1:
+                by_stages.setdefault(holders, []).append(tie)
+        for stages, group_ties in by_stages.items():   # the pipeline ranks of the ties
             mine: list[nn.Parameter] = []
             for tie in group_ties:
                 local = [params[n] for n in tie.names if n in params]
