@@ -12,6 +12,9 @@ Benchmarks (one module each under scripts/bench/, in this order):
     tp_mlp     a large MLP at tp = 2 vs tp = 1 and DTensor Colwise / Rowwise
     gpt        the quick-start GPT at pp = 2 x tp = 2 vs torch pipelining + DTensor TP
     zero_bubble  ZB-H1 on F / I / W sleeps vs its simulated bound, 1F1B and torch's zero bubble
+    virtual    interleaved / ZBV with 2 chunks per rank, ZB-H1, 1F1B vs their simulated bounds
+               and torch's Interleaved1F1B / InterleavedZeroBubble / ZBVZeroBubble (pending:
+               runs only with --only virtual until HybridPipe's virtual stages land)
     tpdense    scripts/bench_tpdense.py (sync vs async TPDense), as a subprocess
 
 Writes ``OUT_DIR/<name>.json`` per benchmark, ``OUT_DIR/bench_all.json`` (all of them) and
@@ -37,10 +40,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import BENCHMARKS
+from bench import BENCHMARKS, PENDING
 from bench.common import load, machine, markdown_table, write_json
 
-ALL = (*BENCHMARKS, "tpdense")
+ALL = (*BENCHMARKS, *PENDING, "tpdense")
+DEFAULT = tuple(n for n in ALL if n not in PENDING)   # what runs without --only
 
 
 def _tpdense(mode: str, out_dir: Path) -> dict[str, Any]:
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="schedule: also write one traced step per configuration here")
     args = parser.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    names = [n for n in (args.only or ALL) if not (n == "tpdense" and args.skip_tpdense)]
+    names = [n for n in (args.only or DEFAULT) if not (n == "tpdense" and args.skip_tpdense)]
     out_dir = Path(args.out_dir)
     command = "python " + " ".join(shlex.quote(a) for a in
                                    ["scripts/bench_all.py", *(argv or sys.argv[1:])])
