@@ -21,10 +21,9 @@ MICROBATCHES = range(1, 33)
 
 
 def _plans(p, m):
-    """Every new schedule at (p, m) where it is defined (interleaved: m a multiple of p)."""
+    """Every new schedule at (p, m) (interleaved: m a multiple of p or not)."""
     plans = [zb_h1(p, m), zbv(p, m)]
-    if m % p == 0:
-        plans += [interleaved_1f1b(p, m, v) for v in ((2, 3, 4) if p <= 4 else (2,))]
+    plans += [interleaved_1f1b(p, m, v) for v in ((2, 3, 4) if p <= 4 else (2,))]
     return plans
 
 

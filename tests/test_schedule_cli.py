@@ -40,7 +40,7 @@ def test_schedule_with_virtual_stages_times_and_latency(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--schedule", "interleaved", "--chunks", "6"], "multiple of the 4 ranks"),
+    (["--schedule", "interleaved", "--virtual", "1"], "virtual >= 2"),
     (["--schedule", "zbv", "--virtual", "3"], "'zbv' has 2 virtual stages per rank"),
     (["--times", "1,x"], "--times '1,x' must be three numbers F,B,W"),
     (["--latency", "-1"], "latency must be >= 0"),

@@ -186,9 +186,19 @@ def test_broken_plans_are_named(plan, message):
 # Arguments and lookup -----------------------------------------------------------------------
 
 
-def test_interleaved_needs_a_multiple_of_p_microbatches():
-    with pytest.raises(ScheduleError, match=r"multiple of the 4 ranks .* got 6; use 4 or 8"):
-        interleaved_1f1b(4, 6, 2)
+def test_interleaved_runs_any_number_of_microbatches():
+    """m a multiple of p: Megatron's warm-ups exactly (1F1B's bubble / v); otherwise the
+    last group is partial and the warm-ups grow just enough to be free of deadlock."""
+    for p in (2, 4):
+        for m in range(1, 3 * p + 1):
+            for v in (2, 3):
+                plan = interleaved_1f1b(p, m, v)
+                # each stage 1 / v of a rank's share: F 1, B 2 per stage, 3v per rank
+                timing = simulate_plan(plan, forward_time=1, backward_time=2, weight_time=0)
+                per_rank = 3 * m * v
+                assert timing.makespan >= per_rank
+                if m % p == 0:   # the closed form: 1F1B's bubble (p - 1) 3v, divided by v
+                    assert timing.makespan == pytest.approx(per_rank + 3 * (p - 1))
 
 
 def test_interleaved_needs_two_virtual_stages_or_more():
