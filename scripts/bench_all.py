@@ -14,7 +14,7 @@ Benchmarks (one module each under scripts/bench/, in this order):
     zero_bubble  ZB-H1 on F / I / W sleeps vs its simulated bound, 1F1B and torch's zero bubble
     virtual    interleaved / ZBV with 2 chunks per rank, ZB-H1, 1F1B vs their simulated bounds
                and torch's Interleaved1F1B / InterleavedZeroBubble / ZBVZeroBubble (pending:
-               runs only with --only virtual until HybridPipe's virtual stages land)
+               runs only with --only virtual until tests/test_bench_smoke.py lists it)
     tpdense    scripts/bench_tpdense.py (sync vs async TPDense), as a subprocess
 
 Writes ``OUT_DIR/<name>.json`` per benchmark, ``OUT_DIR/bench_all.json`` (all of them) and

@@ -15,9 +15,9 @@
 Each module has ``NAME``, ``TITLE`` and ``run(mode) -> dict`` (mode "full", "quick" or
 "smoke"); the dict holds ``rows``, a markdown ``table``, ``notes`` and ``config``.
 
-`PENDING` benchmarks run only when named (``bench_all.py --only virtual``): ``virtual`` needs
-HybridPipe's ``virtual_stages`` and the interleaved / ZBV executor, not landed yet; once they
-run, it moves to `BENCHMARKS` (and to tests/test_bench_smoke.py's list of names).
+`PENDING` benchmarks run only when named (``bench_all.py --only virtual``): ``virtual`` (it
+runs since HybridPipe's ``virtual_stages`` landed) moves to `BENCHMARKS` together with
+tests/test_bench_smoke.py's list of names, whose default smoke run would then include it.
 """
 
 __all__ = ["BENCHMARKS", "PENDING"]
