@@ -100,6 +100,8 @@ def _worker(name, layout, balance, schedule):
     ("skipnet", (3, 1), [2, 2, 3], "1f1b"),  # skip channels between non-adjacent stages
     ("gpt", (2, 2), [3, 2], "zb-h1"),
     ("skipnet", (3, 1), [2, 2, 3], "zb-h1"),
+    ("gpt", (2, 2), [1, 1, 2, 1], "zbv"),          # virtual stages: a slot's headers, then
+    ("skipnet", (2, 1), [2, 2, 2, 1], "interleaved"),   # its activations (both ends)
 ])
 def test_changing_shapes_equal_one_device_and_known_shapes_send_no_header(name, layout, balance,
                                                                           schedule):
