@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from hybridpar.files import atomic_write_text
 from hybridpar.pipeline.lowering import BWD, FWD, SKIP, SKIPG
-from hybridpar.pipeline.schedule import get_schedule
-from hybridpar.pipeline.schedule_check import SimResult, simulate
+from hybridpar.pipeline.planned import get_plan
+from hybridpar.pipeline.simulate import Timing, simulate_plan
 from hybridpar.trace import COLUMNS, KINDS, OPS, Recorder
 
 if TYPE_CHECKING:
@@ -111,12 +111,14 @@ def analytic_bubble(stages: int, microbatches: int) -> float:
 
 
 def simulated_step(schedule: str, stages: int, microbatches: int,
-                   times: tuple[float, float, float]) -> SimResult:
-    """`schedule`'s step on equal stages taking `times` (t_f, t_b, t_w) per micro-batch: t_b
-    is B, or I under a split backward, whose W takes t_w (`schedule_check.simulate`)."""
+                   times: tuple[float, float, float], *, virtual: int = 1) -> Timing:
+    """`schedule`'s step over `stages` ranks of `virtual` equal stages each taking `times`
+    (t_f, t_b, t_w) per micro-batch: t_b is B, or I under a split backward, whose W takes
+    t_w (`simulate.simulate_plan`)."""
     t_f, t_b, t_w = times
-    return simulate(get_schedule(schedule)(stages, microbatches), forward_time=t_f,
-                    backward_time=t_b, weight_time=t_w)
+    plan = get_plan(schedule)(stages, microbatches,
+                              virtual=virtual if schedule == "interleaved" else None)
+    return simulate_plan(plan, forward_time=t_f, backward_time=t_b, weight_time=t_w)
 
 
 def _window(ranks: Sequence[Sequence[Event]]) -> tuple[int, int]:
@@ -246,9 +248,10 @@ def compute_times(ranks: Sequence[Sequence[Event]]) -> tuple[float, float, float
 
 def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,
                  times: tuple[float, float, float], header: str, schedule: str = "1f1b",
-                 simulated: SimResult | None = None) -> str:
+                 simulated: Timing | None = None) -> str:
     """The rows as the text `write_trace` prints and saves in table.txt (`simulated`: the
-    split `schedule`'s step with the measured `times`, when W ran)."""
+    `schedule`'s step with the measured `times`, when W ran or a rank holds several
+    stages)."""
     lines = [header, f"step {step_ms:.3f} ms: first rank's start to last rank's end", ""]
     names = ("stage", "ranks", "F", "B", "R", "W", "busy ms", "busy %", "bubble %", "wait %",
              "analytic %")
@@ -275,11 +278,15 @@ def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,
                   f"bound: (m + p - 1)(t_f + t_b) = {slots} x ({t_f:.3f} + {t_b:.3f}) ms = "
                   f"{bound:.3f} ms with the mean measured t_f, t_b: "
                   f"{bound / step_ms if step_ms else 0:.2f} of the step"]
-    else:   # a split backward: B is I, W apart; the bound is the schedule's own simulation
+    else:   # split or virtual: the bound is the schedule's own simulation
         bound = simulated.makespan
-        lines += ["wait: blocked on a peer; B: the input-gradient part (I), W: the deferred "
-                  "weight gradients;", f"analytic and bound: {schedule}'s simulated step with "
-                  f"the mean measured t_f, t_b, t_w = {t_f:.3f}, {t_b:.3f}, {t_w:.3f} ms: "
+        parts = "B: the input-gradient part (I), W: the deferred weight gradients" if t_w \
+            else "B: the whole backward"
+        each = "" if simulated.plan.virtual == 1 else \
+            f" (each of a rank's {simulated.plan.virtual} stages)"
+        lines += [f"wait: blocked on a peer; {parts};",
+                  f"analytic and bound: {schedule}'s simulated step with "
+                  f"the mean measured t_f, t_b, t_w{each} = {t_f:.3f}, {t_b:.3f}, {t_w:.3f} ms: "
                   f"{bound:.3f} ms, {bound / step_ms if step_ms else 0:.2f} of the step"]
     return "\n".join(lines) + "\n"
 
@@ -315,8 +322,10 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
     labels = [f"rank {r} | stage {c.pp} | tp {c.tp} | dp {c.dp}" for r, c in enumerate(coords)]
     lo, hi = _window(ranks)
     times = compute_times(ranks)
-    # a split backward (W ran): the schedule's own simulated step, once, for both
-    simulated = simulated_step(pipe.schedule, topo.pp, m, times) if times[2] else None
+    # a split backward (W ran) or virtual stages: the schedule's own simulated step, once
+    virtual = pipe.layout.virtual
+    simulated = simulated_step(pipe.schedule, topo.pp, m, times, virtual=virtual) \
+        if times[2] or virtual > 1 else None
     bubble = analytic_bubble(topo.pp, m) if simulated is None else simulated.bubble_fraction
     rows = stage_table(ranks, stage_of=[c.pp for c in coords], microbatches=m, bubble=bubble)
     table = format_table(rows, step_ms=(hi - lo) / 1e6, microbatches=m, times=times,
