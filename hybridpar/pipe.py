@@ -38,6 +38,7 @@ from hybridpar.pipeline.partition import (
     free_layers,
     materialize,
     split,
+    stage_bounds,
 )
 from hybridpar.pipeline.reduce import GradBuckets
 from hybridpar.pipeline.schedule import FORWARD
@@ -179,6 +180,12 @@ class HybridPipe(StageModule):
         if self._rank_stages is None:
             return self._executor.spec.partition
         return nn.Sequential(OrderedDict(self.named_children()))
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The indices in the model of the layers this rank holds, ascending."""
+        bounds = stage_bounds(self.balance)
+        return tuple(i for s in self.stages for i in range(*bounds[s]))
 
     @property
     def _executors(self) -> list[StageExecutor]:

@@ -147,8 +147,9 @@ def test_the_quick_start_passes_with_the_real_models_parameter_bytes(runs):
     shards = [_layer_bytes(config, tp_rank) for tp_rank in range(config.parallel.tp)]
     for r in report.ranks:
         layers = shards[r.tp]
-        assert r.layers == (sum(report.balance[:r.stage]), sum(report.balance[:r.stage + 1]))
-        assert r.params == sum(layers[r.layers[0]:r.layers[1]])
+        start, stop = sum(report.balance[:r.stage]), sum(report.balance[:r.stage + 1])
+        assert r.layers == tuple(range(start, stop))
+        assert r.params == sum(layers[i] for i in r.layers)
         assert r.grads == r.params                        # every parameter gets a gradient
         assert r.optimizer == 2 * r.params                # AdamW: exp_avg and exp_avg_sq
         assert r.activations > 0 and r.peak == r.params + r.grads + r.optimizer + r.activations
@@ -222,6 +223,13 @@ def test_too_little_memory_names_the_rank_and_by_how_much():
     assert str(info.value).startswith(f"rank {worst.rank} (dp 0, stage {worst.stage}, tp "
                                       f"{worst.tp}) needs ")
     assert "KiB more than --memory 9.54e-07 GiB" in str(info.value)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_virtual_stage_schedules_are_refused_with_what_to_check_instead(schedule):
+    with pytest.raises(CheckError, match=f"cannot dry-run schedule '{schedule}' yet.*"
+                                         "parallel.schedule=1f1b"):
+        dry_run(small_mlp(schedule=schedule), isolate=False)
 
 
 # the command line ------------------------------------------------------------------------------

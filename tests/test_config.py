@@ -171,8 +171,9 @@ def test_wrong_types_name_the_key_and_the_type(small, override, expected):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("parallel.schedule=zb", "parallel.schedule must be one of 'gpipe', '1f1b', 'zb-h1', got "
-                             "'zb'"),
+    ("parallel.schedule=zb", "parallel.schedule must be one of 'gpipe', '1f1b', 'zb-h1', "
+                             "'interleaved', 'zbv', got 'zb'"),
+    ("parallel.virtual_stages=0", "parallel.virtual_stages must be"),
     ("parallel.checkpoint=sometimes", "'always', 'except_last', 'never'"),
     ("train.precision=fp16", "train.precision must be one of 'fp32', 'bf16'"),
     ("parallel.balance=fast", "'time', 'size', 'params', 'uniform', got 'fast'"),
@@ -317,3 +318,18 @@ def test_resolved_config_round_trips_through_json(small, tmp_path):
 def test_from_dict_checks_like_a_file():
     with pytest.raises(ConfigError, match=r"^<dict>: unknown key train.step;"):
         Config.from_dict({"train": {"step": 3}})
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["parallel.schedule=zbv", "parallel.virtual_stages=3"],
+     "schedule 'zbv' holds 2 stages per rank (a V), got virtual_stages=3"),
+    (["parallel.schedule=1f1b", "parallel.virtual_stages=2"],
+     "schedule '1f1b' holds one stage per rank"),
+    (["parallel.schedule=interleaved", "parallel.pp=3", "parallel.virtual_stages=2"],
+     "parallel.pp * virtual_stages=6 is more stages than the 5 layers"),
+    (["parallel.schedule=zbv", "parallel.balance=[2, 3]"],
+     "parallel.balance [2, 3] has 2 stages but the pipeline has pp * virtual_stages=4"),
+])
+def test_virtual_stages_are_checked_against_the_schedule_and_the_model(small, overrides,
+                                                                       expected):
+    assert expected in error_of(small, *overrides)

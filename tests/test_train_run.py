@@ -282,6 +282,20 @@ def test_finished_run_trains_no_more_steps_and_resume_wins_over_init_from(ref_ru
     assert checkpoint_steps(tmp_path / "checkpoints") == [8]
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_resume_under_virtual_stages_matches_the_uninterrupted_run(ref_run, tmp_path, schedule):
+    """A pp 2 x tp 2 checkpoint resumed with 2 stages per rank (looped or V): the same
+    layout-free names, the same losses."""
+    _, run_dir, results = ref_run
+    copy_checkpoint(run_dir / "checkpoints" / "step-4", tmp_path)
+    other = config(*REF, f"parallel.schedule={schedule}", "train.eval_every=0",
+                   "train.sample_tokens=0")
+    resumed = run(other, tmp_path)
+    assert same_on_every_rank(resumed, "start") == 4
+    losses = same_on_every_rank(resumed, "losses")
+    assert losses == pytest.approx(results[0]["losses"][4:], abs=1e-5, rel=0)
+
+
 # 3. reshard --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", [(1, 1, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)],

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["balance_problem", "check_balance", "check_sequential", "free_layers", "materialize",
-           "split", "stage_bounds"]
+__all__ = ["balance_problem", "check_balance", "check_sequential", "free_layers", "layer_spans",
+           "materialize", "split", "stage_bounds"]
 
 _BALANCE_HINT = ("give one layer count per stage, or use balance='time' / 'size' / 'params' / "
                  "'uniform' (hybridpar.balance_by_time, balance_by_size)")
@@ -87,6 +87,17 @@ def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
         bounds.append((start, start + count))
         start += count
     return bounds
+
+
+def layer_spans(layers: Sequence[int]) -> str:
+    """Ascending layer indices as runs: ``(0, 1, 4, 5)`` -> ``"0..1, 4..5"``."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}..{b}" for a, b in runs)
 
 
 def split(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:

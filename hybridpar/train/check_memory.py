@@ -33,6 +33,8 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from hybridpar.pipeline.partition import layer_spans
+
 __all__ = [
     "COLLECTIVES",
     "CheckReport",
@@ -103,7 +105,7 @@ class RankReport:
     dp: int
     stage: int
     tp: int
-    layers: tuple[int, int]           # [first, last + 1) of the model's layers
+    layers: tuple[int, ...]           # the model's layers the rank holds
     params: int
     grads: int
     optimizer: int
@@ -182,7 +184,7 @@ class CheckReport:
         columns = ("rank", "dp", "stage", "tp", "layers", "params", "grads", "optimizer",
                    "activations", "peak", "p2p", "collectives")
         rows = [[str(r.rank), str(r.dp), str(r.stage), str(r.tp),
-                 f"{r.layers[0]}-{r.layers[1] - 1}",
+                 layer_spans(r.layers),
                  *(format_bytes(getattr(r, k)) for k in columns[5:])] for r in self.ranks]
         total = self.total()
         rows.append(["total", "", "", "", "", *(format_bytes(total[k]) for k in columns[5:])])

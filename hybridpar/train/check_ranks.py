@@ -159,10 +159,9 @@ class DryRun:
                              "agreed the shapes in advance (hybridpar's step signature changed?)",
                              rank=topo.rank)
         self.logs[topo.rank] = pipe.p2p_log or []
-        start = sum(pipe.balance[:topo.pp_rank])
         params = list(pipe.parameters())
         return RankReport(rank=topo.rank, dp=topo.dp_rank, stage=topo.pp_rank, tp=topo.tp_rank,
-                          layers=(start, start + pipe.balance[topo.pp_rank]),
+                          layers=pipe.layers,
                           params=tensor_bytes(params), grads=tensor_bytes(p.grad for p in params),
                           optimizer=optimizer_bytes(pipe), activations=saved.peak, comm=stats)
 
@@ -260,6 +259,7 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
     kernels, so the dry run splits by "params" and says so."""
     from hybridpar.balance import balance_by
     from hybridpar.models.registry import build
+    from hybridpar.pipeline.layout import Layout
 
     par = config.parallel
     if not isinstance(par.balance, str):
@@ -273,7 +273,8 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
         from hybridpar.tensor_parallel.plan import apply_tp_plan
 
         module = apply_tp_plan(module, par.tp_plan, group=topo.tp_group)
-    balance = [int(b) for b in balance_by(name, par.pp, module)]
+    stages = Layout.of(par.schedule, par.pp, par.virtual_stages).stages
+    balance = [int(b) for b in balance_by(name, stages, module)]
     if name != par.balance:
         notes.append(f"balance={par.balance!r} profiles real kernels; the dry run split by "
                      f"'params': {balance} (pin a split with --set parallel.balance="

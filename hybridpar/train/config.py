@@ -2,7 +2,8 @@
 
     [model]       name = "gpt" and the model's keyword options as flat keys (n_layer = 4, ...)
     [data]        source, path, seq_len, val_fraction, seed
-    [parallel]    pp, tp, dp, chunks, schedule, checkpoint, balance, tp_plan, deferred_batch_norm
+    [parallel]    pp, tp, dp, chunks, schedule, virtual_stages, checkpoint, balance, tp_plan,
+                  deferred_batch_norm
     [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
                   nonfinite
     [checkpoint]  every, keep
@@ -33,7 +34,7 @@ from hybridpar.balance import BALANCERS
 from hybridpar.files import atomic_write_text
 from hybridpar.models.registry import builder
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
-from hybridpar.pipeline.schedule import SCHEDULES
+from hybridpar.pipeline.layout import NAMES as SCHEDULES
 from hybridpar.train.config_check import check_layout
 
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig",
@@ -75,7 +76,8 @@ class ParallelConfig:
     tp: int = 1                   # tensor-parallel ranks per stage
     dp: int | None = None         # replicas; None: world size / (pp * tp)
     chunks: int = 1               # micro-batches per replica's batch
-    schedule: str = "gpipe"       # "gpipe" | "1f1b"
+    schedule: str = "gpipe"       # "gpipe" | "1f1b" | "zb-h1" | "interleaved" | "zbv"
+    virtual_stages: int | None = None   # stages per rank: interleaved (default 2), zbv (2)
     checkpoint: str = "except_last"   # "always" | "except_last" | "never"
     balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
     tp_plan: dict[str, str | list[int]] | str | None = None   # None: the model's own tp
@@ -121,6 +123,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "parallel.tp_plan": ("auto", "hf"), "train.precision": ("fp32", "bf16"),
     "train.nonfinite": ("stop", "skip")}
 _POSITIVE = {"data.seq_len", "parallel.pp", "parallel.tp", "parallel.dp", "parallel.chunks",
+             "parallel.virtual_stages",
              "parallel.timeout", "train.steps", "train.batch_size", "train.lr", "train.log_every",
              "train.eval_batches", "checkpoint.keep"}
 _FRACTION = {"data.val_fraction"}     # in [0, 1); every other number must be >= 0

@@ -18,6 +18,7 @@ import torch
 
 from hybridpar.models.gpt import check_gpt_config
 from hybridpar.models.registry import build, builder, has_synthetic_data, takes_tokens
+from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.partition import balance_problem
 from hybridpar.tensor_parallel.hf_plan import HF_STYLES
 from hybridpar.tensor_parallel.plan import DENSE_STYLES, STYLES
@@ -84,13 +85,20 @@ def check_layout(cfg: Config, where: Where) -> Config:
                                   f"({', '.join(map(repr, DENSE_STYLES))}) or a Hugging Face style "
                                   f"({', '.join(map(repr, HF_STYLES))}), got {style!r}",
                                   "parallel.tp_plan")
-    if par.pp > layers:
-        raise where.error(f"parallel.pp={par.pp} is more stages than the {layers} layers of "
-                          f"model {model.name!r}; choose pp between 1 and {layers}",
-                          "parallel.pp")
+    try:
+        layout = Layout.of(par.schedule, par.pp, par.virtual_stages)
+    except ValueError as e:
+        raise where.error(str(e), "parallel.schedule", "parallel.virtual_stages") from None
+    if layout.stages > layers:
+        count, fix = (f"parallel.pp={par.pp}", f"pp between 1 and {layers}") \
+            if layout.virtual == 1 else (f"parallel.pp * virtual_stages={layout.stages}",
+                                         f"pp * virtual_stages at most {layers}")
+        raise where.error(f"{count} is more stages than the {layers} layers of "
+                          f"model {model.name!r}; choose {fix}",
+                          "parallel.pp", "parallel.virtual_stages")
     if isinstance(par.balance, list):
-        problem = balance_problem(par.balance, par.pp, layers, name="parallel.balance",
-                                  model=f"model {model.name!r}")
+        problem = balance_problem(par.balance, layout.stages, layers, name="parallel.balance",
+                                  model=f"model {model.name!r}", unit=layout.unit)
         if problem is not None:
             raise where.error(problem, "parallel.balance", "parallel.pp")
     if par.dp is not None and train.batch_size % par.dp:

@@ -19,7 +19,7 @@ ranks must differ: `check_unique` asserts it of the model keys before a save.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from hybridpar.pipeline.partition import layer_spans
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, tensor_shard_dim
 from hybridpar.tensor_parallel.fused import fused_parts
 from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_range
@@ -207,7 +208,7 @@ def _initial_state(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str,
             "exp_avg_sq": zeros.clone()}
 
 
-def check_unique(keys: Iterable[str], layers: range, *,
+def check_unique(keys: Iterable[str], layers: Sequence[int], *,
                  tied: Iterable[str] = ()) -> None:
     """Raise unless every model / optimizer key names a layer of this stage (`layers`).
 
@@ -224,8 +225,9 @@ def check_unique(keys: Iterable[str], layers: range, *,
         head = name.split(".", 1)[0]
         if not head.isdigit() or int(head) not in layers:
             raise RuntimeError(f"checkpoint key {key!r} does not name a layer of this stage "
-                               f"(layers {layers.start}..{layers.stop - 1}); keys must be the "
-                               "layout-free names of the nn.Sequential")
+                               f"(layers {layer_spans(layers)}); keys must be the layout-free "
+                               "names of the nn.Sequential")
+
 
 
 def flatten(prefix: str, tree: Mapping[str, Any] | list[Any] | Tensor) -> dict[str, Tensor]:

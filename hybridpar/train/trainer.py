@@ -103,8 +103,8 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     bf16 = config.train.precision == "bf16"
     with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=bf16):
         return HybridPipe(model, par.balance, chunks=par.chunks, topology=topo,
-                          schedule=par.schedule, checkpoint=par.checkpoint,
-                          loss_fn=loss, tp_plan=tp_plan,
+                          schedule=par.schedule, virtual_stages=par.virtual_stages,
+                          checkpoint=par.checkpoint, loss_fn=loss, tp_plan=tp_plan,
                           deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample)
 
 
@@ -133,8 +133,7 @@ class _Run:
         self.pipe = build_pipe(config, topo, sample=sample)
         self.optimizer = _optimizer(self.pipe, config)
         self.step = 0
-        start = sum(self.pipe.balance[:self.pipe.stage])
-        self.layers = range(start, start + self.pipe.balance[self.pipe.stage])
+        self.layers = self.pipe.layers
 
     # checkpoint state ---------------------------------------------------------------------
     def _tp_group(self) -> Any:
