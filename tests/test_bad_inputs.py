@@ -455,7 +455,7 @@ ROWS = [
     Row("cli-balance-tp", "CLI", "`hybridpar balance --tp 0`", "exit 2",
         "--tp 0 must be a positive integer", "positive integer"),
     Row("cli-balance-write", "CLI", "`hybridpar balance --write --partitions 3` (pp=2)",
-        "exit 2", "--write stores a balance for parallel.pp = 2 stages", "drop --partitions 3"),
+        "exit 2", "--write stores a balance for the config's 2 stages", "drop --partitions 3"),
     Row("cli-run-workers", "CLI", "`hybridpar run` on a run dir whose checkpoint is damaged",
         "exit 1", "CheckpointError", "restore it, or delete the folder"),
     # checkpoints and --init-from, 2 ranks: raised on every rank

@@ -73,7 +73,7 @@ def test_balance_errors_are_one_line_with_exit_code_two(tmp_path, capsys):
         (["balance", str(tmp_path / "missing.toml")], "missing.toml"),
         (["balance", str(config), "--partitions", "9"], "cannot split 5 layers into 9 stages"),
         (["balance", str(config), "--partitions", "3", "--write"],
-         "--write stores a balance for parallel.pp = 2 stages"),
+         "--write stores a balance for the config's 2 stages"),
         (["balance", str(config), "--set", "parallel.nope=1"], "nope"),
     ]
     for argv, phrase in cases:

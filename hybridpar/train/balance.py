@@ -19,6 +19,7 @@ from hybridpar.balance import (
 )
 from hybridpar.files import atomic_write_text
 from hybridpar.models.registry import build
+from hybridpar.pipeline.layout import Layout
 from hybridpar.train.config import load_config
 from hybridpar.train.data import make_batches
 
@@ -30,7 +31,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("balance", help="profile a config's model and choose a balance",
                             description=__doc__)
     p.add_argument("config", help="a TOML config (configs/*.toml)")
-    p.add_argument("--partitions", type=int, help="stages (default: parallel.pp of the config)")
+    p.add_argument("--partitions", type=int,
+                   help="stages (default: the config's, parallel.pp x virtual stages per rank)")
     p.add_argument("--by", choices=("time", "size", "params"), default="time")
     p.add_argument("--tp", type=int, help="cost of tp shards (default: parallel.tp)")
     p.add_argument("--timeout", type=float, default=2.0, help="profiling seconds (time)")
@@ -43,16 +45,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Profile, print the table and the balance; with ``--write`` update the file."""
     cfg = load_config(args.config, args.set)
-    partitions = args.partitions if args.partitions is not None else cfg.parallel.pp
+    par = cfg.parallel
+    stages = Layout.of(par.schedule, par.pp, par.virtual_stages).stages   # pp * virtual
+    partitions = args.partitions if args.partitions is not None else stages
     tp = args.tp if args.tp is not None else cfg.parallel.tp
     if tp < 1:
         raise ValueError(f"--tp {tp} must be a positive integer (the tensor-parallel size whose "
                          "shards are costed)")
     if not args.timeout > 0:
         raise ValueError(f"--timeout {args.timeout} must be positive (seconds of profiling)")
-    if args.write and partitions != cfg.parallel.pp:
-        raise ValueError(f"--write stores a balance for parallel.pp = {cfg.parallel.pp} stages; "
-                         f"drop --partitions {partitions}, or also --set parallel.pp={partitions}")
+    if args.write and partitions != stages:
+        raise ValueError(f"--write stores a balance for the config's {stages} stages; drop "
+                         f"--partitions {partitions}, or also --set parallel.pp={partitions}")
     torch.manual_seed(cfg.train.seed)
     model, _ = build(cfg.model.name, **cfg.model.args)
     if not 1 <= partitions <= len(model):

@@ -76,7 +76,7 @@ class ParallelConfig:
     tp: int = 1                   # tensor-parallel ranks per stage
     dp: int | None = None         # replicas; None: world size / (pp * tp)
     chunks: int = 1               # micro-batches per replica's batch
-    schedule: str = "gpipe"       # "gpipe" | "1f1b" | "zb-h1" | "interleaved" | "zbv"
+    schedule: str = "gpipe"       # the order of the steps (docs/schedules.md)
     virtual_stages: int | None = None   # stages per rank: interleaved (default 2), zbv (2)
     checkpoint: str = "except_last"   # "always" | "except_last" | "never"
     balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
