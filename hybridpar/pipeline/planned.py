@@ -1,4 +1,5 @@
-"""The plans by name: what `hybridpar schedule` simulates; `schedule.SCHEDULES` is what runs."""
+"""The plans by name: what `hybridpar schedule` simulates and `HybridPipe` runs (one stage per
+rank: `schedule.SCHEDULES`' actions; several: the plan, `pipeline.layout`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from hybridpar.pipeline.zero_bubble import zb_h1, zbv
 __all__ = ["PLANS", "RUNNABLE", "get_plan"]
 
 # name           virtual stages per rank   HybridPipe runs it
-# gpipe          1                         yes (schedule="gpipe")
-# 1f1b           1                         yes (schedule="1f1b")
-# interleaved    v >= 2 (default 2)        not yet
-# zb-h1          1                         yes (schedule="zb-h1")
-# zbv            2                         not yet
+# gpipe          1                         schedule="gpipe"
+# 1f1b           1                         schedule="1f1b"
+# interleaved    v >= 2 (default 2)        schedule="interleaved", virtual_stages=v
+# zb-h1          1                         schedule="zb-h1"
+# zbv            2                         schedule="zbv"
 Builder = Callable[..., Plan]   # (ranks, microbatches, *, virtual=None) -> Plan
 
 
@@ -48,7 +49,7 @@ PLANS: dict[str, Builder] = {
     "zb-h1": _fixed(zb_h1, 1, "zb-h1"),
     "zbv": _fixed(zbv, 2, "zbv"),
 }
-RUNNABLE = tuple(SCHEDULES)   # what the executor runs: gpipe, 1f1b, zb-h1
+RUNNABLE = (*SCHEDULES, "interleaved", "zbv")   # what HybridPipe runs: every plan
 
 
 def get_plan(name: str) -> Builder:

@@ -18,9 +18,8 @@ def add_parser(commands: Any) -> None:
     p = commands.add_parser("schedule", help="print a schedule's timeline, bubble and memory",
                             description="Simulate one step of a pipeline schedule without "
                             "running it: each rank's timeline, the makespan, the bubble and "
-                            "the peak of live micro-batches, from the schedule's data (for gpipe, "
-                            "1f1b and zb-h1 the action lists HybridPipe runs; interleaved and "
-                            "zbv are simulated only: HybridPipe does not run them yet).")
+                            "the peak of live micro-batches, from the schedule's data (the "
+                            "tasks HybridPipe runs).")
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--chunks", type=int, required=True, help="micro-batches per step")
     p.add_argument("--schedule", choices=sorted(PLANS), default="1f1b",
