@@ -31,7 +31,8 @@ def smoke(tmp_path_factory):
 def test_every_benchmark_writes_its_table_and_json(smoke):
     out, combined = smoke
     names = [r["name"] for r in combined["results"]]
-    assert names == ["schedule", "comm", "memory", "overhead", "tp_mlp", "gpt", "zero_bubble"]
+    assert names == ["schedule", "comm", "memory", "overhead", "tp_mlp", "gpt", "zero_bubble",
+                     "virtual"]
     markdown = (out / "bench_all.md").read_text()
     assert markdown.startswith("## Benchmarks") and "--smoke" in markdown
     for result in combined["results"]:
@@ -53,6 +54,10 @@ def test_the_peers_ran_and_are_compared(smoke):
     for row in by_name["zero_bubble"]["rows"]:
         assert row["peer_zb_s"]["median"] > 0 and row["hybridpar_zb_s"]["median"] > 0
         assert row["bound_zb_s"] < row["bound_1f1b_s"]       # the simulated W fill
+    for row in by_name["virtual"]["rows"]:
+        for name in ("interleaved", "zbv"):
+            assert row[f"hybridpar_{name}_s"]["median"] > 0 and row[f"peer_{name}_s"]["median"] > 0
+            assert row[f"bound_{name}_s"] < row["bound_1f1b_s"]   # fewer bubbles, simulated
 
 
 def test_exact_counts_meet_their_formulas(smoke):

@@ -36,6 +36,8 @@ from hybridpar.pipeline.schedule import (
     FORWARD,
     GROUP,
     INPUT,
+    RECV_B,
+    RECV_F,
     WEIGHT,
     Action,
     Comm,
@@ -96,6 +98,9 @@ class RankStages:
                              if a.kind in (BACKWARD, WEIGHT)), default=-1)
         handlers = {s: ex.handlers for s, ex in self.executors.items()}
         self._seen = dict.fromkeys(self.executors, 0)   # each stage's items done
+        self._prefetched: set[int] = set()
+        early = self.lead.spec.device.type == "cpu" and all(
+            ex.step.agreed is not None for ex in self.executors.values())
         recorder, listener = self.recorder, self.lead.listener
         for index, (s, action) in enumerate(items):
             ex = self.executors[s]
@@ -107,9 +112,12 @@ class RankStages:
                     raise ex._peer_stopped()
                 if action.kind in COMPUTE or action.kind == GROUP:
                     self._issue()
+                    if early:
+                        self._prefetch(items, index)
                 if index == last_backward and before_last_backward is not None:
                     before_last_backward()
-                handlers[s][action.kind](action)
+                if index not in self._prefetched:
+                    handlers[s][action.kind](action)
                 if action.kind in COMPUTE:
                     self._hand_over(ex, action)
             except Exception as e:
@@ -139,6 +147,25 @@ class RankStages:
         works = self.lead._issue_group()
         for _, message in learning:
             message.issued(works)
+
+    def _prefetch(self, items: Sequence[Item], index: int) -> None:
+        """gloo: post the receives the next compute needs now (`messages._prefetch`: gloo
+        moves a payload only once its receive is posted; it has no rendezvous and keeps the
+        receives' order)."""
+        k = index + 1
+        while k < len(items) and items[k][1].kind not in COMPUTE:
+            s, action = items[k]
+            if action.kind in (RECV_F, RECV_B) and k not in self._prefetched:
+                self.executors[s]._communicate(action)
+                self._prefetched.add(k)
+            k += 1
+        incoming = [m for ex in self.executors.values() for m in ex.step.incoming]
+        if incoming:
+            for ex in self.executors.values():
+                ex.step.incoming = []
+            works = self.lead._issue_group(early=True)
+            for message in incoming:
+                message.issued(works)
 
     def _finish_sends(self) -> None:
         """Issue what is still queued, then wait for every send of the step."""

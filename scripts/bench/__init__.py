@@ -15,12 +15,11 @@
 Each module has ``NAME``, ``TITLE`` and ``run(mode) -> dict`` (mode "full", "quick" or
 "smoke"); the dict holds ``rows``, a markdown ``table``, ``notes`` and ``config``.
 
-`PENDING` benchmarks run only when named (``bench_all.py --only virtual``): ``virtual`` (it
-runs since HybridPipe's ``virtual_stages`` landed) moves to `BENCHMARKS` together with
-tests/test_bench_smoke.py's list of names, whose default smoke run would then include it.
+`PENDING` benchmarks run only when named (``bench_all.py --only NAME``): none today.
 """
 
 __all__ = ["BENCHMARKS", "PENDING"]
 
-BENCHMARKS = ("schedule", "comm", "memory", "overhead", "tp_mlp", "gpt", "zero_bubble")
-PENDING = ("virtual",)
+BENCHMARKS = ("schedule", "comm", "memory", "overhead", "tp_mlp", "gpt", "zero_bubble",
+              "virtual")
+PENDING: tuple[str, ...] = ()
