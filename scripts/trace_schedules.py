@@ -1,4 +1,4 @@
-"""Trace one training step of each runnable schedule on sleep-simulated stages: Gantt charts.
+"""Trace one training step of each schedule on sleep-simulated stages: Gantt charts.
 
     python scripts/trace_schedules.py [--pp 4] [--chunks 8] [--times 20,10,10] [--out docs/images]
                                       [--schedule gpipe 1f1b zb-h1 interleaved zbv] [--virtual 2]
@@ -9,7 +9,7 @@ steps, one step of each schedule is traced (`HybridPipe(trace=True)`) and drawn:
 (one row per rank: forward, backward (I), weight (W), waits) and OUT/NAME.txt, the bubble
 table. The W fill of ZB-H1 shows as the weight bars in the drain, where 1F1B idles.
 
-``--schedule`` picks the schedules (default: every one HybridPipe runs, `schedule.SCHEDULES`).
+``--schedule`` picks the schedules (default: every one, `planned.PLANS`).
 ``interleaved`` (``--virtual`` chunks per rank, looped) and ``zbv`` (two per rank, V) run
 benchmark 9's model (`scripts/bench/virtual.py`): pp x v chunks, each sleeping 1 / v of the
 times, so a rank's work per micro-batch is the same as with one stage per rank.
@@ -73,9 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--times", default="20,10,10", help="T_F,T_B,T_W in ms")
     parser.add_argument("--out", default="docs/images")
     parser.add_argument("--schedule", nargs="+", choices=list(PLANS), metavar="NAME",
-                        default=list(hybridpar.pipeline.schedule.SCHEDULES),
-                        help=f"of {', '.join(PLANS)} (default: the runnable ones, "
-                             f"{', '.join(hybridpar.pipeline.schedule.SCHEDULES)})")
+                        default=list(PLANS),
+                        help=f"of {', '.join(PLANS)} (default: all)")
     parser.add_argument("--virtual", type=int, default=2,
                         help="interleaved: chunks per rank (zbv always has 2)")
     args = parser.parse_args(argv)

@@ -50,10 +50,12 @@ def write_gantt(path: str | os.PathLike[str], ranks: Sequence[Sequence[Any]], *,
             box = (y + 0.28, 0.1) if kind in _TICKS else (y - 0.4, 0.8)
             ax.broken_barh(bars, box, facecolors=color, edgecolor="white" if kind not in _TICKS
                            else color, linewidth=0.4)
-        for e in events:
-            if e.kind in ("forward", "backward", "recompute", "weight"):
-                ax.text((e.start + e.end - 2 * t0) / 2e6, y - 0.05, e.name, ha="center",
-                        va="center", fontsize=6, color="white", clip_on=True)
+        computes = [e for e in events if e.kind in ("forward", "backward", "recompute", "weight")]
+        several = len({e.stage for e in computes}) > 1   # virtual stages: "3F0" = stage 3's F0
+        for e in computes:
+            name = f"{e.stage}{e.name}" if several else e.name
+            ax.text((e.start + e.end - 2 * t0) / 2e6, y - 0.05, name, ha="center",
+                    va="center", fontsize=6, color="white", clip_on=True)
     ax.set_yticks(range(len(ranks)), list(reversed(labels)), fontsize=8)
     ax.set_xlim(0, (t1 - t0) / 1e6)
     ax.set_xlabel("ms since the start of the step")

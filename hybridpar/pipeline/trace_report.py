@@ -319,7 +319,9 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
     title = (f"{meta.get('what', 'step')} on {len(ranks)} ranks: pp={topo.pp} tp={topo.tp} "
              f"dp={topo.dp}, {pipe.schedule}, m={m} micro-batches, checkpoint "
              f"{pipe.checkpoint!r}")
-    labels = [f"rank {r} | stage {c.pp} | tp {c.tp} | dp {c.dp}" for r, c in enumerate(coords)]
+    held = [pipe.layout.stages_of(c.pp) for c in coords]   # virtual: several stages a rank
+    labels = [f"rank {r} | stage{'s' * (len(h) > 1)} {', '.join(map(str, h))} | tp {c.tp} | "
+              f"dp {c.dp}" for r, (c, h) in enumerate(zip(coords, held))]
     lo, hi = _window(ranks)
     times = compute_times(ranks)
     # a split backward (W ran) or virtual stages: the schedule's own simulated step, once
