@@ -72,6 +72,10 @@ class HybridPipe(StageModule):
     each module's ``reset_parameters()``. A tensor left uninitialized is an error
     (`pipeline.partition.materialize`).
 
+    ``schedule="interleaved"`` (``virtual_stages=v``, default 2) or ``"zbv"`` (2) cut the model
+    into pp * v stages, `balance` giving one layer count per stage, and each rank holds v of
+    them (looped, or a V: `pipeline.layout`), run as one program (`pipeline.virtual`).
+
     ``trace=True`` (or setting ``pipe.trace = True`` between steps) records the timeline of
     every `train_step`, `eval_step` and forward, keeping the last one; `write_trace` then
     writes it for all ranks (Chrome trace, Gantt chart, bubble table). Off, it costs nothing.
