@@ -215,17 +215,35 @@ class HybridPipe(StageModule):
 
     @property
     def skip_routes(self) -> tuple[dict[int, list[SkipRoute]], dict[int, list[SkipRoute]]]:
-        """The skips this stage receives and sends: ({source stage: routes}, {destination
-        stage: routes}), each list in the order its message carries them."""
-        return self._executor.skip_in, self._executor.skip_out
+        """The skips this rank's (first) stage receives and sends: ({source stage: routes},
+        {destination stage: routes}), each list in the order its message carries them."""
+        return self.skips_of(self.stages[0])
+
+    def skips_of(self, stage: int) -> tuple[dict[int, list[SkipRoute]],
+                                            dict[int, list[SkipRoute]]]:
+        """`skip_routes` of one of the stages this rank holds (`stages`)."""
+        executor = self._executor_of(stage)
+        return executor.skip_in, executor.skip_out
+
+    def partition_of(self, stage: int) -> nn.Sequential:
+        """The layers of one of the stages this rank holds (`stages`), original names."""
+        return self._executor_of(stage).spec.partition
 
     def agree_specs(self, inputs: Sequence[TensorOrTensors],
-                    specs: dict[tuple[int, int, int], Any]) -> None:
+                    specs: dict[tuple[int, int, int], Any], *, stage: int | None = None) -> None:
         """Take `specs` ({(channel, peer stage, micro-batch): comm.MessageSpec}, what a shape
-        pass found) as agreed for training steps of these input micro-batches' shapes: such
-        a step then sends no header (`hybridpar check` agrees the shapes of every rank in
-        advance, since its fake ranks run one after another)."""
-        self._executor.book.commit((True, signature(inputs)), specs)
+        pass found for `stage`, by default this rank's first) as agreed for training steps of
+        these input micro-batches' shapes: such a step then sends no header (`hybridpar
+        check` agrees the shapes of every rank in advance, since its fake ranks run one after
+        another)."""
+        executor = self._executor_of(self.stages[0] if stage is None else stage)
+        executor.book.commit((True, signature(inputs)), specs)
+
+    def _executor_of(self, stage: int) -> StageExecutor:
+        for executor in self._executors:
+            if executor.spec.stage == stage:
+                return executor
+        raise ValueError(f"rank {self.stage} holds stages {list(self.stages)}, not {stage}")
 
     def _program(self, microbatches: int, *, train: bool) -> list[Any]:
         """This rank's actions for a step: the schedule lowered with every message in its

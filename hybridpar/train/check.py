@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridpar.pipeline.layout import VIRTUAL
 from hybridpar.train.check_failure import CheckError
 from hybridpar.train.check_memory import CheckReport, RankReport
 from hybridpar.train.check_ranks import DryRun
@@ -67,13 +66,6 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
                          "transformers' modules read the data pointers of tensors, which fake "
                          "tensors do not have (torch crashes); check the layout with a short "
                          "real run instead: hybridpar run CONFIG --set train.steps=2")
-    if cfg.parallel.schedule in VIRTUAL:
-        raise CheckError(f"hybridpar check cannot dry-run schedule {cfg.parallel.schedule!r} "
-                         "yet: with several stages per rank the fake ranks, which run one "
-                         "after another, cannot agree the stages' message shapes in advance; "
-                         "dry-run the model, devices and tp / dp layout with --set "
-                         "parallel.schedule=1f1b (and a balance of pp entries), and see the "
-                         f"P2P order with hybridpar schedule --schedule {cfg.parallel.schedule}")
     if not isolate:
         return DryRun(cfg, device=device, memory_gib=memory_gib, model=model).all_ranks()
     job = {"config": cfg.to_dict(), "device": device, "memory_gib": memory_gib, "model": model}

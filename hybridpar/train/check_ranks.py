@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hybridpar.pipe import HybridPipe
+from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.microbatch import signature, split_batch
 from hybridpar.topology import ParallelDims, Topology, using
 from hybridpar.train.check_failure import CheckError, LayerStack, failure
@@ -62,6 +63,7 @@ class DryRun:
         self.dims = ParallelDims(dp=par.dp or 1, pp=par.pp, tp=par.tp)
         self.notes: list[str] = []
         self.inbox: dict[tuple[int, int, int], dict[SpecKey, Any]] = {}  # by (dp, stage, tp)
+        self.books: dict[tuple[int, int, int], dict[SpecKey, Any]] = {}  # each stage's specs
         self.logs: dict[int, list[Any]] = {}
         self.batches: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -77,7 +79,9 @@ class DryRun:
                                            dp=self.dims.dp).next_batch()
         with _preserved_state(), _model_override(self.config, self.model):
             device_type = fake_gpu() if self.device_kind == "cuda" else "cpu"
-            ranks = [self._rank(r, device_type) for r in range(self.dims.world_size)]
+            self._shape_rounds(device_type)
+            ranks = [self._rank(r, device_type, self._step)
+                     for r in range(self.dims.world_size)]
         try:
             result = replay(self.logs, check_labels=True)
         except NCCLOrderError as e:
@@ -95,7 +99,28 @@ class DryRun:
             raise CheckError(problem, rank=max(ranks, key=lambda r: r.peak).rank, report=report)
         return report
 
-    def _rank(self, rank: int, device_type: str) -> RankReport:
+    def _shape_rounds(self, device_type: str) -> None:
+        """Virtual stages: the shape passes of every rank's stages, before any step. A rank
+        holds stages whose inputs come from later ranks (ZBV: rank 0's last stage needs rank
+        1's), so the ranks go round until every stage had its pass (at most S rounds)."""
+        par = self.config.parallel
+        layout = Layout.of(par.schedule, par.pp, par.virtual_stages)
+        if layout.virtual == 1:
+            return   # ranks in order: stage s - 1's pass comes before stage s's
+        for _ in range(layout.stages):
+            waiting = [r for r in range(self.dims.world_size)
+                       if not self._agreed(self.dims.coordinate(r), layout)]
+            if not waiting:
+                return
+            for r in waiting:
+                self._rank(r, device_type, self._shapes)
+        raise AssertionError("unreachable: each round passes at least one more stage")
+
+    def _agreed(self, at: Any, layout: Layout) -> bool:
+        return all((at.dp, s, at.tp) in self.books for s in layout.stages_of(at.pp))
+
+    def _rank(self, rank: int, device_type: str,
+              body: Callable[[Topology, Tensor, Tensor], Any]) -> Any:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -115,31 +140,47 @@ class DryRun:
             with using(topo), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
                     FakeFunctions(mode):
                 # the batch on the device, as a GPU run must put it (see docs/check.md)
-                return self._step(topo, mode.from_tensor(x).to(device),
-                                  mode.from_tensor(y).to(device))
+                return body(topo, mode.from_tensor(x).to(device), mode.from_tensor(y).to(device))
         finally:
             with _quiet_stderr():   # the fake backend warns about hooks on every rank
                 dist.destroy_process_group()
 
-    def _step(self, topo: Topology, x: Tensor, y: Tensor) -> RankReport:
-        from hybridpar import comm
+    def _build(self, topo: Topology) -> HybridPipe:
         from hybridpar.train.trainer import build_pipe
 
-        where = f"rank {topo.rank} (dp {topo.dp_rank}, stage {topo.pp_rank}, tp {topo.tp_rank})"
-        cpu = topo.device.type == "cpu"
         try:
             self.config = _resolve_balance(self.config, topo, self.notes)
-            pipe = build_pipe(self.config, topo)
+            return build_pipe(self.config, topo)
         except Exception as e:
-            raise failure(e, where, None, "building its stage", cpu=cpu) from e
+            raise failure(e, _where(topo), None, "building its stage",
+                          cpu=topo.device.type == "cpu") from e
+
+    def _shapes(self, topo: Topology, x: Tensor, y: Tensor) -> None:
+        """A shape round's visit of a rank: the passes of the stages whose inputs are known."""
+        pipe = self._build(topo)
+        layers = LayerStack(pipe.partition)
+        try:
+            with layers.tracking():
+                self._agree_shapes(pipe, topo, split_batch(x, pipe.chunks, "input"))
+        except Exception as e:
+            raise failure(e, _where(topo), layers, "its shape pass",
+                          cpu=topo.device.type == "cpu") from e
+
+    def _step(self, topo: Topology, x: Tensor, y: Tensor) -> RankReport:
+        from hybridpar import comm
+
+        where = _where(topo)
+        cpu = topo.device.type == "cpu"
+        pipe = self._build(topo)
         layers = LayerStack(pipe.partition)
         inputs = split_batch(x, pipe.chunks, "input")
         try:
             with layers.tracking():
-                book = self._agree_shapes(pipe, topo, inputs)
+                self._agree_shapes(pipe, topo, inputs)
         except Exception as e:
             raise failure(e, where, layers, "its shape pass", cpu=cpu) from e
-        pipe.agree_specs(inputs, book)
+        for s in pipe.stages:
+            pipe.agree_specs(inputs, self.books[topo.dp_rank, s, topo.tp_rank], stage=s)
         pipe.p2p_log = []
         comm.reset_comm_stats()
         saved = SavedActivations(exclude=[*pipe.parameters(), *pipe.buffers()])
@@ -177,34 +218,46 @@ class DryRun:
             if note not in self.notes:
                 self.notes.append(note)
 
-    def _agree_shapes(self, pipe: HybridPipe, topo: Topology, inputs: list[Any]
-                      ) -> dict[SpecKey, Any]:
-        """Run the stage on fake inputs shaped as its upstream stages send them, put what it
-        sends in the inboxes of its downstream stages; its book (sent and received)."""
+    def _agree_shapes(self, pipe: HybridPipe, topo: Topology, inputs: list[Any]) -> None:
+        """The shape pass of each stage of the rank not passed yet whose inputs are known:
+        run it on fake inputs shaped as its upstream stages send them, put what it sends in
+        the inboxes of its downstream stages; its book (sent and received) in `books`."""
         from hybridpar.pipeline.lowering import FWD, SKIP
 
-        s, dp, tp = topo.pp_rank, topo.dp_rank, topo.tp_rank
-        skip_in, _ = pipe.skip_routes
-        received = self.inbox.pop((dp, s, tp), {})
-        book = dict(received)
-        sends: dict[Any, dict[tuple[int, int], Any]] = {}   # input specs -> what it sends
-        modes = {m: m.training for m in pipe.partition.modules()}
-        pipe.partition.eval()   # the same shapes; no batch-norm statistics, no dropout drawn
-        try:
-            for i, first_input in enumerate(inputs):
-                # outputs depend on input shapes only (the executor requires it): equal
-                # micro-batches need one forward
-                key = (signature([first_input]) if s == 0 else received[FWD, s - 1, i],
-                       *(received[SKIP, src, i] for src in skip_in))
-                if key not in sends:
-                    sends[key] = _sends(pipe, s, first_input, received, i)
-                for (channel, dst), spec in sends[key].items():
-                    book[channel, dst, i] = spec
-                    self.inbox.setdefault((dp, dst, tp), {})[channel, s, i] = spec
-        finally:
-            for m, training in modes.items():
-                m.training = training
-        return book
+        dp, tp = topo.dp_rank, topo.tp_rank
+        for s in pipe.stages:
+            skip_in, _ = pipe.skips_of(s)
+            received = self.inbox.get((dp, s, tp), {})
+            needs = [(FWD, s - 1)] if s > 0 else []
+            needs += [(SKIP, src) for src in skip_in]
+            if (dp, s, tp) in self.books or not all(
+                    (channel, src, i) in received for channel, src in needs
+                    for i in range(len(inputs))):
+                continue
+            book = dict(received)
+            sends: dict[Any, dict[tuple[int, int], Any]] = {}   # input specs -> what it sends
+            part = pipe.partition_of(s)
+            modes = {m: m.training for m in part.modules()}
+            part.eval()   # the same shapes; no batch-norm statistics, no dropout drawn
+            try:
+                for i, first_input in enumerate(inputs):
+                    # outputs depend on input shapes only (the executor requires it): equal
+                    # micro-batches need one forward
+                    key = (signature([first_input]) if s == 0 else received[FWD, s - 1, i],
+                           *(received[SKIP, src, i] for src in skip_in))
+                    if key not in sends:
+                        sends[key] = _sends(pipe, s, first_input, received, i)
+                    for (channel, dst), spec in sends[key].items():
+                        book[channel, dst, i] = spec
+                        self.inbox.setdefault((dp, dst, tp), {})[channel, s, i] = spec
+            finally:
+                for m, training in modes.items():
+                    m.training = training
+            self.books[dp, s, tp] = book
+
+
+def _where(topo: Topology) -> str:
+    return f"rank {topo.rank} (dp {topo.dp_rank}, stage {topo.pp_rank}, tp {topo.tp_rank})"
 
 
 def _sends(pipe: HybridPipe, s: int, first_input: Any, received: dict[SpecKey, Any],
@@ -216,7 +269,7 @@ def _sends(pipe: HybridPipe, s: int, first_input: Any, received: dict[SpecKey, A
     from hybridpar.pipeline.lowering import FWD, SKIP
     from hybridpar.pipeline.skip import StageSkipTracker
 
-    skip_in, skip_out = pipe.skip_routes
+    skip_in, skip_out = pipe.skips_of(s)
     tp = pipe.topology.tp
     x = first_input if s == 0 else _fake_message(received[FWD, s - 1, i], pipe.device)
     incoming: dict[Any, Tensor | None] = {}
@@ -226,8 +279,8 @@ def _sends(pipe: HybridPipe, s: int, first_input: Any, received: dict[SpecKey, A
     routes_here = [r for routes in (*skip_in.values(), *skip_out.values()) for r in routes]
     tracker = StageSkipTracker(routes_here, s, incoming)
     with torch.no_grad(), use_skip_tracker(tracker):
-        out = pipe.partition(x)
-    last = s == pipe.num_stages - 1
+        out = pipe.partition_of(s)(x)
+    last = s == pipe.layout.stages - 1
     sent = {} if last else {(FWD, s + 1): comm.spec_of(
         out if isinstance(out, tuple) else (out,), tp, grads=True,
         single=isinstance(out, Tensor))}
@@ -259,7 +312,6 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
     kernels, so the dry run splits by "params" and says so."""
     from hybridpar.balance import balance_by
     from hybridpar.models.registry import build
-    from hybridpar.pipeline.layout import Layout
 
     par = config.parallel
     if not isinstance(par.balance, str):
