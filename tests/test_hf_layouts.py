@@ -1,6 +1,11 @@
 """Hugging Face GPT-2 (tied embedding / head, Conv1D, fused q|k|v) and Llama (GQA) in every
 layout: pipeline stages, tensor-parallel "auto" sharding and both schedules train as the
-single-device HF model does (float64, 3 AdamW steps, parameters to 1e-9)."""
+single-device HF model does (float64, 3 AdamW steps, parameters to 1e-9).
+
+The layouts run as cases of one spawn per world size (module fixtures): each new set of
+ranks first imports the model families and builds a first model, which costs several times
+a case. Each layout keeps its own test, asserting its own case.
+"""
 
 import pytest
 import torch
@@ -8,6 +13,7 @@ import torch
 pytest.importorskip("transformers", reason="hybridpar.hf needs the optional extra hybridpar[hf]")
 
 from hf_models import tiny
+from spawn_cases import spawn_cases
 from test_hf_pipe import _assert_same, _reference, _train
 
 import hybridpar
@@ -35,12 +41,43 @@ def _worker(kind, layout, balance, schedule):
     return result
 
 
-@pytest.mark.parametrize("kind,layout,balance,schedule", LAYOUTS,
-                         ids=[f"{k}-pp{g[0]}tp{g[1]}-{s}" for k, g, _, s in LAYOUTS])
-def test_hugging_face_models_train_as_on_one_device(kind, layout, balance, schedule):
-    got = hybridpar.spawn(_worker, layout[0] * layout[1], args=(kind, layout, balance,
-                                                                schedule), timeout=180)
-    ref = _reference(kind, True)
+IDS = [f"{k}-pp{g[0]}tp{g[1]}-{s}" for k, g, _, s in LAYOUTS]
+
+
+def _case(what, *args):
+    if what == "own plan":
+        return _hf_plan_worker()
+    if what == "fused save":
+        return _checkpoint_worker(*args)
+    return _worker(*args)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each layout's results by its id, the own-plan run ("own plan") and the tp=2 save of
+    the fused q|k|v test ("fused save", in the folder "fused folder"): one spawn of 2 ranks,
+    one of 4."""
+    folder = str(tmp_path_factory.mktemp("fused"))
+    two = {name: ("layout", *args) for name, args in zip(IDS, LAYOUTS)
+           if args[1][0] * args[1][1] == 2}
+    four = {name: ("layout", *args) for name, args in zip(IDS, LAYOUTS)
+            if args[1][0] * args[1][1] == 4}
+    two["fused save"] = ("fused save", folder, 2)
+    four["own plan"] = ("own plan",)
+    return {**spawn_cases(_case, 2, two, timeout=240), **spawn_cases(_case, 4, four, timeout=240),
+            "fused folder": folder}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: _reference(kind, True) for kind in ("gpt2", "llama")}
+
+
+@pytest.mark.parametrize("kind,layout,balance,schedule", LAYOUTS, ids=IDS)
+def test_hugging_face_models_train_as_on_one_device(kind, layout, balance, schedule, runs,
+                                                    references, request):
+    got = runs[request.node.callspec.id]
+    ref = references[kind]
     for r in got:
         _assert_same(r, ref)
         if layout[1] > 1:   # "auto" shards every attention and MLP projection
@@ -68,12 +105,13 @@ def _checkpoint_worker(folder, tp):
     return hf_state_dict(pipe.consolidated_state_dict(), model.config)
 
 
-def test_a_fused_qkv_shard_saves_and_gathers_part_by_part(tmp_path):
+def test_a_fused_qkv_shard_saves_and_gathers_part_by_part(runs):
     """GPT-2's c_attn at tp=2 holds [q_r | k_r | v_r]: consolidated and checkpointed, it is
     the one-device [q | k | v], and it loads into tp=1."""
     expected = tiny("gpt2", seed=0).state_dict()
-    saved = hybridpar.spawn(_checkpoint_worker, 2, args=(str(tmp_path), 2), timeout=120)
-    (loaded,) = hybridpar.spawn(_checkpoint_worker, 1, args=(str(tmp_path), 1), timeout=120)
+    saved = runs["fused save"]        # the tp=2 ranks' save, a case of the 2-rank spawn
+    (loaded,) = hybridpar.spawn(_checkpoint_worker, 1, args=(runs["fused folder"], 1),
+                                timeout=120)
     for state in (*saved, loaded):
         for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"):
             torch.testing.assert_close(state[key], expected[key], atol=0, rtol=0, msg=key)
@@ -102,9 +140,9 @@ def _hf_plan_worker():
             "state": hf_state_dict(pipe.consolidated_state_dict(), model.config)}
 
 
-def test_the_models_own_hugging_face_plan_trains_as_on_one_device():
-    ref = _reference("llama", True)
-    for r in hybridpar.spawn(_hf_plan_worker, 4, timeout=180):
+def test_the_models_own_hugging_face_plan_trains_as_on_one_device(runs, references):
+    ref = references["llama"]
+    for r in runs["own plan"]:
         _assert_same(r, ref)
         sharded = [d for d in r["decisions"] if "proj" in d]
         assert len(sharded) == 14 and all(": column" in d or ": row" in d for d in sharded), \

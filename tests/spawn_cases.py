@@ -1,0 +1,35 @@
+"""Many cases in one `hybridpar.spawn`: starting the ranks (and, for the Hugging Face tests,
+importing a model family and building its first model) costs far more than a small case.
+
+`spawn_cases(fn, nprocs, cases)` runs ``fn(*args)`` for every named case in turn on the same
+ranks (each case calls `hybridpar.init` again, which reuses the process group) and returns
+``{case: [rank 0's result, rank 1's, ...]}``, so a test per case can assert on its own case. A
+case that raises fails the spawn with its name in the traceback (``in case '<name>'``). Only
+cases that leave no message unmatched belong together: never a pipeline stopped mid-step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import hybridpar
+
+
+def each_case(fn: Callable[..., Any], cases: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+    """In a rank: ``{name: fn(*args)}`` over `cases`, in order."""
+    out = {}
+    for name, args in cases.items():
+        try:
+            out[name] = fn(*args)
+        except BaseException as e:
+            e.add_note(f"in case {name!r}")
+            raise
+    return out
+
+
+def spawn_cases(fn: Callable[..., Any], nprocs: int, cases: Mapping[str, Sequence[Any]], *,
+                timeout: float) -> dict[str, list[Any]]:
+    """`fn` over every case on one set of `nprocs` ranks; each case's results in rank order."""
+    ranks = hybridpar.spawn(each_case, nprocs, args=(fn, dict(cases)), timeout=timeout)
+    return {name: [r[name] for r in ranks] for name in cases}
