@@ -3,12 +3,17 @@
 Each worker builds the tiny model under the same seed on every rank, shards a copy with
 apply_tp_plan, and trains it 3 SGD steps in float64 next to the plain model: logits, the
 loss (ParallelCrossEntropyLoss on the class-sharded logits) and every gradient must match.
+
+The tp=2 runs are cases of one spawn of 2 ranks, the tp=4 refusals cases of one spawn of 4
+(module fixtures): a new set of ranks first imports the model families, which costs more
+than a case. Each test asserts on its own cases.
 """
 
 import copy
 
 import pytest
 import torch
+from spawn_cases import spawn_cases
 
 import hybridpar
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
@@ -96,6 +101,27 @@ def _train_worker(kind, plan, steps=3):
             "full_params": sum(p.numel() for p in ref.parameters())}
 
 
+def _tp2_case(what, *args):
+    return _share_worker() if what == "share" else _train_worker(*args)
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    """Every tp=2 run by name, each rank's result."""
+    gpt2_tied_plan = {"transformer.wte": "embedding_rowwise", "lm_head": "column",
+                      "transformer.h.*.attn.c_attn": "colwise",
+                      "transformer.h.*.attn.c_proj": "rowwise"}
+    return spawn_cases(_tp2_case, 2, {
+        "llama auto": ("train", "llama", "auto"),
+        "gpt2 auto": ("train", "gpt2", "auto"),
+        "llama base_model_tp_plan": ("train", "llama",
+                                     dict(transformers.LlamaConfig.base_model_tp_plan)),
+        "llama _tp_plan": ("train", "llama", llama()._tp_plan),
+        "gpt2 tied plan": ("train", "gpt2", gpt2_tied_plan),
+        "share": ("share",),
+    }, timeout=240)
+
+
 def _assert_matches(results):
     for rank, r in enumerate(results):
         for what, err in r["errors"].items():
@@ -108,8 +134,8 @@ def _decision(decisions, name):
     return line
 
 
-def test_auto_shards_every_llama_attention_and_mlp_linear_and_matches_one_device():
-    results = hybridpar.spawn(_train_worker, 2, args=("llama", "auto"), timeout=120)
+def test_auto_shards_every_llama_attention_and_mlp_linear_and_matches_one_device(tp2):
+    results = tp2["llama auto"]
     _assert_matches(results)
     d = results[0]["decisions"]
     for layer in range(2):
@@ -128,8 +154,8 @@ def test_auto_shards_every_llama_attention_and_mlp_linear_and_matches_one_device
     assert ": vocab" in _decision(d, "model.embed_tokens")
 
 
-def test_auto_shards_gpt2_conv1d_and_the_fused_qkv_by_heads_and_matches_one_device():
-    results = hybridpar.spawn(_train_worker, 2, args=("gpt2", "auto"), timeout=120)
+def test_auto_shards_gpt2_conv1d_and_the_fused_qkv_by_heads_and_matches_one_device(tp2):
+    results = tp2["gpt2 auto"]
     _assert_matches(results)
     d = results[0]["decisions"]
     for layer in range(2):
@@ -150,23 +176,19 @@ def test_auto_shards_gpt2_conv1d_and_the_fused_qkv_by_heads_and_matches_one_devi
     assert "final classifier replicated" in _decision(d, "lm_head")
 
 
-def test_hf_base_model_tp_plan_and_a_tied_vocab_plan_are_accepted():
-    llama_plan = dict(transformers.LlamaConfig.base_model_tp_plan)  # relative to model.model
-    results = hybridpar.spawn(_train_worker, 2, args=("llama", llama_plan), timeout=120)
+def test_hf_base_model_tp_plan_and_a_tied_vocab_plan_are_accepted(tp2):
+    results = tp2["llama base_model_tp_plan"]            # relative to model.model
     _assert_matches(results)
     d = results[0]["decisions"]
     assert ": column" in _decision(d, "model.layers.1.self_attn.k_proj")
     assert ": row" in _decision(d, "model.layers.1.mlp.down_proj")
     assert "replicate - not in the plan" in _decision(d, "lm_head")
     # HF's full plan: lm_head colwise_gather_output gives full logits (HF's own loss works)
-    full_plan = llama()._tp_plan
-    results = hybridpar.spawn(_train_worker, 2, args=("llama", full_plan), timeout=120)
+    results = tp2["llama _tp_plan"]
     _assert_matches(results)
     assert "column - output all-gathered" in _decision(results[0]["decisions"], "lm_head")
     # GPT-2 with its tie sharded on both ends: one Parameter, the vocab rows of each rank
-    plan = {"transformer.wte": "embedding_rowwise", "lm_head": "column",
-            "transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise"}
-    results = hybridpar.spawn(_train_worker, 2, args=("gpt2", plan), timeout=120)
+    results = tp2["gpt2 tied plan"]
     _assert_matches(results)
     assert all(r["tie"] for r in results)
     d = results[0]["decisions"]
@@ -183,11 +205,17 @@ def _heads_worker(plan):
     return "no error"
 
 
+@pytest.fixture(scope="module")
+def tp4_refusals():
+    return spawn_cases(_heads_worker, 4, {
+        "auto": ("auto",),
+        "base_model_tp_plan": (dict(transformers.LlamaConfig.base_model_tp_plan),)},
+        timeout=120)
+
+
 @pytest.mark.parametrize("plan", ["auto", "base_model_tp_plan"])
-def test_tp_that_does_not_divide_the_kv_heads_is_refused_on_every_rank(plan):
-    if plan == "base_model_tp_plan":
-        plan = dict(transformers.LlamaConfig.base_model_tp_plan)
-    messages = hybridpar.spawn(_heads_worker, 4, args=(plan,), timeout=120)
+def test_tp_that_does_not_divide_the_kv_heads_is_refused_on_every_rank(plan, tp4_refusals):
+    messages = tp4_refusals[plan]
     for m in messages:
         assert m.startswith("tp=4 does not divide the heads of 'model.layers.0.self_attn': "
                             "heads per projection q_proj 4, k_proj 2, v_proj 2 (head_dim 8); "
@@ -207,8 +235,8 @@ def _share_worker():
     return out
 
 
-def test_every_linear_has_a_reason_and_the_sharded_share():
-    (r, _) = hybridpar.spawn(_share_worker, 2, timeout=120)
+def test_every_linear_has_a_reason_and_the_sharded_share(tp2):
+    (r, _) = tp2["share"]
     for kind, (share, decisions) in r.items():
         print(f"{kind}: 'auto' shards {share:.1%} of the parameters at tp=2")
         for line in decisions:
