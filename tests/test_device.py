@@ -67,7 +67,8 @@ def _step_without_host_sync(layout, schedule):
     pp, tp, dp = layout
     topo = hybridpar.init(pp=pp, tp=tp, dp=dp, timeout=60)
     torch.manual_seed(0)
-    pipe = hybridpar.HybridPipe(gpt(**SMALL, tp=tp), [2, 3] if pp == 2 else [5], chunks=2,
+    balance = [5] if pp == 1 else [1, 1, 2, 1] if schedule in ("zbv", "interleaved") else [2, 3]
+    pipe = hybridpar.HybridPipe(gpt(**SMALL, tp=tp), balance, chunks=2,
                                 topology=topo, schedule=schedule, loss_fn=gpt_loss)
     x, y = example_batch("gpt", 4, seed=topo.dp_rank, **SMALL)
     pipe.train_step(x, y)            # shapes are new: the headers are read on the host
@@ -82,7 +83,8 @@ def _step_without_host_sync(layout, schedule):
 
 
 @pytest.mark.parametrize("layout,schedule", [((2, 2, 1), "1f1b"), ((2, 1, 2), "gpipe"),
-                                             ((1, 2, 1), "1f1b")])
+                                             ((1, 2, 1), "1f1b"), ((2, 2, 1), "zbv"),
+                                             ((2, 1, 1), "interleaved")])
 def test_a_steady_train_step_and_clip_never_read_a_tensor_on_the_host(layout, schedule):
     results = hybridpar.spawn(_step_without_host_sync, layout[0] * layout[1] * layout[2],
                               args=(layout, schedule), timeout=120)
