@@ -1,4 +1,5 @@
-"""torchshard's ported tests: each test gets a free port for its ranks' rendezvous."""
+"""torchshard's ported tests: each test gets a free port for its ranks' rendezvous, and
+their ``mp.spawn`` starts the ranks from a forkserver (ts_launch.py says why)."""
 
 import os
 import socket
@@ -6,12 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing
 
 sys.path.insert(0, str(Path(__file__).parent))   # `from ts_testing import ...` in the ranks
+
+import ts_launch  # on the path just above
 
 
 @pytest.fixture(autouse=True)
 def free_port(monkeypatch):
+    monkeypatch.setattr(torch.multiprocessing, "spawn", ts_launch.spawn)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
