@@ -106,3 +106,29 @@ def test_watchdog_values_are_checked():
     assert watchdog_timeout(2.5, topo) == datetime.timedelta(seconds=2.5)
     with pytest.raises(ValueError, match="watchdog must be True, False, None or positive"):
         watchdog_timeout(-1, topo)
+
+
+def _watched_virtual(folder: str):
+    """ZBV on pp=2 with a 1 s watchdog: rank 1 stalls 4 s before its step; rank 0 (stages 0
+    and 3) reports the stage it is stuck in, not its first."""
+    topo = hybridpar.init(pp=2, timeout=30)
+    torch.manual_seed(0)
+    pipe = hybridpar.HybridPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]),
+                                [1, 1, 1, 1], chunks=2, topology=topo, schedule="zbv",
+                                loss_fn=lambda o, y: o.pow(2).mean(), watchdog=1.0)
+    report = Path(folder) / f"rank{topo.rank}.txt"
+    pipe._executor.watchdog.on_hang = report.write_text  # instead of exiting the process
+    x = torch.randn(4, 4)
+    if topo.pp_rank == 1:
+        time.sleep(4)
+    pipe.train_step(x, x)
+    pipe._executor.watchdog.close()
+    return report.read_text() if report.exists() else ""
+
+
+def test_a_watched_rank_of_virtual_stages_reports_the_stage_it_waits_in(tmp_path):
+    rank0, rank1 = hybridpar.spawn(_watched_virtual, 2, args=(str(tmp_path),), timeout=60)
+    assert rank1 == ""
+    # ZBV rank 0: 0F0 0F1, then stage 3's F0 waits for stage 2's activation (rank 1)
+    assert rank0.startswith("stage 3 (rank 0) is stuck at F(0) of train_step"), rank0
+    assert "receive the activation of micro-batch 0 from stage 2 (rank 1)" in rank0, rank0

@@ -72,6 +72,7 @@ class StageMessages(StageStops):
     def _learn(self, message: comm.Incoming) -> None:
         """Wait for `message`'s header; note the spec it says (its payloads get queued)."""
         stage = message.stage
+        self.step.waiting = f"receive {message.label} from stage {stage} (rank {message.src})"
         try:
             spec = message.learn(self._timeout, self.step.signature)
         except comm.PeerFailed as e:

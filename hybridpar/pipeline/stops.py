@@ -59,6 +59,9 @@ class StageStops:
     skip_out: dict[int, list[SkipRoute]]
     _rank: Callable[[int], int]
     _expected: Callable[[int, int, int], comm.MessageSpec | None]
+    # virtual stages: the stage of this rank acting now, whose place the watchdog reports
+    # (set on the rank's first stage by `virtual.RankStages`; None: this one)
+    acting: StageStops | None = None
 
     @property
     def _timeout(self) -> datetime.timedelta | None:
@@ -74,21 +77,23 @@ class StageStops:
     def _hang_report(self, stuck_for: float) -> str:
         # on a GPU the first operation the device has not completed; on gloo (works say
         # nothing until waited on) what the host waits for
+        acting = self.acting or self
         pending = self._pending() if self.spec.device.type != "cpu" else []
-        waiting = pending[0] if pending else self.step.waiting or "an operation on the host"
+        waiting = pending[0] if pending else acting.step.waiting or "an operation on the host"
         assert self.watchdog is not None
-        return failure.hang_report(self._place(self.step.at), stuck_for, waiting,
+        return failure.hang_report(acting._place(acting.step.at), stuck_for, waiting,
                                    datetime.timedelta(seconds=self.watchdog.timeout))
 
     def _peer_abort(self) -> str | None:
         """A published abort of this step by a peer of the pipeline, as a report."""
-        for stage in range(self.spec.num_stages):
-            rank = self._rank(stage)
-            if stage == self.spec.stage:
+        acting = self.acting or self
+        me = dist.get_rank()
+        for rank in dict.fromkeys(self._rank(t) for t in range(self.spec.num_stages)):
+            if rank == me:
                 continue
             failed = comm.read_abort(self.steps, rank)
             if failed is not None:
-                return failure.peer_abort_report(self._place(self.step.at), failed)
+                return failure.peer_abort_report(acting._place(acting.step.at), failed)
         return None
 
     # the listener (gloo) -------------------------------------------------------------------

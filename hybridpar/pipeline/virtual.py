@@ -104,6 +104,7 @@ class RankStages:
         recorder, listener = self.recorder, self.lead.listener
         for index, (s, action) in enumerate(items):
             ex = self.executors[s]
+            self.lead.acting = ex   # the watchdog reports where the rank is
             at = self._seen[s]
             ex.step.at, ex.step.waiting = at, ""
             recorder.stage, recorder.microbatch = s, action.microbatch
@@ -141,9 +142,12 @@ class RankStages:
         learning = [(ex, m) for ex, m in incoming if m.spec is None]
         if not learning and not self.wire.pending:
             return
+        acting = self.lead.acting
         with trace.span("wait"):
             for ex, message in learning:
+                self.lead.acting = ex   # a wait for a header: the stage it is for
                 ex._learn(message)
+        self.lead.acting = acting
         works = self.lead._issue_group()
         for _, message in learning:
             message.issued(works)
