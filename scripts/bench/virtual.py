@@ -45,8 +45,8 @@ from hybridpar.pipeline.plan import looped, vshape
 from hybridpar.pipeline.planned import get_plan
 from hybridpar.pipeline.simulate import simulate_plan
 
-from .common import fmt, load, markdown_table, timed_round_robin
-from .zero_bubble import _SLEPT, HIDDEN, ROWS, SEQ, SleepStage, _loss
+from .common import fmt, load, markdown_table
+from .zero_bubble import HIDDEN, ROWS, SEQ, SleepStage, _loss, timed_sleeps
 from .zero_bubble import _peer_step as _one_stage_peer_step
 
 __all__ = ["NAME", "TITLE", "run"]
@@ -151,12 +151,7 @@ def _worker(p: int, cfg: dict[str, Any], peer_only: bool) -> list[dict[str, Any]
         for key, (_, _, _, peer) in SCHEDULES.items():
             if peer is not None:
                 steps[f"peer {key}"] = _peer_step(p, m, key, t, x, y)
-        _SLEPT[:] = [0.0, 0.0]
-        times = timed_round_robin(steps, warmup=cfg["warmup"], iters=cfg["iters"],
-                                  repeats=cfg["repeats"])
-        slept = torch.tensor(_SLEPT, dtype=torch.float64)
-        torch.distributed.all_reduce(slept)
-        stretch = float(slept[1] / slept[0]) if slept[0] else 1.0   # slept / asked
+        times, stretch = timed_sleeps(steps, cfg)
         one = times["hybridpar 1f1b"]["median"]
         row: dict[str, Any] = {"p": p, "m": m, "v": V, "t": list(t), "stretch": stretch,
                                "peer_only": peer_only}

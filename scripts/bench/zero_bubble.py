@@ -42,7 +42,7 @@ from hybridpar.pipeline.simulate import simulate_plan
 
 from .common import fmt, load, markdown_table, timed_round_robin
 
-__all__ = ["NAME", "TITLE", "run"]
+__all__ = ["NAME", "TITLE", "run", "timed_sleeps"]
 
 NAME = "zero_bubble"
 TITLE = "8. Zero bubble: ZB-H1 against its simulation, 1F1B and torch pipelining"
@@ -128,6 +128,17 @@ def _peer_step(p: int, m: int, schedule: str, t: tuple[float, float, float], x: 
     return step
 
 
+def timed_sleeps(steps: dict[str, Any], cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """`timed_round_robin` of `steps` with `cfg`'s counts, and the stretch of the sleeps:
+    seconds slept / seconds asked, over every rank (``time.sleep`` overshoots when busy)."""
+    _SLEPT[:] = [0.0, 0.0]
+    times = timed_round_robin(steps, warmup=cfg["warmup"], iters=cfg["iters"],
+                              repeats=cfg["repeats"])
+    slept = torch.tensor(_SLEPT, dtype=torch.float64)
+    torch.distributed.all_reduce(slept)
+    return times, float(slept[1] / slept[0]) if slept[0] else 1.0
+
+
 def _bound(name: str, p: int, m: int, t: tuple[float, float, float]) -> float:
     """The timed simulator's makespan of `name` with these sleeps (1F1B's B = I + W; the
     first stage's input gradient is never needed, so it sleeps no T_B, in both libraries)."""
@@ -152,12 +163,7 @@ def _worker(p: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             steps[f"hybridpar {schedule}"] = lambda pipe=pipe, x=x, y=y: pipe.train_step(x, y)
         steps["peer 1f1b"] = _peer_step(p, m, "1f1b", t, x, y)
         steps["peer zb"] = _peer_step(p, m, "zb", t, x, y)
-        _SLEPT[:] = [0.0, 0.0]
-        times = timed_round_robin(steps, warmup=cfg["warmup"], iters=cfg["iters"],
-                                  repeats=cfg["repeats"])
-        slept = torch.tensor(_SLEPT, dtype=torch.float64)
-        torch.distributed.all_reduce(slept)
-        stretch = float(slept[1] / slept[0]) if slept[0] else 1.0   # slept / asked
+        times, stretch = timed_sleeps(steps, cfg)
         bounds = {s: _bound(s, p, m, t) for s in ("1f1b", "zb-h1")}
         zb, one = times["hybridpar zb-h1"], times["hybridpar 1f1b"]
         rows.append({
