@@ -1,4 +1,8 @@
-"""Bad input to HybridPipe: a clear error on every rank, never a hang."""
+"""Bad input to HybridPipe: a clear error on every rank, never a hang.
+
+Cases that raise before any message or train to the end share a spawn (module fixtures, a
+test per case); a pipeline stopped mid-step or a rank made to stall gets a spawn of its own.
+"""
 
 import copy
 import re
@@ -6,6 +10,7 @@ import time
 
 import pytest
 import torch
+from spawn_cases import spawn_cases
 from torch import nn
 from torchgpipe.skip import pop, skippable
 
@@ -59,7 +64,7 @@ def _build(case):
     return ["no error", ""]
 
 
-@pytest.mark.parametrize("case,error,phrase", [
+BAD_INPUTS = [
     ("not sequential", "TypeError", "needs an nn.Sequential, got ModuleList"),
     ("balance length", "ValueError", "balance [4] has 1 stages but the pipeline has pp=2"),
     ("balance sum", "ValueError", "covers 5 layers but the model has 4"),
@@ -74,9 +79,18 @@ def _build(case):
     ("rows differ", "ValueError", "input has 4 rows but target has 3"),
     ("empty batch", "ValueError", "has no rows"),
     ("not a tensor", "TypeError", "must be a Tensor or a tuple of Tensors, got list"),
-])
-def test_bad_input_is_a_clear_error_on_every_rank(case, error, phrase):
-    for kind, message in hybridpar.spawn(_build, 2, args=(case,), timeout=60):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_inputs():
+    """Every bad input, one after another on the same 2 ranks (none sends a message)."""
+    return spawn_cases(_build, 2, {case: (case,) for case, _, _ in BAD_INPUTS}, timeout=120)
+
+
+@pytest.mark.parametrize("case,error,phrase", BAD_INPUTS)
+def test_bad_input_is_a_clear_error_on_every_rank(case, error, phrase, bad_inputs):
+    for kind, message in bad_inputs[case]:
         assert kind == error, message
         assert phrase in message
 
@@ -342,14 +356,24 @@ def _small_batches(rows, chunks, schedule):
     return {"loss": (loss - expected).abs().item(), "grad": worst, "out": out_err}
 
 
-@pytest.mark.parametrize("rows,chunks,schedule", [
+SMALL_BATCHES = [
     (1, 4, "gpipe"),      # one micro-batch on four stages
     (1, 4, "1f1b"),
     (3, 4, "1f1b"),       # fewer rows than chunks: three micro-batches of one row
     (5, 4, "gpipe"),      # torch.chunk: 2 + 2 + 1 rows
-])
-def test_fewer_rows_than_chunks_or_stages_train_like_one_device(rows, chunks, schedule):
-    for result in hybridpar.spawn(_small_batches, 4, args=(rows, chunks, schedule), timeout=60):
+]
+
+
+@pytest.fixture(scope="module")
+def small_batches():
+    """Every (rows, chunks, schedule) of SMALL_BATCHES, in turn on the same 4 ranks."""
+    return spawn_cases(_small_batches, 4, {case: case for case in SMALL_BATCHES}, timeout=120)
+
+
+@pytest.mark.parametrize("rows,chunks,schedule", SMALL_BATCHES)
+def test_fewer_rows_than_chunks_or_stages_train_like_one_device(rows, chunks, schedule,
+                                                                small_batches):
+    for result in small_batches[rows, chunks, schedule]:
         assert max(result.values()) < 1e-6, result
 
 
@@ -365,15 +389,25 @@ def _named_balance(name, with_sample):
     return {"balance": pipe.balance, "loss": loss.item()}
 
 
+@pytest.fixture(scope="module")
+def named_balances():
+    """Each balance name with a sample, then 'time' without one and an unknown name, in
+    turn on the same 2 ranks (the refusals come before any message)."""
+    cases = {name: (name, True) for name in ("params", "uniform", "time", "size")}
+    cases["time without a sample"] = ("time", False)
+    cases["fastest"] = ("fastest", True)
+    return spawn_cases(_named_balance, 2, cases, timeout=120)
+
+
 @pytest.mark.parametrize("name", ["params", "uniform", "time", "size"])
-def test_named_balances_give_every_rank_the_same_split(name):
-    r0, r1 = hybridpar.spawn(_named_balance, 2, args=(name, True), timeout=120)
+def test_named_balances_give_every_rank_the_same_split(name, named_balances):
+    r0, r1 = named_balances[name]
     assert r0["balance"] == r1["balance"] and sum(r0["balance"]) == 4
     assert min(r0["balance"]) >= 1 and r0["loss"] == r1["loss"]
 
 
-def test_profiling_balances_need_a_sample_and_unknown_names_are_rejected():
-    for message in hybridpar.spawn(_named_balance, 2, args=("time", False), timeout=60):
+def test_profiling_balances_need_a_sample_and_unknown_names_are_rejected(named_balances):
+    for message in named_balances["time without a sample"]:
         assert "balance='time' profiles the model on a sample: pass balance_sample=" in message
-    for message in hybridpar.spawn(_named_balance, 2, args=("fastest", True), timeout=60):
+    for message in named_balances["fastest"]:
         assert "unknown balance 'fastest'" in message
