@@ -180,7 +180,7 @@ class StageExecutor(StageMessages):
             recorder.microbatch = action.microbatch  # tags the events of this action
             try:
                 if self.listener.stopped is not None:   # a peer failed: stop before acting
-                    raise self._peer_stopped()
+                    raise self.peer_stopped()
                 if action.kind in COMPUTE or action.kind == GROUP:
                     self._issue(index)
                 if index == last_backward and before_last_backward is not None:
@@ -188,7 +188,7 @@ class StageExecutor(StageMessages):
                 if index not in self.step.prefetched:
                     handlers[action.kind](action)
             except Exception as e:
-                self._raise(e, index)
+                self.raise_at(e, index)
             self.step.last_done = action
             if self.watchdog is not None:
                 self.watchdog.beat()
@@ -199,11 +199,9 @@ class StageExecutor(StageMessages):
         self.step.at = len(self.step.actions)
         try:
             self._issue(len(self.step.actions))
-            with trace.span("wait"):
-                for works, what, stage in self.step.sends:
-                    self._wait(works, what, stage)
+            self.wait_sends()
         except Exception as e:
-            self._raise(e, len(self.step.actions))
+            self.raise_at(e, len(self.step.actions))
 
     # forward -----------------------------------------------------------------------------
     def _forward(self, action: Action) -> None:

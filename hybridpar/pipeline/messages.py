@@ -54,7 +54,7 @@ class StageMessages(StageStops):
         """
         incoming, self.step.incoming = self.step.incoming, []
         self.step.issued_upto = index
-        works = self._issue_group()
+        works = self.issue_group()
         for message in incoming:
             message.issued(works)
         learning = [m for m in incoming if m.spec is None]
@@ -64,12 +64,12 @@ class StageMessages(StageStops):
             return
         with trace.span("wait"):
             for message in learning:
-                self._learn(message)
-        works = self._issue_group()
+                self.learn_spec(message)
+        works = self.issue_group()
         for message in learning:
             message.issued(works)
 
-    def _learn(self, message: comm.Incoming) -> None:
+    def learn_spec(self, message: comm.Incoming) -> None:
         """Wait for `message`'s header; note the spec it says (its payloads get queued)."""
         stage = message.stage
         self.step.waiting = f"receive {message.label} from stage {stage} (rank {message.src})"
@@ -99,11 +99,11 @@ class StageMessages(StageStops):
             k += 1
         if self.step.incoming:
             incoming, self.step.incoming = self.step.incoming, []
-            works = self._issue_group(early=True)
+            works = self.issue_group(early=True)
             for message in incoming:
                 message.issued(works)
 
-    def _issue_group(self, *, early: bool = False, hold_payloads: bool = False
+    def issue_group(self, *, early: bool = False, hold_payloads: bool = False
                      ) -> list[tuple[comm.Op, list[Any]]]:
         """Issue the wire's queue; keep the works of its sends to wait for at the end."""
         group = self.wire.issue(early=early, hold_payloads=hold_payloads)
@@ -122,6 +122,12 @@ class StageMessages(StageStops):
 
     def _stage_of(self, rank: int) -> int:
         return self._stages[rank]
+
+    def wait_sends(self) -> None:
+        """Wait for every send of the step issued so far."""
+        with trace.span("wait"):
+            for works, what, stage in self.step.sends:
+                self._wait(works, what, stage)
 
     def _wait(self, works: list[Any], what: str, stage: int) -> None:
         try:

@@ -54,7 +54,7 @@ class StageStops:
     first: bool
     watchdog: Watchdog | None
     listener: Listener
-    _pipeline: str
+    pipeline_key: str
     skip_in: dict[int, list[SkipRoute]]
     skip_out: dict[int, list[SkipRoute]]
     _rank: Callable[[int], int]
@@ -100,7 +100,7 @@ class StageStops:
     def _listener(self) -> Listener:
         """This stage's listener: on gloo with peers and no watchdog (which, when asked for,
         answers a peer's failure as on NCCL: it reports and ends the process)."""
-        self._pipeline = f"{next(_executors)}.{self._rank(0)}"   # its key in the store
+        self.pipeline_key = f"{next(_executors)}.{self._rank(0)}"   # its key in the store
         if not self.spec.listen or self.spec.device.type != "cpu" or \
                 self.spec.num_stages == 1 or \
                 self.spec.watchdog is not None or "gloo" not in str(dist.get_backend()):
@@ -109,7 +109,7 @@ class StageStops:
 
     def _peer_failure(self, step: int) -> comm.PeerFailed | None:
         """The failure a pipeline peer published for `step` (one store read)."""
-        failed = comm.read_pipeline_abort(step, self._pipeline)
+        failed = comm.read_pipeline_abort(step, self.pipeline_key)
         return None if failed is None or failed.src == dist.get_rank() else failed
 
     def _wake(self, failed: comm.PeerFailed, groups: Sequence[ProcessGroup | None]) -> None:
@@ -123,7 +123,7 @@ class StageStops:
             if peer is not None and peer != me:
                 comm.interrupt(group, peer)
 
-    def _peer_stopped(self) -> PeerStopped:
+    def peer_stopped(self) -> PeerStopped:
         """The error of a stage stopped between actions by the listener."""
         failed = self.listener.stopped
         assert failed is not None
@@ -172,12 +172,12 @@ class StageStops:
         finally:
             self.listener.leave()
 
-    def _raise(self, error: Exception, index: int,
+    def raise_at(self, error: Exception, index: int,
                owed: list[tuple[int, int, Tensor]] | None = None) -> NoReturn:
         """Raise the failure at action `index` after telling the peers (as torchgpipe, the
         failing rank raises its own exception, the step's block added as a note; a wait on a
         peer that failed or went away raises the `PipelineError` block). `owed`: the aborts
-        to send (default: this stage's `_owed`)."""
+        to send (default: this stage's `owed`)."""
         failed = self._fail(error, index, owed)
         if failed is error:
             raise error
@@ -199,17 +199,17 @@ class StageStops:
         place = self._place(index)
         hint = "" if isinstance(error, WaitFailed) else self._hint(error, place.action)
         report = failure.describe(error, place, hint=hint)
-        failure.send_aborts(self._owed() if owed is None else owed, report, self.spec.timeout,
+        failure.send_aborts(self.owed() if owed is None else owed, report, self.spec.timeout,
                             step=self.steps,
                             dummies=self.spec.device.type == "cpu",
-                            pipeline=None if isinstance(error, WaitFailed) else self._pipeline,
+                            pipeline=None if isinstance(error, WaitFailed) else self.pipeline_key,
                             awaited=self.listener.wake_after if self.listener.on else None)
         if isinstance(error, WaitFailed):
             return PipelineError(report.message)
         error.add_note(report.message)
         return error
 
-    def _owed(self) -> list[tuple[int, int, Tensor]]:
+    def owed(self) -> list[tuple[int, int, Tensor]]:
         """(rank, channel, abort dummy) of the next message this stage owes each peer.
 
         Messages match by order, so one dummy in place of the next message owed to a peer

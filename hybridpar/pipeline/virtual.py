@@ -58,7 +58,7 @@ class RankStages:
         self.wire, self.recorder = lead.wire, lead.recorder
         for ex in executors[1:]:
             ex.recorder = lead.recorder
-            ex._pipeline = lead._pipeline   # one key in the store for the rank's failures
+            ex.pipeline_key = lead.pipeline_key   # one key in the store for the rank's failures
         self.rank = dist.get_rank()
         self._seen: dict[int, int] = {}
 
@@ -110,7 +110,7 @@ class RankStages:
             recorder.stage, recorder.microbatch = s, action.microbatch
             try:
                 if listener.stopped is not None:   # a peer failed: stop before acting
-                    raise ex._peer_stopped()
+                    raise ex.peer_stopped()
                 if action.kind in COMPUTE or action.kind == GROUP:
                     self._issue()
                     if early:
@@ -122,7 +122,7 @@ class RankStages:
                 if action.kind in COMPUTE:
                     self._hand_over(ex, action)
             except Exception as e:
-                ex._raise(e, at, self._owed())
+                ex.raise_at(e, at, self.owed())
             ex.step.last_done = action
             self._seen[s] = at + 1
             if ex.watchdog is not None:
@@ -136,7 +136,7 @@ class RankStages:
         for s, ex in self.executors.items():
             incoming += [(ex, m) for m in ex.step.incoming]
             ex.step.incoming, ex.step.issued_upto = [], self._seen.get(s, 0)
-        works = self.lead._issue_group(hold_payloads=True)
+        works = self.lead.issue_group(hold_payloads=True)
         for _, message in incoming:
             message.issued(works)
         learning = [(ex, m) for ex, m in incoming if m.spec is None]
@@ -146,9 +146,9 @@ class RankStages:
         with trace.span("wait"):
             for ex, message in learning:
                 self.lead.acting = ex   # a wait for a header: the stage it is for
-                ex._learn(message)
+                ex.learn_spec(message)
         self.lead.acting = acting
-        works = self.lead._issue_group()
+        works = self.lead.issue_group()
         for _, message in learning:
             message.issued(works)
 
@@ -160,14 +160,14 @@ class RankStages:
         while k < len(items) and items[k][1].kind not in COMPUTE:
             s, action = items[k]
             if action.kind in (RECV_F, RECV_B) and k not in self._prefetched:
-                self.executors[s]._communicate(action)
+                self.executors[s].handlers[action.kind](action)
                 self._prefetched.add(k)
             k += 1
         incoming = [m for ex in self.executors.values() for m in ex.step.incoming]
         if incoming:
             for ex in self.executors.values():
                 ex.step.incoming = []
-            works = self.lead._issue_group(early=True)
+            works = self.lead.issue_group(early=True)
             for message in incoming:
                 message.issued(works)
 
@@ -179,17 +179,15 @@ class RankStages:
         try:
             self._seen = {s: len(ex.step.actions) for s, ex in self.executors.items()}
             self._issue()
-            with trace.span("wait"):
-                for works, what, stage in lead.step.sends:
-                    lead._wait(works, what, stage)
+            lead.wait_sends()
         except Exception as e:
-            lead._raise(e, at, self._owed())
+            lead.raise_at(e, at, self.owed())
 
-    def _owed(self) -> list[tuple[int, int, Tensor]]:
+    def owed(self) -> list[tuple[int, int, Tensor]]:
         """The aborts owed to the peers: each stage's, the first per (rank, channel)."""
         owed: dict[tuple[int, int], Tensor] = {}
         for ex in self.executors.values():
-            for rank, channel, dummy in ex._owed():
+            for rank, channel, dummy in ex.owed():
                 owed.setdefault((rank, channel), dummy)
         return [(rank, channel, dummy) for (rank, channel), dummy in owed.items()]
 
