@@ -2,10 +2,15 @@
 plain single-device GPT, over (pp, tp, dp) layouts, schedules and checkpoint modes.
 
 SGD, not AdamW: Adam turns a 1e-9 rounding difference in a near-zero gradient into a step of
-the size of the learning rate, so it compares rounding noise, not the pipeline."""
+the size of the learning rate, so it compares rounding noise, not the pipeline.
+
+Every run is a case of one spawn per world size (the `runs` module fixture: 2, 4 and 8
+ranks; a case calls `hybridpar.init` with its own layout and seeds its own model); each test
+asserts on its own case."""
 
 import pytest
 import torch
+from spawn_cases import spawn_cases
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
@@ -52,7 +57,7 @@ def _gpt_worker(layout, balance, options, dropout):
     return {"losses": losses, "norms": norms, "state": pipe.consolidated_state_dict()}
 
 
-@pytest.mark.parametrize("layout,balance,options", [
+LAYOUTS = [
     ((1, 2, 1), [5], {"chunks": 2, "schedule": "gpipe", "checkpoint": "except_last"}),
     ((2, 2, 1), [2, 3], {"chunks": 2, "schedule": "gpipe", "checkpoint": "always"}),
     ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "1f1b", "checkpoint": "never"}),
@@ -61,12 +66,43 @@ def _gpt_worker(layout, balance, options, dropout):
     ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "zb-h1", "checkpoint": "never"}),
     ((2, 2, 2), [2, 3], {"chunks": 2, "schedule": "zb-h1", "checkpoint": "except_last"}),
     ((4, 1, 1), [2, 1, 1, 1], {"chunks": 4, "schedule": "zb-h1", "checkpoint": "always"}),
-])
-def test_tensor_parallel_gpt_pipeline_matches_one_device(layout, balance, options):
+]
+DROPOUT = [
+    {"chunks": 1},
+    {"chunks": 1, "schedule": "zb-h1", "checkpoint": "always"},   # recomputed in I, W apart
+]
+LOADS = [((2, 2, 1), [3, 2]), ((1, 4, 1), [5])]
+
+
+def _case(what, *args):
+    return _load_worker(*args) if what == "load" else _gpt_worker(*args)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Each test's run by name: "train <layout> <balance> <options>", "dropout <options>",
+    "load <layout> <balance>"."""
+    _, _, trained = _reference(0.0)
+    cases = {}   # name -> (world size, _case's arguments)
+    for layout, balance, options in LAYOUTS:
+        cases[f"train {layout} {balance} {options}"] = (
+            layout[0] * layout[1] * layout[2], ("train", layout, balance, options, 0.0))
+    for options in DROPOUT:
+        cases[f"dropout {options}"] = (2, ("train", (1, 2, 1), [5], options, 0.2))
+    for layout, balance in LOADS:
+        cases[f"load {layout} {balance}"] = (layout[0] * layout[1] * layout[2],
+                                             ("load", layout, balance, trained))
+    out = {}
+    for world in sorted({w for w, _ in cases.values()}):
+        out.update(spawn_cases(_case, world, {
+            name: args for name, (w, args) in cases.items() if w == world}, timeout=240))
+    return out
+
+
+@pytest.mark.parametrize("layout,balance,options", LAYOUTS)
+def test_tensor_parallel_gpt_pipeline_matches_one_device(layout, balance, options, runs):
     ref_losses, ref_norms, ref_state = _reference(0.0)
-    world = layout[0] * layout[1] * layout[2]
-    for r in hybridpar.spawn(_gpt_worker, world, args=(layout, balance, options, 0.0),
-                             timeout=180):
+    for r in runs[f"train {layout} {balance} {options}"]:
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
         assert list(r["state"]) == list(ref_state)
@@ -74,15 +110,11 @@ def test_tensor_parallel_gpt_pipeline_matches_one_device(layout, balance, option
             torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("options", [
-    {"chunks": 1},
-    {"chunks": 1, "schedule": "zb-h1", "checkpoint": "always"},   # recomputed in I, W apart
-])
-def test_tensor_parallel_dropout_masks_equal_the_single_device_ones(options):
+@pytest.mark.parametrize("options", DROPOUT)
+def test_tensor_parallel_dropout_masks_equal_the_single_device_ones(options, runs):
     # one stage, one micro-batch: the RNG streams line up with the plain model's exactly
     ref_losses, _, ref_state = _reference(0.2)
-    for r in hybridpar.spawn(_gpt_worker, 2, args=((1, 2, 1), [5], options, 0.2),
-                             timeout=120):
+    for r in runs[f"dropout {options}"]:
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         for k, v in ref_state.items():
             torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
@@ -98,16 +130,15 @@ def _load_worker(layout, balance, state):
     return {"state": pipe.consolidated_state_dict(), "out": pipe(x)}
 
 
-@pytest.mark.parametrize("layout,balance", [((2, 2, 1), [3, 2]), ((1, 4, 1), [5])])
-def test_a_consolidated_state_dict_loads_into_any_layout(layout, balance):
+@pytest.mark.parametrize("layout,balance", LOADS)
+def test_a_consolidated_state_dict_loads_into_any_layout(layout, balance, runs):
     _, _, trained = _reference(0.0)
     torch.manual_seed(0)
     plain = gpt(**SMALL)
     plain.load_state_dict(trained)
     x, _ = _batches(BATCH)[0]
     expected = plain(x)
-    world = layout[0] * layout[1] * layout[2]
-    for r in hybridpar.spawn(_load_worker, world, args=(layout, balance, trained), timeout=120):
+    for r in runs[f"load {layout} {balance}"]:
         for k, v in trained.items():
             assert torch.equal(r["state"][k], v), k
         torch.testing.assert_close(r["out"], expected, atol=1e-5, rtol=0)
