@@ -1,39 +1,94 @@
 """HybridPipe's torchgpipe promises across processes: dropout replay, deferred BatchNorm,
 is_recomputing, current_microbatch, live activations per schedule, exact P2P bytes, meta models,
-layout-free names and inference."""
+layout-free names and inference.
+
+Every run is a case of one spawn per world size (the `runs` module fixture: 1, 2, 3 and 4
+ranks, a case calling `hybridpar.init` with its own layout); each test asserts on its own
+cases.
+"""
 
 import math
 
 import pytest
 import torch
+from spawn_cases import spawn_cases
 from torch import nn
 
 import hybridpar
 
 from pipe_harness import data, mlp, pipe_worker, reference, skipnet
 
+CHECKPOINTS = ("always", "except_last", "never")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+BN_CASES = [("always", "gpipe"), ("never", "gpipe"), ("always", "zb-h1")]
+SAVED_PP, SAVED_M = 3, 6
+
+
+def _case(worker, *args):
+    return WORKERS[worker](*args)
+
+
+def _cases():
+    """name -> (world size, worker, its arguments), for every test of this file."""
+    cases = {"dropout one stage": (1, "pipe", "mlp", {"dropout": 0.3}, [4], (1, 1, 1), 3, 8,
+                                   {"checkpoint": "always"})}
+    for checkpoint in CHECKPOINTS:
+        for schedule in SCHEDULES:
+            cases[f"dropout {checkpoint} {schedule}"] = (
+                2, "pipe", "mlp", {"dropout": 0.3}, [2, 2], (2, 1, 1), 3, 8,
+                {"chunks": 4, "checkpoint": checkpoint, "schedule": schedule})
+    for checkpoint, schedule in BN_CASES:
+        cases[f"bn {checkpoint} {schedule}"] = (
+            2, "pipe", "skipnet", {"batch_norm": True}, [2, 5], (2, 1, 1), 3, 12,
+            {"chunks": 3, "deferred_batch_norm": True, "checkpoint": checkpoint,
+             "schedule": schedule})
+    for schedule in ("gpipe", "1f1b"):
+        cases[f"live {schedule}"] = (4, "probe", 4, schedule, "never", 6)
+    cases["recompute"] = (2, "probe", 2, "1f1b", "always", 3)
+    cases["except_last"] = (2, "probe", 2, "gpipe", "except_last", 4)
+    for tp in (1, 2):
+        cases[f"bytes tp{tp}"] = (2 * tp, "bytes", tp, 4, 8, 6)
+    cases["meta"] = (2, "meta")
+    for pp in (1, 3):
+        cases[f"inference pp{pp}"] = (pp, "inference", pp, 4)
+    cases["clip"] = (2, "clip")
+    cases["names"] = (1, "names")
+    for schedule in ("gpipe", "1f1b"):
+        cases[f"saved {schedule} one"] = (SAVED_PP, "saved", SAVED_PP, schedule, "never", 1)
+        for mode in ("never", "always"):
+            cases[f"saved {schedule} {mode}"] = (SAVED_PP, "saved", SAVED_PP, schedule, mode,
+                                                SAVED_M)
+    cases["tuples"] = (2, "tuple")
+    for schedule in ("1f1b", "zb-h1"):
+        cases[f"accumulations {schedule}"] = (2, "accumulations", schedule)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = _cases()
+    out = {}
+    for world in sorted({c[0] for c in cases.values()}):
+        out.update(spawn_cases(_case, world, {
+            name: c[1:] for name, c in cases.items() if c[0] == world}, timeout=240))
+    return out
+
 # dropout -------------------------------------------------------------------------------------
 
 
-def test_dropout_on_one_stage_matches_the_plain_model_bit_for_bit():
+def test_dropout_on_one_stage_matches_the_plain_model_bit_for_bit(runs):
     steps, batch = 3, 8
     xs, ys = data(steps, batch)
     ref_losses, ref_state = reference(mlp(dropout=0.3), xs, ys)
-    (result,) = hybridpar.spawn(pipe_worker, 1, args=(
-        "mlp", {"dropout": 0.3}, [4], (1, 1, 1), steps, batch, {"checkpoint": "always"}),
-        timeout=60)
+    (result,) = runs["dropout one stage"]
     assert result["losses"] == ref_losses
     for k, v in ref_state.items():
         assert torch.equal(result["state"][k], v), k
 
 
-def test_dropout_masks_replay_exactly_under_every_checkpoint_mode_and_schedule():
-    runs = {}
-    for checkpoint in ("always", "except_last", "never"):
-        for schedule in ("gpipe", "1f1b", "zb-h1"):
-            runs[checkpoint, schedule] = hybridpar.spawn(pipe_worker, 2, args=(
-                "mlp", {"dropout": 0.3}, [2, 2], (2, 1, 1), 3, 8,
-                {"chunks": 4, "checkpoint": checkpoint, "schedule": schedule}), timeout=60)[0]
+def test_dropout_masks_replay_exactly_under_every_checkpoint_mode_and_schedule(runs):
+    runs = {(checkpoint, schedule): runs[f"dropout {checkpoint} {schedule}"][0]
+            for checkpoint in CHECKPOINTS for schedule in SCHEDULES}
     # Within a schedule the checkpoint modes agree bit for bit; across schedules the
     # gradients accumulate in another micro-batch order, so they agree to rounding.
     for (checkpoint, schedule), run in runs.items():
@@ -68,16 +123,12 @@ def _bn_reference(model, xs, ys, chunks):
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("checkpoint,schedule", [
-    ("always", "gpipe"), ("never", "gpipe"), ("always", "zb-h1")])
-def test_deferred_batch_norm_tracks_the_whole_mini_batch(checkpoint, schedule):
+@pytest.mark.parametrize("checkpoint,schedule", BN_CASES)
+def test_deferred_batch_norm_tracks_the_whole_mini_batch(checkpoint, schedule, runs):
     steps, batch, chunks = 3, 12, 3
     xs, ys = data(steps, batch)
     ref_losses, ref_state = _bn_reference(skipnet(batch_norm=True), xs, ys, chunks)
-    results = hybridpar.spawn(pipe_worker, 2, args=(
-        "skipnet", {"batch_norm": True}, [2, 5], (2, 1, 1), steps, batch,
-        {"chunks": chunks, "deferred_batch_norm": True, "checkpoint": checkpoint,
-         "schedule": schedule}), timeout=60)
+    results = runs[f"bn {checkpoint} {schedule}"]
     for r in results:
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         assert list(r["state"]) == list(ref_state)  # no extra buffers in the state dict
@@ -143,17 +194,17 @@ def _probe_worker(pp, schedule, checkpoint, chunks):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_live_microbatches_per_stage_follow_the_schedule(schedule):
+def test_live_microbatches_per_stage_follow_the_schedule(schedule, runs):
     pp, m = 4, 6
-    results = hybridpar.spawn(_probe_worker, pp, args=(pp, schedule, "never", m), timeout=60)
+    results = runs[f"live {schedule}"]
     expected = [m] * pp if schedule == "gpipe" else [min(pp - s, m) for s in range(pp)]
     assert [r["max_live"] for r in results] == expected
     assert all(r["live"] == 0 for r in results)
 
 
-def test_recomputation_is_detected_and_counts_each_microbatch_once():
+def test_recomputation_is_detected_and_counts_each_microbatch_once(runs):
     m = 3
-    results = hybridpar.spawn(_probe_worker, 2, args=(2, "1f1b", "always", m), timeout=60)
+    results = runs["recompute"]
     for r in results:
         assert r["forwards"] == m
         # first forwards are checkpointing, the recomputations are recomputing
@@ -163,9 +214,9 @@ def test_recomputation_is_detected_and_counts_each_microbatch_once():
         assert r["max_live"] == 1  # checkpointing keeps no micro-batch's activations alive
 
 
-def test_except_last_recomputes_all_but_the_last_microbatch():
+def test_except_last_recomputes_all_but_the_last_microbatch(runs):
     m = 4
-    r0, _ = hybridpar.spawn(_probe_worker, 2, args=(2, "gpipe", "except_last", m), timeout=60)
+    r0, _ = runs["except_last"]
     assert r0["forwards"] == m
     assert sum(f[0] for f in r0["flags"]) == m - 1
 
@@ -187,9 +238,9 @@ def _bytes_worker(tp, chunks, batch, width):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_p2p_bytes_per_step_are_b_h_per_microbatch_divided_by_tp(tp):
+def test_p2p_bytes_per_step_are_b_h_per_microbatch_divided_by_tp(tp, runs):
     chunks, batch, width = 4, 8, 6
-    results = hybridpar.spawn(_bytes_worker, 2 * tp, args=(tp, chunks, batch, width), timeout=60)
+    results = runs[f"bytes tp{tp}"]
     payload = batch * width * 4 // tp  # fp32: b*h per boundary per step, 1/tp with scatter-gather
     for rank, stats in enumerate(results):
         assert stats["p2p_send"]["bytes"] == payload, rank  # activations out, or gradients back
@@ -216,8 +267,8 @@ def _meta_worker():
             "loss": loss.item()}
 
 
-def test_a_meta_built_model_is_materialized_only_for_the_local_stage():
-    r0, r1 = hybridpar.spawn(_meta_worker, 2, timeout=60)
+def test_a_meta_built_model_is_materialized_only_for_the_local_stage(runs):
+    r0, r1 = runs["meta"]
     assert r0["names"] == ["0.0.weight", "0.0.bias", "1.0.weight", "1.0.bias"]
     assert r1["names"] == ["2.0.weight", "2.0.bias", "3.weight", "3.bias"]
     assert r0["others_freed"] and r1["others_freed"]
@@ -233,9 +284,9 @@ def _inference_worker(pp, chunks):
 
 
 @pytest.mark.parametrize("pp", [1, 3])
-def test_inference_returns_the_full_output_on_every_rank(pp):
+def test_inference_returns_the_full_output_on_every_rank(pp, runs):
     expected = skipnet()(data(1, 10)[0][0])
-    for out in hybridpar.spawn(_inference_worker, pp, args=(pp, 4), timeout=60):
+    for out in runs[f"inference pp{pp}"]:
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
 
 
@@ -249,20 +300,20 @@ def _clip_worker():
     return {"norm": norm.item(), "state": {n: p.grad for n, p in pipe.named_parameters()}}
 
 
-def test_clip_grad_norm_uses_the_global_norm_over_all_stages():
+def test_clip_grad_norm_uses_the_global_norm_over_all_stages(runs):
     model = mlp()
     x, y = data(1, 8)
     nn.functional.cross_entropy(model(x[0]), y[0]).backward()
     norm = nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     grads = {n: p.grad for n, p in model.named_parameters()}
-    for r in hybridpar.spawn(_clip_worker, 2, timeout=60):
+    for r in runs["clip"]:
         assert r["norm"] == pytest.approx(norm.item(), rel=1e-5)
         for n, g in r["state"].items():
             torch.testing.assert_close(g, grads[n], atol=1e-6, rtol=0)
 
 
-def test_a_one_stage_pipe_keeps_the_models_state_dict_keys():
-    (names,) = hybridpar.spawn(_names_worker, 1, timeout=60)
+def test_a_one_stage_pipe_keeps_the_models_state_dict_keys(runs):
+    (names,) = runs["names"]
     assert names == list(mlp().state_dict())
 
 
@@ -306,12 +357,10 @@ def _saved_bytes_worker(pp, schedule, checkpoint, chunks):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_saved_activation_bytes_follow_the_live_microbatch_formulas(schedule):
-    pp, m = 3, 6
-    one = [r["peak"] for r in hybridpar.spawn(_saved_bytes_worker, pp,
-                                               args=(pp, schedule, "never", 1), timeout=60)]
-    runs = {mode: hybridpar.spawn(_saved_bytes_worker, pp, args=(pp, schedule, mode, m),
-                                  timeout=60) for mode in ("never", "always")}
+def test_saved_activation_bytes_follow_the_live_microbatch_formulas(schedule, runs):
+    pp, m = SAVED_PP, SAVED_M
+    one = [r["peak"] for r in runs[f"saved {schedule} one"]]
+    runs = {mode: runs[f"saved {schedule} {mode}"] for mode in ("never", "always")}
     live = [m] * pp if schedule == "gpipe" else [min(pp - s, m) for s in range(pp)]
     assert [r["peak"] for r in runs["never"]] == [n * b for n, b in zip(live, one)]
     # checkpointing keeps one micro-batch's activations at a time (during its recomputation)
@@ -348,14 +397,14 @@ def _tuple_worker():
     return {"loss": loss.item(), "grads": {n: p.grad for n, p in pipe.named_parameters()}}
 
 
-def test_tuples_of_float_and_integer_tensors_cross_stages():
+def test_tuples_of_float_and_integer_tensors_cross_stages(runs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), SplitPair(), JoinPair())
     x, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.arange(6) % 3
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    for r in hybridpar.spawn(_tuple_worker, 2, timeout=60):
+    for r in runs["tuples"]:
         assert r["loss"] == pytest.approx(loss.item(), abs=1e-6)
         for n, g in r["grads"].items():
             torch.testing.assert_close(g, grads[n], atol=1e-6, rtol=0)
@@ -380,13 +429,19 @@ def _accumulations_worker(schedule):
     return sorted(set(seen)), len(seen)
 
 
-def test_zero_bubble_defers_the_linear_layers_weight_gradients_to_w():
+def test_zero_bubble_defers_the_linear_layers_weight_gradients_to_w(runs):
     # 1F1B accumulates every gradient in B; ZB-H1 accumulates the Linear weights and biases in
     # W (the split), the LayerNorm's in I (the fallback), once per micro-batch each
-    one_f_one_b = hybridpar.spawn(_accumulations_worker, 2, args=("1f1b",), timeout=60)
-    zb = hybridpar.spawn(_accumulations_worker, 2, args=("zb-h1",), timeout=60)
+    one_f_one_b = runs["accumulations 1f1b"]
+    zb = runs["accumulations zb-h1"]
     assert one_f_one_b[0] == ([(n, "B") for n in ("0.bias", "0.weight", "1.bias", "1.weight")],
                               12)
     assert zb[0] == ([("0.bias", "W"), ("0.weight", "W"), ("1.bias", "I"), ("1.weight", "I")],
                      12)
     assert zb[1] == ([(n, "W") for n in ("2.bias", "2.weight", "3.bias", "3.weight")], 12)
+
+
+WORKERS = {"pipe": pipe_worker, "probe": _probe_worker, "bytes": _bytes_worker,
+           "meta": _meta_worker, "inference": _inference_worker, "clip": _clip_worker,
+           "names": _names_worker, "saved": _saved_bytes_worker, "tuple": _tuple_worker,
+           "accumulations": _accumulations_worker}
