@@ -1,10 +1,18 @@
-"""Parameters tied across stages (GPT-2's embedding and head) train as on one device."""
+"""Parameters tied across stages (GPT-2's embedding and head) train as on one device.
+
+The multi-rank runs are cases of one spawn per world size (the `runs` module fixture: 2 and
+4 ranks, a case calling `hybridpar.init` with its own layout); each test asserts on its own
+cases.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from spawn_cases import spawn_cases
 from torch import nn
 
 import hybridpar
@@ -89,7 +97,7 @@ def train_worker(layout, balance, schedule, steps, batch, tp_plan, clip):
             "local": local, "aliases": sorted(pipe.tied_aliases.items())}
 
 
-@pytest.mark.parametrize("layout,balance,schedule,tp_plan", [
+LAYOUTS = [
     ((2, 1), [3, 4], "gpipe", None),
     ((2, 1), [3, 4], "1f1b", None),
     ((4, 1), [2, 2, 2, 1], "gpipe", None),
@@ -98,13 +106,44 @@ def train_worker(layout, balance, schedule, steps, batch, tp_plan, clip):
     ((2, 2), [3, 4], "1f1b", "auto"),
     ((2, 1), [3, 4], "zb-h1", None),      # the head's weight gradient waits for W
     ((2, 2), [3, 4], "zb-h1", "auto"),
-])
+]
+
+
+def _case(worker, *args):
+    return WORKERS[worker](*args)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each test's run by name; "checkpoint save" saved into the folder "checkpoint folder"."""
+    folder = str(tmp_path_factory.mktemp("tied"))
+    canonical = tied_lm().state_dict()
+    del canonical["6.weight"]                 # as Hugging Face files omit lm_head.weight
+    differ = tied_lm().state_dict()
+    differ["6.weight"] = differ["6.weight"] + 1
+    cases = {}   # name -> (world size, worker, its arguments)
+    for layout, balance, schedule, tp_plan in LAYOUTS:
+        cases[f"train {layout} {balance} {schedule} {tp_plan}"] = (
+            layout[0] * layout[1], "train", layout, balance, schedule, 3, 4, tp_plan, None)
+    cases["clip"] = (2, "train", (2, 1), [3, 4], "1f1b", 2, 4, None, 0.5)
+    cases["meta"] = (2, "meta")
+    cases["load canonical"] = (2, "load", canonical, 2)
+    cases["load differ"] = (2, "load", differ, 2)
+    cases["checkpoint save"] = (2, "checkpoint", folder, 2)
+    cases["untie"] = (2, "untie")
+    out = {"checkpoint folder": folder, "canonical": canonical}
+    for world in (2, 4):
+        out.update(spawn_cases(_case, world, {
+            name: c[1:] for name, c in cases.items() if c[0] == world}, timeout=240))
+    return out
+
+
+@pytest.mark.parametrize("layout,balance,schedule,tp_plan", LAYOUTS)
 def test_tied_embedding_and_head_on_two_stages_train_as_on_one_device(
-        layout, balance, schedule, tp_plan):
+        layout, balance, schedule, tp_plan, runs):
     steps, batch = 3, 4
     ref_losses, _, ref_state = one_device(steps, batch)
-    results = hybridpar.spawn(train_worker, layout[0] * layout[1], args=(
-        layout, balance, schedule, steps, batch, tp_plan, None), timeout=120)
+    results = runs[f"train {layout} {balance} {schedule} {tp_plan}"]
     for r in results:
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-6)   # reported in fp32
         assert list(r["state"]) == list(ref_state)   # both names, as the model's state_dict
@@ -120,11 +159,10 @@ def test_tied_embedding_and_head_on_two_stages_train_as_on_one_device(
     torch.testing.assert_close(last["6.weight"], ref_state["6.weight"], atol=1e-12, rtol=0)
 
 
-def test_clip_grad_norm_counts_a_tie_once():
+def test_clip_grad_norm_counts_a_tie_once(runs):
     steps, batch = 2, 4
     _, ref_norms, ref_state = one_device(steps, batch, clip=0.5)
-    results = hybridpar.spawn(train_worker, 2, args=(
-        (2, 1), [3, 4], "1f1b", steps, batch, None, 0.5), timeout=120)
+    results = runs["clip"]
     for r in results:
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-6)    # reported in fp32
         torch.testing.assert_close(r["state"]["6.weight"], ref_state["6.weight"],
@@ -146,8 +184,8 @@ def meta_worker():
     return {"weight": weight.clone()}
 
 
-def test_a_meta_build_starts_every_copy_from_the_first_stage():
-    first, last = hybridpar.spawn(meta_worker, 2, timeout=120)
+def test_a_meta_build_starts_every_copy_from_the_first_stage(runs):
+    first, last = runs["meta"]
     assert not torch.isnan(first["weight"]).any()
     torch.testing.assert_close(first["weight"], last["weight"], atol=0, rtol=0)
 
@@ -163,17 +201,14 @@ def load_worker(state, pp):
     return {"state": pipe.consolidated_state_dict()}
 
 
-def test_a_state_dict_with_the_canonical_name_only_loads_into_both_copies():
-    state = tied_lm().state_dict()
-    del state["6.weight"]                 # as Hugging Face files omit lm_head.weight
-    for r in hybridpar.spawn(load_worker, 2, args=(state, 2), timeout=120):
+def test_a_state_dict_with_the_canonical_name_only_loads_into_both_copies(runs):
+    state = runs["canonical"]             # without "6.weight", as Hugging Face files
+    for r in runs["load canonical"]:
         torch.testing.assert_close(r["state"]["6.weight"], state["0.tok.weight"])
 
 
-def test_a_state_dict_whose_tied_names_differ_is_refused_on_every_rank():
-    state = tied_lm().state_dict()
-    state["6.weight"] = state["6.weight"] + 1
-    for r in hybridpar.spawn(load_worker, 2, args=(state, 2), timeout=120):
+def test_a_state_dict_whose_tied_names_differ_is_refused_on_every_rank(runs):
+    for r in runs["load differ"]:              # "6.weight" = "0.tok.weight" + 1
         assert "different values for '0.tok.weight' and '6.weight'" in r["error"]
 
 
@@ -196,17 +231,17 @@ def checkpoint_worker(folder, pp):
     return {"saved": saved, "state": pipe.state_dict()}
 
 
-def test_a_checkpoint_saves_a_tie_once_and_loads_into_another_layout(tmp_path):
+def test_a_checkpoint_saves_a_tie_once_and_loads_into_another_layout(runs, tmp_path):
     from hybridpar.train.export import export_checkpoint
 
-    hybridpar.spawn(checkpoint_worker, 2, args=(str(tmp_path), 2), timeout=120)
-    (r,) = hybridpar.spawn(checkpoint_worker, 1, args=(str(tmp_path), 1), timeout=120)
+    saved = Path(runs["checkpoint folder"])    # "checkpoint save": the 2-stage ranks saved it
+    (r,) = hybridpar.spawn(checkpoint_worker, 1, args=(str(saved), 1), timeout=120)
     assert "model/0.tok.weight" in r["saved"] and "model/6.weight" not in r["saved"]
     expected = tied_lm(seed=0).state_dict()
     for key, value in expected.items():
         torch.testing.assert_close(r["state"][key], value, atol=0, rtol=0)
     # the export gives every name of the tie its tensor: the plain model loads it strictly
-    exported = export_checkpoint(tmp_path / "step-1", tmp_path / "model.pt")
+    exported = export_checkpoint(saved / "step-1", tmp_path / "model.pt")
     assert set(exported) == set(expected)
     model = tied_lm(seed=9)
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
@@ -223,8 +258,8 @@ def untie_worker():
     return "no error"
 
 
-def test_a_tp_plan_that_would_shard_one_end_of_a_tie_is_refused_on_every_rank():
-    for message in hybridpar.spawn(untie_worker, 2, timeout=120):
+def test_a_tp_plan_that_would_shard_one_end_of_a_tie_is_refused_on_every_rank(runs):
+    for message in runs["untie"]:
         assert "'0.tok'" in message and "tied to ['6.weight']" in message
 
 
@@ -234,3 +269,7 @@ def test_a_change_that_unties_parameters_is_caught():
     model[-1].weight = nn.Parameter(model[-1].weight.detach().clone())
     with pytest.raises(ValueError, match=r"untied the parameters \['0.tok.weight', '6.weight'\]"):
         check_kept(before, model)
+
+
+WORKERS = {"train": train_worker, "meta": meta_worker, "load": load_worker,
+           "checkpoint": checkpoint_worker, "untie": untie_worker}
