@@ -82,3 +82,20 @@ def test_a_failing_chunk_stops_every_rank_promptly_with_its_error(schedule, fail
     assert other_kind == "PipelineError", other_block
     assert "a peer failed first" in other_block and "boom" in other_block, other_block
     assert max(seconds, other_seconds) < TIMEOUT, results   # aborts, not the timeout
+
+
+def _named_balance(name):
+    topo = hybridpar.init(pp=2, timeout=30)
+    pipe = hybridpar.HybridPipe(mlp(layers=8), name, topology=topo, schedule="zbv",
+                                balance_sample=torch.randn(4, 8))
+    return [pipe.balance, list(pipe.stages), list(pipe.layers)]
+
+
+@pytest.mark.parametrize("name", ["params", "time"])
+def test_named_balances_split_into_pp_times_v_stages(name):
+    """A balance by name cuts the model into pp x v stages, the same on every rank."""
+    (balance0, stages0, layers0), (balance1, stages1, layers1) = hybridpar.spawn(
+        _named_balance, 2, args=(name,), timeout=120)
+    assert balance0 == balance1 and len(balance0) == 4 and sum(balance0) == 8
+    assert (stages0, stages1) == ([0, 3], [1, 2])
+    assert sorted(layers0 + layers1) == list(range(8))
