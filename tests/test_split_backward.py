@@ -116,3 +116,23 @@ def test_under_autocast_every_parameter_gets_its_gradient_in_its_own_dtype(dtype
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None and p.grad.dtype == torch.float32, name
         assert torch.equal(p.grad, q.grad), name   # the same bf16 GEMMs, the same casts
+
+
+def test_hybridpar_check_counts_the_output_gradients_kept_for_w():
+    """The dry run's saved-activation peak counts what I keeps for W: the linear layer's
+    input x (saved by the forward) and its output gradient dy (kept by I)."""
+    from hybridpar.train.check_memory import SavedActivations
+
+    layer = torch.nn.Linear(8, 16)
+    x = torch.randn(4, 8, requires_grad=True)
+    dy = torch.ones(4, 16)
+    saved = SavedActivations(exclude=list(layer.parameters()))
+    pending = WeightGrads()
+    with saved.track():
+        with SplitLinear():
+            out = layer(x)
+        with deferring(pending):
+            out.backward(dy)
+    assert saved.peak == x.numel() * 4 + dy.numel() * 4      # 128 + 256 bytes, both alive
+    pending.run()
+    assert layer.weight.grad is not None

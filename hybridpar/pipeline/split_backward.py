@@ -28,7 +28,7 @@ autograd's cast nodes would.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["SplitLinear", "WeightGrads", "deferring"]
+__all__ = ["SplitLinear", "WeightGrads", "deferring", "observing_kept"]
 
 
 class WeightGrads:
@@ -66,6 +66,19 @@ class WeightGrads:
 
 _DEFERRING: WeightGrads | None = None   # set inside `deferring` (process-wide: autograd may
                                         # run a backward on its device threads)
+_KEEPING: Callable[[Tensor], object] | None = None   # set inside `observing_kept`
+
+
+@contextmanager
+def observing_kept(observer: Callable[[Tensor], object]) -> Iterator[None]:
+    """Inside: `observer(dy)` for every output gradient an I keeps for its W, as a
+    saved-tensors pack hook sees what a forward saves (`hybridpar check` counts both)."""
+    global _KEEPING
+    outer, _KEEPING = _KEEPING, observer
+    try:
+        yield
+    finally:
+        _KEEPING = outer
 
 
 @contextmanager
@@ -109,6 +122,8 @@ class _SplitLinear(torch.autograd.Function):
         work = (x, dy, weight, bias if bias is not None and bias.requires_grad else None, dtype)
         if _DEFERRING is not None:
             _DEFERRING.pending.append(work)
+            if _KEEPING is not None:
+                _KEEPING(dy)
         else:                                        # not split: accumulate now (re-entrant)
             pending = WeightGrads()
             pending.pending.append(work)

@@ -16,7 +16,9 @@ its storage (a view and its base count once, parameters and buffers not at all);
 counts the storages still alive, and the largest sum is the peak. Checkpointed micro-batches
 save nothing in their first forward (no grad) and everything again while recomputed, so the
 peak follows the schedule: without checkpointing it is the saved bytes of one micro-batch
-times m on every stage under GPipe, times p - s on stage s under 1F1B (BENCH.md).
+times m on every stage under GPipe, times p - s on stage s under 1F1B (BENCH.md). A split
+backward (ZB-H1, ZBV) also keeps each linear layer's output gradient from its I to its W:
+those count as saved too (`split_backward.observing_kept`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hybridpar.pipeline.partition import layer_spans
+from hybridpar.pipeline.split_backward import observing_kept
 
 __all__ = [
     "COLLECTIVES",
@@ -89,7 +92,10 @@ class SavedActivations:
 
     @contextmanager
     def track(self) -> Iterator[SavedActivations]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        """Count what autograd saves, and what a split backward's I keeps for its W (the
+        output gradients of the linear layers: `split_backward.observing_kept`)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), \
+                observing_kept(self._pack):
             yield self
 
 
