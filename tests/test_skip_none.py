@@ -1,10 +1,14 @@
-"""None and conditional skips across stages (torchgpipe allows None in place of a skip)."""
+"""None and conditional skips across stages (torchgpipe allows None in place of a skip).
+
+The runs that train to the end are cases of one spawn per world size (the `runs` module
+fixture); the one that fails mid-step keeps a spawn of its own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from spawn_cases import spawn_cases
 from torch import nn
 from torchgpipe.skip import pop, skippable, stash
 
@@ -97,22 +101,39 @@ def worker(rule, balance, schedule, checkpoint, data, chunks):
     return {"losses": losses, "state": pipe.consolidated_state_dict(), "out": out, "log": log}
 
 
-@pytest.mark.parametrize("rule,rows", [("never", [8, 8, 8]), ("even rows", [8, 6, 8])])
-@pytest.mark.parametrize("balance,schedule,checkpoint", [
+RULES = [("never", [8, 8, 8]), ("even rows", [8, 6, 8])]
+STAGES = [
     ([1, 4], "gpipe", "always"),
     ([2, 2, 1], "1f1b", "except_last"),
     ([1, 3, 1], "1f1b", "never"),
-])
+]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every (rule, rows) x (balance, schedule, checkpoint) run, by name, as cases of one
+    spawn per world size (2 and 3 ranks): none stops mid-step."""
+    cases = {f"{rule} {rows} {balance} {schedule} {checkpoint}": (
+        len(balance), (rule, balance, schedule, checkpoint, batches(rows, [1.0] * len(rows)), 2))
+        for rule, rows in RULES for balance, schedule, checkpoint in STAGES}
+    out = {}
+    for world in (2, 3):
+        out.update(spawn_cases(worker, world, {
+            name: args for name, (w, args) in cases.items() if w == world}, timeout=240))
+    return out
+
+
+@pytest.mark.parametrize("rule,rows", RULES)
+@pytest.mark.parametrize("balance,schedule,checkpoint", STAGES)
 def test_none_and_conditional_skips_cross_stages_as_on_one_device(rule, rows, balance, schedule,
-                                                                  checkpoint):
+                                                                  checkpoint, runs):
     chunks = 2
     # "even rows": 8 rows give micro-batches of 4 (skip present), 6 give 3 (None)
     data = batches(rows, [1.0] * len(rows))
     ref_losses, ref_state = one_device(rule, data, chunks)
     ref_out = model(rule)
     ref_out.load_state_dict(ref_state)
-    results = hybridpar.spawn(worker, len(balance), args=(rule, balance, schedule, checkpoint,
-                                                          data, chunks), timeout=120)
+    results = runs[f"{rule} {rows} {balance} {schedule} {checkpoint}"]
     logs = {rank: [[P2POp(*op) for op in group] for group in r["log"]]
             for rank, r in enumerate(results)}
     assert replay(logs, check_labels=True).pairs > 0   # an order NCCL can progress
