@@ -11,12 +11,14 @@ import json
 import os
 import re
 import shutil
+from math import prod
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from spawn_cases import spawn_cases
 from torch import nn
 
 import hybridpar
@@ -298,15 +300,37 @@ def test_resume_under_virtual_stages_matches_the_uninterrupted_run(ref_run, tmp_
 
 # 3. reshard --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", [(1, 1, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)],
-                         ids=lambda t: "pp{}-tp{}-dp{}".format(*t))
-def test_resume_under_another_layout_matches_the_uninterrupted_run(ref_run, tmp_path, layout):
-    _, run_dir, results = ref_run
+RESHARD = [(1, 1, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)]
+
+
+def _resharded(layout):
     pp, tp, dp = layout
-    copy_checkpoint(run_dir / "checkpoints" / "step-4", tmp_path)
-    other = config(*REF, f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.dp={dp}",
-                   "train.eval_every=0", "train.sample_tokens=0")
-    resumed = run(other, tmp_path)
+    return config(*REF, f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.dp={dp}",
+                  "train.eval_every=0", "train.sample_tokens=0")
+
+
+@pytest.fixture(scope="module")
+def reshards(ref_run, tmp_path_factory):
+    """The step-4 checkpoint resumed under each layout of RESHARD, each in a run folder of
+    its own: the 4-rank layouts one after another on the same ranks (`train` inits each
+    layout), the 1-rank one apart. layout -> (run folder, each rank's summary)."""
+    out = {}
+    for layout in RESHARD:
+        folder = tmp_path_factory.mktemp("pp{}-tp{}-dp{}".format(*layout))
+        copy_checkpoint(ref_run[1] / "checkpoints" / "step-4", folder)
+        out[layout] = folder
+    four = spawn_cases(_train, 4, {layout: (_resharded(layout), str(folder))
+                                   for layout, folder in out.items() if prod(layout) == 4},
+                       timeout=TIMEOUT * 2)
+    return {layout: (folder, four[layout] if layout in four else
+                     run(_resharded(layout), folder)) for layout, folder in out.items()}
+
+
+@pytest.mark.parametrize("layout", RESHARD, ids=lambda t: "pp{}-tp{}-dp{}".format(*t))
+def test_resume_under_another_layout_matches_the_uninterrupted_run(ref_run, reshards, layout):
+    _, _, results = ref_run
+    pp, tp, dp = layout
+    tmp_path, resumed = reshards[layout]
     assert len(resumed) == pp * tp * dp
     assert same_on_every_rank(resumed, "start") == 4
     losses = same_on_every_rank(resumed, "losses")
