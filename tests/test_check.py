@@ -2,14 +2,18 @@
 
 Every dry run here goes through the real pipeline (build_pipe, HybridPipe.train_step, the
 executor, comm). The fake GPU's registration lasts for the process that runs a dry run, so
-they run in child processes: `dry_run` isolates itself by default, and the `runs` fixture
-runs the dry runs of `JOBS` one after another in a single child (torch's imports cost about
-3 s per process). Models with a planted fault are built by functions of this file.
+they run in child processes: `dry_run` isolates itself by default, and the `children` fixture
+runs the dry runs of `JOBS` one after another in a child (torch's imports cost about 3 s per
+process), except "large", which takes longer than all the others together and gets a child of
+its own, while the CLI test's `hybridpar check` runs in a third: a dry run keeps one core busy,
+so the three run side by side. Models with a planted fault are built by functions of this
+file.
 """
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,26 +106,58 @@ JOBS = {
 }
 
 
-def run_jobs(out: str) -> None:
-    """In the child: every job's report or error, as JSON in `out`."""
+def run_jobs(out: str, *names: str) -> None:
+    """In the child: the report or error of each job of `names`, as JSON in `out`."""
     results = {}
-    for name, job in JOBS.items():
+    for name in names:
         try:
-            results[name] = {"report": job().to_dict()}
+            results[name] = {"report": JOBS[name]().to_dict()}
         except CheckError as e:
             results[name] = {"error": str(e), "rank": e.rank}
     Path(out).write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("check") / "runs.json"
-    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); " \
-           f"import test_check; test_check.run_jobs({str(out)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+def children(tmp_path_factory):
+    """Three child processes side by side: the "large" job, the other JOBS in turn, and
+    `hybridpar check` of the quick start with --json (the CLI test's). Returns the folder of
+    their files (<name>.out, <name>.err, <name>.json) and {name: exit status}."""
+    folder = tmp_path_factory.mktemp("check")
+
+    def jobs(name, *names):
+        code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_check; " \
+               f"test_check.run_jobs({str(folder / (name + '.json'))!r}, *{names!r})"
+        return [sys.executable, "-c", code]
+
+    commands = {   # name -> (command, timeout in seconds)
+        "large": (jobs("large", "large"), 240),
+        "jobs": (jobs("jobs", *(name for name in JOBS if name != "large")), 240),
+        "cli": ([sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART), "--json",
+                 str(folder / "cli.json")], 120),
+    }
+    procs = {}
+    for name, (command, _) in commands.items():
+        with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
+            procs[name] = subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT)
+    start = time.monotonic()
+    try:
+        for name, proc in procs.items():
+            proc.wait(timeout=max(commands[name][1] - (time.monotonic() - start), 0.1))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return folder, {name: proc.returncode for name, proc in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(children):
+    folder, status = children
+    results = {}
+    for name in ("large", "jobs"):
+        assert status[name] == 0, (folder / f"{name}.err").read_text()[-3000:]
+        results.update(json.loads((folder / f"{name}.json").read_text()))
     return {name: CheckReport.from_dict(r["report"]) if "report" in r else r
             for name, r in results.items()}
 
@@ -240,18 +276,17 @@ def test_virtual_stages_dry_run_every_stage_in_steady_state(schedule):
 
 
 # the command line ------------------------------------------------------------------------------
-def test_the_cli_prints_the_table_and_exits_0(tmp_path):
-    out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART),
-                           "--json", str(out)], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+def test_the_cli_prints_the_table_and_exits_0(children):
+    folder, status = children          # `hybridpar check quickstart.toml --json cli.json`
+    out = folder / "cli.json"
+    stdout, stderr = (folder / "cli.out").read_text(), (folder / "cli.err").read_text()
+    assert status["cli"] == 0, stderr
+    lines = stdout.splitlines()
     assert lines[0].startswith("quickstart: dp=1 x pp=2 x tp=2 on 4 fake cuda devices")
     assert lines[1].split() == ["rank", "dp", "stage", "tp", "layers", "params", "grads",
                                 "optimizer", "activations", "peak", "p2p", "collectives"]
     assert [line.split()[0] for line in lines[2:7]] == ["0", "1", "2", "3", "total"]
-    assert "NCCL replay" in lines[7] and proc.stderr == ""
+    assert "NCCL replay" in lines[7] and stderr == ""
     data = json.loads(out.read_text())
     assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
     assert data["total"]["peak"] == sum(r["peak"] for r in data["ranks"])
