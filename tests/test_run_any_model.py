@@ -1,4 +1,9 @@
-"""`hybridpar run` for any model: Hugging Face families (`hf:llama`) and a user's builder."""
+"""`hybridpar run` for any model: Hugging Face families (`hf:llama`) and a user's builder.
+
+`hybridpar run` starts its workers from a process of its own (`_cli`); the commands that do
+their work in the process that parses them (`export`, `balance`) run in this one
+(`hybridpar.cli.main`), which has imported torch and transformers already.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import pytest
 import torch
 
 import hybridpar
+from hybridpar.cli import main
 from hybridpar.models.registry import build
 from hybridpar.train import ConfigError, load_config
 from hybridpar.train.metrics import read_metrics
@@ -38,7 +44,8 @@ def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=240)
 
 
-def test_llama_tiny_trains_end_to_end_and_exports_a_checkpoint_from_pretrained_loads(tmp_path):
+def test_llama_tiny_trains_end_to_end_and_exports_a_checkpoint_from_pretrained_loads(tmp_path,
+                                                                                     capsys):
     transformers = pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
     run_dir = tmp_path / "run"
     sets = [f"--set={s}" for s in ("train.steps=4", *SHORT)]
@@ -47,8 +54,8 @@ def test_llama_tiny_trains_end_to_end_and_exports_a_checkpoint_from_pretrained_l
     losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 4 and all(v == v for v in losses) and losses[-1] < losses[0]
     out = tmp_path / "hf"
-    done = _cli("export", str(run_dir / "checkpoints" / "step-4"), str(out), "--format", "hf")
-    assert done.returncode == 0, done.stderr[-2000:]
+    status = main(["export", str(run_dir / "checkpoints" / "step-4"), str(out), "--format", "hf"])
+    assert status == 0, capsys.readouterr().err[-2000:]
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out,
                                                                     output_loading_info=True)
     assert not any(info.values()), info                 # nothing missing or unexpected
@@ -76,11 +83,12 @@ def test_a_users_builder_trains_from_a_config(tmp_path):
     assert len(losses) == 3 and losses[-1] < losses[0]
 
 
-def test_hybridpar_balance_profiles_a_hugging_face_model(tmp_path):
+def test_hybridpar_balance_profiles_a_hugging_face_model(capsys):
     pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
-    done = _cli("balance", str(LLAMA), "--timeout", "0.5")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "hf:llama (7 layers) over 2 stages" in done.stdout and "balance = [" in done.stdout
+    status = main(["balance", str(LLAMA), "--timeout", "0.5"])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-2000:]
+    assert "hf:llama (7 layers) over 2 stages" in out and "balance = [" in out
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -128,13 +136,13 @@ def test_pretrained_reads_a_local_checkpoint_directory(tmp_path):
         build("hf:gpt2", pretrained=str(tmp_path))
 
 
-def test_export_as_hugging_face_refuses_a_run_of_another_model(tmp_path):
+def test_export_as_hugging_face_refuses_a_run_of_another_model(tmp_path, capsys):
     (tmp_path / "checkpoints" / "step-1").mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps({"model": {"name": "gpt"}}))
-    done = _cli("export", str(tmp_path / "checkpoints" / "step-1"), str(tmp_path / "hf"),
-                "--format", "hf")
-    assert done.returncode != 0
-    assert "--format hf exports Hugging Face models" in done.stderr
+    status = main(["export", str(tmp_path / "checkpoints" / "step-1"), str(tmp_path / "hf"),
+                   "--format", "hf"])
+    assert status != 0
+    assert "--format hf exports Hugging Face models" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
 
 
