@@ -45,8 +45,20 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def test_run_trains_resumes_and_exports(tiny: Path, tmp_path: Path) -> None:
-    done = _run("run", str(tiny), cwd=tmp_path)
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path,
+                                                                subprocess.CompletedProcess[str]]:
+    """`hybridpar run tiny.toml` in a folder of its own, as it comes (runs/tiny): the first run
+    of the next test, and the one node the two-node run must train like."""
+    folder = tmp_path_factory.mktemp("tiny_run")
+    tiny = folder / "tiny.toml"
+    tiny.write_text(TINY.read_text())
+    return folder, tiny, _run("run", str(tiny), cwd=folder)
+
+
+def test_run_trains_resumes_and_exports(tiny_run: tuple[Path, Path,
+                                                        subprocess.CompletedProcess[str]]) -> None:
+    tmp_path, tiny, done = tiny_run
     assert done.returncode == 0, done.stderr
     run_dir = tmp_path / "runs" / "tiny"            # the default: runs/<config name>
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-6", "step-8"]
@@ -104,20 +116,20 @@ def test_a_failing_worker_ends_the_run_with_its_error_first(tiny: Path, tmp_path
     assert "give a .pt file written by `hybridpar export`" in last
 
 
-def test_two_nodes_on_localhost_train_like_one(tiny: Path, tmp_path: Path) -> None:
+def test_two_nodes_on_localhost_train_like_one(
+        tiny: Path, tmp_path: Path,
+        tiny_run: tuple[Path, Path, subprocess.CompletedProcess[str]]) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen(
         [*HYBRIDPAR, "run", str(tiny), "--run-dir", "two", "--nnodes", "2", "--node-rank",
-         str(rank), "--rdzv-endpoint", endpoint, "--set", "checkpoint.every=0",
-         "--set", "train.sample_tokens=0"],
+         str(rank), "--rdzv-endpoint", endpoint],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)]
     outputs = [node.communicate(timeout=120)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    one = _run("run", str(tiny), "--run-dir", "one", "--set", "checkpoint.every=0",
-               "--set", "train.sample_tokens=0", cwd=tmp_path)
+    one_folder, _, one = tiny_run     # the same config on one node (the module's first run)
     assert one.returncode == 0, one.stderr
-    assert _losses(tmp_path / "two") == _losses(tmp_path / "one")
+    assert _losses(tmp_path / "two") == _losses(one_folder / "runs" / "tiny")
 
 
 def test_torchrun_runs_the_worker_module(tiny: Path, tmp_path: Path) -> None:
