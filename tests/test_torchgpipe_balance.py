@@ -5,7 +5,10 @@ Adapted: the imports; the CUDA-only size tests run on the CPU (hybridpar measure
 layer's forward keeps alive until backward there too); `test_balance_by_size_param_scale`
 expects the exact split where torchgpipe's approximate solver is off (the numbers are in
 it); `test_already_has_grad` checks hybridpar's behaviour (profiling leaves existing
-gradients as they were) where torchgpipe refuses the model. Not ported: `blockpartition.*`
+gradients as they were) where torchgpipe refuses the model; the tests of what profiling
+leaves as it was (`test_sandbox_during_profiling`, `test_not_training`,
+`test_already_has_grad`, `test_balance_tuple`) profile for 0.1 s instead of the default 1 s
+(they check no split). Not ported: `blockpartition.*`
 (torchgpipe's approximate solver; hybridpar solves the split exactly), `layerwise_sandbox`
 (an internal generator) and `torchgpipe_balancing` (a deprecated import).
 """
@@ -94,7 +97,7 @@ def test_balance_by_size_param_scale():
 def test_sandbox_during_profiling():
     model = nn.Sequential(nn.BatchNorm2d(3))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    balance_by_time(1, model, torch.rand(1, 3, 10, 10), device="cpu")
+    balance_by_time(1, model, torch.rand(1, 3, 10, 10), timeout=0.1, device="cpu")
     after = model.state_dict()
     assert before.keys() == after.keys()
     for key, value in before.items():
@@ -109,7 +112,7 @@ def test_not_training():
 
     model = nn.Sequential(AssertTraining())
     model.eval()
-    balance_by_time(1, model, torch.rand(1), device="cpu")
+    balance_by_time(1, model, torch.rand(1), timeout=0.1, device="cpu")
     assert not model.training
 
 
@@ -128,7 +131,8 @@ class Add(nn.Module):
 def test_balance_tuple(balance):
     model = nn.Sequential(Twin(), Add())
     sample = torch.rand(1, requires_grad=True)
-    assert balance(1, model, sample) == [2]
+    kwargs = {"timeout": 0.1} if balance is balance_by_time else {}
+    assert balance(1, model, sample, **kwargs) == [2]
 
 
 def test_already_has_grad():
@@ -138,5 +142,5 @@ def test_already_has_grad():
     sample = torch.rand(1, 3, 32, 32)
     model(sample).norm().backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    balance_by_time(1, model, sample, device="cpu")
+    balance_by_time(1, model, sample, timeout=0.1, device="cpu")
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
