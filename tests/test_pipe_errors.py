@@ -135,8 +135,8 @@ def _stage_zero_stalls():
     pipe = hybridpar.HybridPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1],
                                 topology=topo, loss_fn=lambda out, y: out.sum())
     if topo.pp_rank == 0:
-        time.sleep(6)  # never sends within the 2 s timeout
-        return "stalled"
+        time.sleep(3.5)  # never sends within its peer's 2 s timeout (and spawn keeps
+        return "stalled"  # this rank's process up until the peer has reported)
     start = time.monotonic()
     try:
         pipe.train_step(torch.randn(2, 2), torch.zeros(2))
