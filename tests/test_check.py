@@ -103,6 +103,9 @@ JOBS = {
     "item": lambda: dry_run(small_mlp(), model=f"{__file__}:mlp_that_reads_a_value",
                             isolate=False),
     "deadlock": lambda: receive_before_sending(small_mlp(schedule="1f1b", checkpoint="never")),
+    "interleaved": lambda: dry_run(small_mlp(schedule="interleaved", balance=[1, 1, 1, 1]),
+                                   isolate=False),
+    "zbv": lambda: dry_run(small_mlp(schedule="zbv", balance=[1, 1, 1, 1]), isolate=False),
 }
 
 
@@ -262,12 +265,11 @@ def test_too_little_memory_names_the_rank_and_by_how_much():
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_virtual_stages_dry_run_every_stage_in_steady_state(schedule):
+def test_virtual_stages_dry_run_every_stage_in_steady_state(runs, schedule):
     """pp 2 x tp 2, 2 stages per rank: the shape passes go round the ranks (under the V,
     rank 0's last stage waits for rank 1's), then every rank's step sends no header, and
     its groups replay under NCCL's rules."""
-    config = small_mlp(schedule=schedule, balance=[1, 1, 1, 1])
-    report = dry_run(config, isolate=False)
+    report = runs[schedule]
     held = {"interleaved": {0: (0, 2), 1: (1, 3)}, "zbv": {0: (0, 3), 1: (1, 2)}}[schedule]
     assert report.p2p_groups > 0
     for r in report.ranks:
