@@ -405,6 +405,15 @@ class HybridPipe(StageModule):
                                     guard=self._guard, not_counted=self._ties.not_counted,
                                     norm_type=norm_type)
 
+    def close(self) -> None:
+        """Stop this rank's helper threads (the listener, the watchdog) before the process
+        group goes: a thread inside a store read while the interpreter exits aborts it.
+        Steps still run afterwards, without them."""
+        for executor in self._executors:
+            executor.listener.close()
+            if executor.watchdog is not None:
+                executor.watchdog.close()
+
     def extra_repr(self) -> str:
         return (f"stage={self.stage}/{self.num_stages}, balance={self.balance}, "
                 f"chunks={self.chunks}, schedule={self.schedule!r}, "

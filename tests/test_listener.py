@@ -73,3 +73,31 @@ def test_an_off_listener_runs_no_thread_and_never_stops():
     listener.leave()
     listener.close()
     assert not listener.on and listener.stopped is None
+
+
+def _closed_pipe():
+    import threading
+
+    import torch
+    from torch import nn
+
+    import hybridpar
+
+    topo = hybridpar.init(pp=2, timeout=30)
+    pipe = hybridpar.HybridPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1],
+                                chunks=2, topology=topo, loss_fn=lambda o, y: o.pow(2).mean())
+    x = torch.randn(4, 4)
+    pipe.train_step(x, x)
+    listening = any(t.name == "hybridpar-listener" for t in threading.enumerate())
+    pipe.close()
+    left = any(t.name == "hybridpar-listener" and t.is_alive() for t in threading.enumerate())
+    return [listening, left, pipe.train_step(x, x).item() > 0]
+
+
+def test_closing_a_pipe_stops_its_listener_and_steps_still_run():
+    """The trainer closes its pipe before the process group goes: a listener thread inside a
+    store read while the interpreter exits aborts the process."""
+    import hybridpar
+
+    for listening, left, trained in hybridpar.spawn(_closed_pipe, 2, timeout=60):
+        assert listening and not left and trained

@@ -390,5 +390,6 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
         if sample is not None and run.reporter:
             (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
             log.info("sample:\n%s", sample)
+    run.pipe.close()   # its threads stop before the process group goes
     return {"start": start, "losses": losses, "eval": evals, "sample": sample,
             "steps": run.step}
