@@ -33,3 +33,14 @@ def spawn_cases(fn: Callable[..., Any], nprocs: int, cases: Mapping[str, Sequenc
     """`fn` over every case on one set of `nprocs` ranks; each case's results in rank order."""
     ranks = hybridpar.spawn(each_case, nprocs, args=(fn, dict(cases)), timeout=timeout)
     return {name: [r[name] for r in ranks] for name in cases}
+
+
+def spawn_by_world(fn: Callable[..., Any], cases: Mapping[str, tuple[int, Sequence[Any]]], *,
+                   timeout: float) -> dict[str, list[Any]]:
+    """`spawn_cases` of ``{name: (world size, args)}``: one spawn per world size, smallest
+    first."""
+    out: dict[str, list[Any]] = {}
+    for world in sorted({w for w, _ in cases.values()}):
+        out.update(spawn_cases(fn, world, {name: args for name, (w, args) in cases.items()
+                                           if w == world}, timeout=timeout))
+    return out

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from spawn_cases import spawn_cases
+from spawn_cases import spawn_by_world
 from torch import nn
 
 import hybridpar
@@ -66,12 +66,8 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def runs():
-    cases = _cases()
-    out = {}
-    for world in sorted({c[0] for c in cases.values()}):
-        out.update(spawn_cases(_case, world, {
-            name: c[1:] for name, c in cases.items() if c[0] == world}, timeout=240))
-    return out
+    return spawn_by_world(_case, {name: (c[0], c[1:]) for name, c in _cases().items()},
+                          timeout=240)
 
 # dropout -------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ its own case against the single-device reference.
 
 import pytest
 import torch
-from spawn_cases import spawn_cases
+from spawn_cases import spawn_by_world
 
 from pipe_harness import data, mlp, pipe_worker, reference, skipnet
 
@@ -55,11 +55,7 @@ def runs():
         cases[f"skips {balance} {checkpoint} {schedule}"] = (len(balance), (
             "skipnet", {}, balance, (len(balance), 1, 1), 3, 8,
             {"chunks": 4, "schedule": schedule, "checkpoint": checkpoint}))
-    out = {}
-    for world in sorted({w for w, _ in cases.values()}):
-        out.update(spawn_cases(pipe_worker, world, {
-            name: args for name, (w, args) in cases.items() if w == world}, timeout=240))
-    return out
+    return spawn_by_world(pipe_worker, cases, timeout=240)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

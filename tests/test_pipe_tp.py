@@ -10,7 +10,7 @@ asserts on its own case."""
 
 import pytest
 import torch
-from spawn_cases import spawn_cases
+from spawn_cases import spawn_by_world
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
@@ -92,11 +92,7 @@ def runs():
     for layout, balance in LOADS:
         cases[f"load {layout} {balance}"] = (layout[0] * layout[1] * layout[2],
                                              ("load", layout, balance, trained))
-    out = {}
-    for world in sorted({w for w, _ in cases.values()}):
-        out.update(spawn_cases(_case, world, {
-            name: args for name, (w, args) in cases.items() if w == world}, timeout=240))
-    return out
+    return spawn_by_world(_case, cases, timeout=240)
 
 
 @pytest.mark.parametrize("layout,balance,options", LAYOUTS)
