@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SpawnError", "SpawnTimeout", "free_port", "spawn"]
+__all__ = ["SpawnError", "SpawnTimeout", "free_port", "preload", "spawn"]
 
 # Children are forked from a server that has already imported torch: starting one costs
 # milliseconds instead of the seconds its imports take (torch; torch._dynamo, which the
@@ -36,6 +36,12 @@ __all__ = ["SpawnError", "SpawnTimeout", "free_port", "spawn"]
 # ran an OpenMP region, so forking it is safe.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
             "hybridpar", "hybridpar.train.trainer"]
+
+
+def preload(*modules: str) -> None:
+    """Have `spawn`'s forkserver import `modules` too, before it starts (e.g. a model family
+    every rank imports): each rank then finds them imported. No effect once it runs."""
+    _PRELOAD.extend(name for name in modules if name not in _PRELOAD)
 
 
 class SpawnError(RuntimeError):

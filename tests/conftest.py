@@ -1,7 +1,7 @@
 """Set-up shared by every test file.
 
 `hybridpar.spawn` forks its ranks from a forkserver that has imported torch and hybridpar
-once (`hybridpar.launch._PRELOAD`). The ranks of the Hugging Face tests then import
+once (`hybridpar.launch.preload` adds to those). The ranks of the Hugging Face tests then import
 transformers' model families on their own, 1-2 s of CPU a rank (4 ranks: 2-3 s a spawn on 2
 cores). When the collected tests import transformers (they are being run), the forkserver
 imports those modules too, once, before the first spawn starts it: what each rank runs is
@@ -21,5 +21,4 @@ HF_PRELOAD = ["transformers", "transformers.models.auto.modeling_auto",
 
 def pytest_collection_finish(session):
     if "transformers" in sys.modules:
-        preload = hybridpar.launch._PRELOAD
-        preload.extend(name for name in HF_PRELOAD if name not in preload)
+        hybridpar.launch.preload(*HF_PRELOAD)
