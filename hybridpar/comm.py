@@ -166,7 +166,7 @@ class Wire:
         `plan_lowering.lower_plan_rank`).
         """
         queued, self.pending = self.pending, []
-        if hold_payloads:
+        if hold_payloads and any(op.header for op in queued):   # a step of new shapes
             headed = {(op.peer, op.message) for op in queued if op.send and op.header}
             held = [op.send and not op.header and (op.peer, op.message) in headed
                     for op in queued]

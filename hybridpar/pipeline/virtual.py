@@ -60,7 +60,8 @@ class RankStages:
             ex.recorder = lead.recorder
             ex.pipeline_key = lead.pipeline_key   # one key in the store for the rank's failures
         self.rank = dist.get_rank()
-        self._seen: dict[int, int] = {}
+        self._seen: dict[int, int] = {}          # a step's items done, per stage
+        self._prefetched: set[int] = set()       # a step's receives posted ahead (gloo)
 
     def run(self, items: Sequence[Item], *, inputs: Sequence[TensorOrTensors] | None,
             targets: Sequence[Any] | None, loss_fn: Callable[..., Tensor] | None,
@@ -97,8 +98,7 @@ class RankStages:
         last_backward = max((k for k, (_, a) in enumerate(items)
                              if a.kind in (BACKWARD, WEIGHT)), default=-1)
         handlers = {s: ex.handlers for s, ex in self.executors.items()}
-        self._seen = dict.fromkeys(self.executors, 0)   # each stage's items done
-        self._prefetched: set[int] = set()
+        self._seen, self._prefetched = dict.fromkeys(self.executors, 0), set()
         early = self.lead.spec.device.type == "cpu" and all(
             ex.step.agreed is not None for ex in self.executors.values())
         recorder, listener = self.recorder, self.lead.listener
@@ -125,8 +125,8 @@ class RankStages:
                 ex.raise_at(e, at, self.owed())
             ex.step.last_done = action
             self._seen[s] = at + 1
-            if ex.watchdog is not None:
-                ex.watchdog.beat()
+            if self.lead.watchdog is not None:   # the rank's one watchdog: any stage's progress
+                self.lead.watchdog.beat()
         recorder.microbatch = -1
 
     def _issue(self) -> None:
