@@ -144,7 +144,8 @@ class Wire:
     coalesce: bool = False   # NCCL: one batch_isend_irecv a group; gloo: the ops one by one
     log: list[list[P2POp]] | None = None
     pending: list[Op] = field(default_factory=list)
-    early: list[P2POp] = field(default_factory=list)   # posted early, logged with the next
+    early: list[tuple[int, list[P2POp]]] = field(default_factory=list)   # (slot, ops) posted
+    #                                                           early, logged with their slot
 
     def add(self, send: bool, tensor: Tensor, peer: int, channel: int, message: str,
             index: int) -> int:
@@ -152,14 +153,15 @@ class Wire:
         self.pending.append(Op(send, tensor, peer, channel, message, index))
         return len(self.pending) - 1
 
-    def issue(self, *, early: bool = False, hold_payloads: bool = False
+    def issue(self, *, early: bool = False, slot: int = -1, hold_payloads: bool = False
               ) -> list[tuple[Op, list[dist.Work]]]:
         """Issue the queued ops as one `batch_isend_irecv`; each op with the works to wait on,
         in the order they were queued.
 
         gloo returns one work per op; NCCL coalesces a group into one work, which then
-        stands for every op of the group. `early`: receives of the next group posted ahead
-        of it (gloo only); the log keeps them in the group they belong to. `hold_payloads`:
+        stands for every op of the group. `slot` names the group (the executor's action
+        index; -1: the next one). `early`: receives of the group of `slot` posted ahead of
+        it (gloo only); the log keeps them in that group, as NCCL would see it. `hold_payloads`:
         the payloads sent after a header stay queued (no works yet) for the next `issue`,
         which the receiver's payloads also go in once it read the headers (a slot as two
         groups on both ends: what NCCL needs when activations go round a cycle of ranks,
@@ -172,12 +174,14 @@ class Wire:
                     for op in queued]
             if any(held):
                 self.pending = [op for op, h in zip(queued, held) if h]
-                now = self._issue_ops([op for op, h in zip(queued, held) if not h], early)
+                now = self._issue_ops([op for op, h in zip(queued, held) if not h], early,
+                                      slot)
                 works = iter(now)
                 return [(op, []) if h else next(works) for op, h in zip(queued, held)]
-        return self._issue_ops(queued, early)
+        return self._issue_ops(queued, early, slot)
 
-    def _issue_ops(self, queued: list[Op], early: bool) -> list[tuple[Op, list[dist.Work]]]:
+    def _issue_ops(self, queued: list[Op], early: bool, slot: int
+                   ) -> list[tuple[Op, list[dist.Work]]]:
         order = None                          # the steady state: the ops as queued
         if any(op.header for op in queued):   # a step of new shapes: headers go first
             order = sorted(range(len(queued)), key=lambda k: not queued[k].header)
@@ -186,11 +190,12 @@ class Wire:
             logged = [P2POp("send" if op.send else "recv", op.peer, op.tensor.numel(),
                             str(op.tensor.dtype), op.label) for op in ops]
             if early:
-                self.early += logged
-            elif logged or self.early:
-                self.log.append(logged + self.early)
-        if not early:
-            self.early = []
+                self.early.append((slot, logged))
+            else:
+                ahead = [op for s, ops in self.early if s == slot for op in ops]
+                self.early = [(s, ops) for s, ops in self.early if s != slot]
+                if logged or ahead:
+                    self.log.append(logged + ahead)
         if not ops:
             return []
         works: list[Any]

@@ -14,6 +14,7 @@ from torch import nn
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
 from hybridpar.pipeline import replay as nccl
+from hybridpar.pipeline.lowering import lower, lower_stage
 
 from pipe_harness import skipnet
 
@@ -192,3 +193,41 @@ def test_tags_per_channel_are_an_opt_in_that_trains_the_same():
         assert loss == pytest.approx(want, abs=1e-6) and evaluated == pytest.approx(want, abs=1e-6)
     errors = hybridpar.spawn(_tagged_worker, 3, args=("maybe",), timeout=60)
     assert all("HYBRIDPAR_P2P_TAGS must be 0 or 1, got 'maybe'" in e for e in errors)
+
+
+def _steady_log_worker(schedules):
+    topo = hybridpar.init(pp=3, timeout=60)
+    x, y = _batch("skipnet", 8, 0)
+    out = {}
+    for schedule in schedules:
+        pipe = hybridpar.HybridPipe(skipnet(), [2, 2, 3], chunks=4, topology=topo,
+                                    schedule=schedule, loss_fn=nn.functional.cross_entropy)
+        pipe.train_step(x, y)   # learns the shapes
+        pipe.p2p_log = []       # a steady step: gloo posts receives computes ahead
+        pipe.train_step(x, y)
+        skip_in, skip_out = pipe.skip_routes
+        routes = [(src, topo.pp_rank) for src, rs in skip_in.items() for _ in rs] + \
+                 [(topo.pp_rank, dst) for dst, rs in skip_out.items() for _ in rs]
+        actions = lower(pipe.layout.schedule_of(4), routes=routes)[topo.pp_rank]
+        want = lower_stage(actions, topo.pp_rank, routes=routes, rank_of=lambda s: s)
+        out[schedule] = (_per_queue(pipe.p2p_log), _per_queue(want))
+    return out
+
+
+def _per_queue(groups):
+    """Each group's ops in the order NCCL matches them: per (send or receive, peer), in turn
+    (how sends and receives interleave inside one group does not matter to it)."""
+    return [sorted([(op.kind, op.peer, op.label) for op in group], key=lambda o: o[:2])
+            for group in groups]
+
+
+def test_the_log_of_a_steady_step_has_each_early_receive_in_the_group_of_its_slot():
+    """On gloo the receives of the next two computes are posted ahead of their slots; the log
+    the NCCL replay reads still has each one in its own slot's group, as NCCL would issue it:
+    exactly the lowering's groups (skips between stages 0 and 2; GPipe has slots with no
+    compute between them)."""
+    for rank, result in enumerate(hybridpar.spawn(_steady_log_worker, 3,
+                                                  args=(["1f1b", "gpipe"],), timeout=120)):
+        for schedule, (logged, lowered) in result.items():
+            assert logged == lowered, (rank, schedule)
+            assert any(kind == "recv" for group in logged for kind, _, _ in group)

@@ -32,11 +32,22 @@ from torch import Tensor
 from hybridpar import comm, trace
 from hybridpar.pipeline.failure import Aborted, WaitFailed
 from hybridpar.pipeline.lowering import BWD, FWD, LABELS, SKIP, SKIPG, messages
-from hybridpar.pipeline.schedule import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, Comm
+from hybridpar.pipeline.schedule import (
+    COMPUTE,
+    GROUP,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    Comm,
+)
 from hybridpar.pipeline.step import MicroBatch, Posted, as_tuple, describe_spec, nbytes
 from hybridpar.pipeline.stops import StageStops
 
-__all__ = ["StageMessages"]
+__all__ = ["PREFETCH", "StageMessages"]
+
+PREFETCH = 2   # gloo: the computes ahead whose receives are posted (`_prefetch`)
 
 
 class StageMessages(StageStops):
@@ -54,7 +65,7 @@ class StageMessages(StageStops):
         """
         incoming, self.step.incoming = self.step.incoming, []
         self.step.issued_upto = index
-        works = self.issue_group()
+        works = self.issue_group(slot=index)
         for message in incoming:
             message.issued(works)
         learning = [m for m in incoming if m.spec is None]
@@ -84,29 +95,44 @@ class StageMessages(StageStops):
         self.step.learned[message.channel, stage, message.microbatch] = spec
 
     def _prefetch(self, index: int) -> None:
-        """gloo: post the receives the next compute needs now, a compute ahead of their slot.
+        """gloo: post the receives of the next `PREFETCH` computes now, ahead of their slots.
 
         gloo moves a payload only once its receive is posted, so a receive posted in its
-        slot costs a round trip when the message is already there; gloo has no rendezvous (a
-        posted receive holds back nothing), and receives keep their order, so posting them
-        early is safe there. NCCL keeps the slot order; the log records that order.
+        slot costs a round trip when the message is already there. gloo has no rendezvous (a
+        posted receive holds back nothing) and receives keep their order, so posting them
+        early is safe there. How far ahead (benchmark 1, sleep-simulated stages, A/B in one
+        run): posting the next compute's receives as its predecessor starts leaves 1F1B's
+        neighbours posting and sending to each other at the same instants, and the C++ posts
+        then take 2-4x longer; two computes ahead was 0.1-0.7% faster than one at 20 ms
+        stages and 1.5-3% at 5 ms, three ahead no better than one. NCCL keeps the slot order;
+        the log records each receive in the group of its slot.
         """
-        k = index + 1   # up to the next compute: the receives it needs, across GROUP marks
-        while k < len(self.step.actions) and self.step.actions[k].kind not in COMPUTE:
-            if self.step.actions[k].kind in (RECV_F, RECV_B) and k not in self.step.prefetched:
-                self._communicate(self.step.actions[k])
-                self.step.prefetched.add(k)
-            k += 1
+        actions, prefetched = self.step.actions, self.step.prefetched
+        computes = 0
+        for k in range(index + 1, len(actions)):
+            kind = actions[k].kind
+            if kind in COMPUTE or kind == GROUP:   # the slot of the receives queued so far
+                self._post_early(k)
+                computes += kind in COMPUTE
+                if computes == PREFETCH:
+                    return
+            elif kind in (RECV_F, RECV_B) and k not in prefetched:
+                self._communicate(actions[k])
+                prefetched.add(k)
+
+    def _post_early(self, slot: int) -> None:
+        """Post the receives queued by `_prefetch`, which belong to the group of `slot`."""
         if self.step.incoming:
             incoming, self.step.incoming = self.step.incoming, []
-            works = self.issue_group(early=True)
+            works = self.issue_group(early=True, slot=slot)
             for message in incoming:
                 message.issued(works)
 
-    def issue_group(self, *, early: bool = False, hold_payloads: bool = False
-                     ) -> list[tuple[comm.Op, list[Any]]]:
-        """Issue the wire's queue; keep the works of its sends to wait for at the end."""
-        group = self.wire.issue(early=early, hold_payloads=hold_payloads)
+    def issue_group(self, *, early: bool = False, slot: int = -1, hold_payloads: bool = False
+                    ) -> list[tuple[comm.Op, list[Any]]]:
+        """Issue the wire's queue (`comm.Wire.issue`); keep the works of its sends to wait
+        for at the end."""
+        group = self.wire.issue(early=early, slot=slot, hold_payloads=hold_payloads)
         for op, works in group:
             if op.send:
                 self.step.sends.append((works, op.message, self._stage_of(op.peer)))
