@@ -285,11 +285,11 @@ class HybridPipe(StageModule):
         for executor in self._executors:
             executor.spec.checkpoint = mode
         with self._recording("train_step", len(inputs)):
-            self._loss.post()
             result = self._run(actions, inputs=inputs, targets=targets,
                                loss_fn=self.loss_fn, weights=weights, train=True,
                                what="train_step", signature=signature(inputs),
-                               before_last_backward=self._dp_buckets.arm)
+                               before_last_backward=self._dp_buckets.arm,
+                               when_idle=self._loss.post)
             commit_deferred_batch_norms(self)
             if self.topology.dp > 1:
                 with self._guard("the all-reduce of the gradients over dp",
@@ -311,10 +311,10 @@ class HybridPipe(StageModule):
         inputs, targets, weights = self._microbatches(input, target)
         actions = self._program(len(inputs), train=False)
         with self._recording("eval_step", len(inputs)):
-            self._loss.post()
             result = self._run(actions, inputs=inputs, targets=targets,
                                loss_fn=self.loss_fn, weights=weights, train=False,
-                               what="eval_step", signature=signature(inputs))
+                               what="eval_step", signature=signature(inputs),
+                               when_idle=self._loss.post)
             commit_deferred_batch_norms(self)   # a forward in training mode: as torchgpipe
             return self._loss.share(result.loss)
 

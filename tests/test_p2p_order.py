@@ -231,3 +231,46 @@ def test_the_log_of_a_steady_step_has_each_early_receive_in_the_group_of_its_slo
         for schedule, (logged, lowered) in result.items():
             assert logged == lowered, (rank, schedule)
             assert any(kind == "recv" for group in logged for kind, _, _ in group)
+
+
+def _first_compute_worker(schedule):
+    topo = hybridpar.init(pp=2, timeout=60)
+    x, y = _batch("skipnet", 8, 0)
+    pipe = hybridpar.HybridPipe(skipnet(), [3, 4], chunks=4, topology=topo, schedule=schedule,
+                                loss_fn=nn.functional.cross_entropy)
+    events = []
+    first = pipe.partition_of(pipe.stages[0])[0]
+    first.register_forward_pre_hook(lambda *_: events.append("forward"))
+    irecv, wait = torch.distributed.irecv, hybridpar.comm.wait
+
+    def counted_irecv(tensor, src=None, group=None, tag=0, **kw):
+        events.append("loss receive" if tag else "receive")
+        return irecv(tensor, src, group, tag, **kw)
+
+    def counted_wait(work, timeout):
+        events.append("wait")
+        return wait(work, timeout)
+
+    pipe.train_step(x, y)          # learns the shapes
+    events.clear()
+    torch.distributed.irecv, hybridpar.comm.wait = counted_irecv, counted_wait
+    try:
+        loss = pipe.train_step(x, y).item()
+    finally:
+        torch.distributed.irecv, hybridpar.comm.wait = irecv, wait
+    return events, loss
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_first_stage_starts_computing_at_once_and_posts_the_loss_receive_when_it_waits(
+        schedule):
+    """The whole pipeline waits for the first stage's first forward: in a steady step nothing
+    is posted before it (gloo prefetch starts at the next compute); the loss's receive is
+    posted just before the first wait for a peer (`LossShare`), and the loss is right."""
+    (events, loss), (_, last_loss) = hybridpar.spawn(_first_compute_worker, 2,
+                                                     args=(schedule,), timeout=60)
+    assert events[0] == "forward", events[:4]
+    assert events.count("loss receive") == 1
+    assert events[events.index("loss receive") + 1] == "wait", events
+    assert events.index("loss receive") < events.index("wait")
+    assert loss == pytest.approx(last_loss, abs=0)

@@ -111,16 +111,20 @@ class StageExecutor(StageMessages):
             targets: Sequence[Any] | None, loss_fn: Callable[..., Tensor] | None,
             weights: Sequence[float], train: bool, what: str = "step",
             signature: Hashable = None,
-            before_last_backward: Callable[[], None] | None = None) -> StepResult:
+            before_last_backward: Callable[[], None] | None = None,
+            when_idle: Callable[[], None] | None = None) -> StepResult:
         """Run `actions`; `inputs` on the first stage, `targets` and `loss_fn` on the last.
 
         `what` names the step in error messages ("train_step", "eval_step", "forward").
         `signature` identifies the shapes of the step (the same on every rank): a step of a
         signature seen before sends no headers. `before_last_backward` is called just before
-        this stage's last backward (the dp buckets arm there).
+        this stage's last backward (the dp buckets arm there). `when_idle` is called once,
+        just before the step's first wait for another rank (a receive, or at the end its
+        sends): work that can wait until the stage has nothing to do (the loss's receive).
         """
         key = self.begin(actions, inputs=inputs, targets=targets, loss_fn=loss_fn,
-                         weights=weights, train=train, what=what, signature=signature)
+                         weights=weights, train=train, what=what, signature=signature,
+                         when_idle=when_idle)
         if self.watchdog is not None:
             self.watchdog.enter()
         self.listener.enter(self.steps)
@@ -140,7 +144,8 @@ class StageExecutor(StageMessages):
     def begin(self, actions: Sequence[Action | Comm], *,
               inputs: Sequence[TensorOrTensors] | None, targets: Sequence[Any] | None,
               loss_fn: Callable[..., Tensor] | None, weights: Sequence[float], train: bool,
-              what: str, signature: Hashable, split: bool | None = None) -> Hashable:
+              what: str, signature: Hashable, split: bool | None = None,
+              when_idle: Callable[[], None] | None = None) -> Hashable:
         """Make the step's state (`run`'s arguments; `split`: the step's backward is split,
         by default when `actions` have a W); returns the key of its specs."""
         key = (train, signature)
@@ -151,7 +156,8 @@ class StageExecutor(StageMessages):
             mbs=[MicroBatch(key=torch.empty(0)) for _ in range(len(weights))],
             what=what, actions=list(actions),
             split=train and (any(a.kind == WEIGHT for a in actions) if split is None
-                             else split))
+                             else split),
+            when_idle=when_idle)
         self.recorder.stage, self.recorder.microbatch = self.spec.stage, -1
         return key
 

@@ -1,15 +1,19 @@
 """The step's loss on every rank: sent from the last stage to the others, averaged over dp.
 
-    backend   before the schedule                  after the schedule
+    backend   during the schedule                  after the schedule
     NCCL      -                                    pp-group broadcast from the last stage
     gloo      the others post a receive on its     the last stage sends it to each of them
-              own tag (`LOSS_TAG`)
+              own tag (`LOSS_TAG`) when they
+              first wait for a peer
 
 gloo moves a message once its receive is posted, so a loss received only after the schedule
-costs a round trip at the end of every step, on the stage that ends last. gloo has no
-rendezvous and honours tags: on its own tag the loss never meets a stage-to-stage message
-(all on tag 0), so posting it first is safe there. On NCCL a receive posted first would hold
-the rank's P2P stream until the end of the schedule: there the loss is broadcast after it.
+costs a round trip at the end of every step, on the stage that ends last. Posted before the
+schedule, it costs the first stage's first compute (the whole pipeline waits for it) a post;
+posted when the stage first waits for a peer, it costs nothing (`StageExecutor.run`'s
+`when_idle`). gloo has no rendezvous and honours tags: on its own tag the loss never meets a
+stage-to-stage message (all on tag 0), so posting it early is safe there. On NCCL a receive
+posted early would hold the rank's P2P stream until the end of the schedule: there the loss
+is broadcast after it.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class LossShare:
         self._posted: tuple[Tensor, Any] | None = None
 
     def post(self) -> None:
-        """Before the schedule (gloo, not the last stage): post the loss's receive."""
+        """During the schedule (gloo, not the last stage): post the loss's receive."""
         topo = self.topology
         self._posted = None
         if self.device.type != "cpu" or topo.pp_rank == self.last_stage or topo.pp == 1:
@@ -71,14 +75,18 @@ class LossShare:
                     "the loss from the last stage", topo.pp_group):
                 if self.device.type != "cpu":
                     dist.broadcast(loss, self.last, group=topo.pp_group)
-                elif posted is not None:
-                    loss, work = posted
-                    work.wait(topo.timeout)
-                else:
+                elif topo.pp_rank == self.last_stage:
                     works = [dist.isend(loss, topo.stage_rank(s), tag=LOSS_TAG)
                              for s in range(topo.pp) if s != self.last_stage]
                     for work in filter(None, works):
                         work.wait(topo.timeout)
+                else:
+                    if posted is None:   # the step never waited for a peer
+                        self.post()
+                        posted, self._posted = self._posted, None
+                    assert posted is not None
+                    loss, work = posted
+                    work.wait(topo.timeout)
         if topo.dp > 1:
             with trace.collective("all_reduce", nbytes(loss)), self.guard(
                     "the all-reduce of the loss over dp", topo.dp_group):

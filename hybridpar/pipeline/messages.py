@@ -70,7 +70,10 @@ class StageMessages(StageStops):
             message.issued(works)
         learning = [m for m in incoming if m.spec is None]
         if not learning:
-            if self.spec.device.type == "cpu" and self.step.agreed is not None:
+            # the first stage's first compute waits for nothing and every stage waits for
+            # it: its receives are posted as the next compute starts
+            if self.spec.device.type == "cpu" and self.step.agreed is not None and \
+                    not (self.first and index == 0):
                 self._prefetch(index)
             return
         with trace.span("wait"):
@@ -80,8 +83,15 @@ class StageMessages(StageStops):
         for message in learning:
             message.issued(works)
 
+    def _idle(self) -> None:
+        """Before a wait for another rank: the step's `when_idle` task, the first time."""
+        task, self.step.when_idle = self.step.when_idle, None
+        if task is not None:
+            task()
+
     def learn_spec(self, message: comm.Incoming) -> None:
         """Wait for `message`'s header; note the spec it says (its payloads get queued)."""
+        self._idle()
         stage = message.stage
         self.step.waiting = f"receive {message.label} from stage {stage} (rank {message.src})"
         try:
@@ -151,6 +161,7 @@ class StageMessages(StageStops):
 
     def wait_sends(self) -> None:
         """Wait for every send of the step issued so far."""
+        self._idle()
         with trace.span("wait"):
             for works, what, stage in self.step.sends:
                 self._wait(works, what, stage)
@@ -168,6 +179,8 @@ class StageMessages(StageStops):
     def _recv(self, posted: Posted | None, what: str, stage: int
               ) -> tuple[Tensor | None, ...]:
         assert posted is not None, f"schedule error: {what} was never posted"
+        if isinstance(posted, comm.Incoming):
+            self._idle()
         self.step.waiting = f"receive {what} from stage {stage} (rank {posted.src})"
         try:
             return posted.finish(self._timeout)

@@ -26,9 +26,9 @@ from hybridpar.pipeline.skip import SkipRoute
 from hybridpar.pipeline.split_backward import WeightGrads
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 
-__all__ = ["Handed", "MicroBatch", "Posted", "SpecKey", "StageSpec", "StepResult", "StepState",
-           "as_tuple", "current_microbatch", "describe_spec", "floating", "grad_or_zeros",
-           "microbatch_context", "nbytes", "scalar_loss"]
+__all__ = ["Handed", "MicroBatch", "Once", "Posted", "SpecKey", "StageSpec", "StepResult",
+           "StepState", "as_tuple", "current_microbatch", "describe_spec", "floating",
+           "grad_or_zeros", "microbatch_context", "nbytes", "scalar_loss"]
 
 TensorOrTensors = Tensor | tuple[Tensor, ...]
 SkipKey = tuple[Namespace, str]
@@ -58,6 +58,19 @@ def _leaf(t: Tensor, grads: bool) -> Tensor:
 
 
 Posted = comm.Incoming | Handed   # a receive of the step: over the wire, or handed over
+
+
+class Once:
+    """Calls `task` the first time it is called, then nothing (one task shared by the
+    executors of a rank's virtual stages: whichever waits first runs it)."""
+
+    def __init__(self, task: Callable[[], None]) -> None:
+        self.task: Callable[[], None] | None = task
+
+    def __call__(self) -> None:
+        task, self.task = self.task, None
+        if task is not None:
+            task()
 
 
 _local = threading.local()
@@ -171,6 +184,7 @@ class StepState:
     waiting: str = ""                                    # what the host waits for in it
     last_done: Any = None                                # the last completed action
     split: bool = False                                  # the schedule has W: split backward
+    when_idle: Callable[[], None] | None = None          # run before the step's first wait
 
 
 def describe_spec(spec: comm.MessageSpec | None) -> str:

@@ -42,7 +42,7 @@ from hybridpar.pipeline.schedule import (
     Action,
     Comm,
 )
-from hybridpar.pipeline.step import Handed, StepResult, TensorOrTensors, as_tuple
+from hybridpar.pipeline.step import Handed, Once, StepResult, TensorOrTensors, as_tuple
 
 __all__ = ["Item", "RankStages"]
 
@@ -66,14 +66,16 @@ class RankStages:
     def run(self, items: Sequence[Item], *, inputs: Sequence[TensorOrTensors] | None,
             targets: Sequence[Any] | None, loss_fn: Callable[..., Tensor] | None,
             weights: Sequence[float], train: bool, what: str, signature: Hashable,
-            before_last_backward: Callable[[], None] | None = None) -> StepResult:
+            before_last_backward: Callable[[], None] | None = None,
+            when_idle: Callable[[], None] | None = None) -> StepResult:
         """Run the rank's `items` (`StageExecutor.run`'s arguments); the result of the stage
         that holds the loss (or the outputs), else an empty one."""
         split = train and any(a.kind == WEIGHT for _, a in items)
+        idle = None if when_idle is None else Once(when_idle)   # whichever stage waits first
         keys = {s: ex.begin([a for t, a in items if t == s], inputs=inputs if ex.first else None,
                             targets=targets if ex.last else None, loss_fn=loss_fn,
                             weights=weights, train=train, what=what, signature=signature,
-                            split=split)
+                            split=split, when_idle=idle)
                 for s, ex in self.executors.items()}
         watchdog, listener = self.lead.watchdog, self.lead.listener
         if watchdog is not None:
