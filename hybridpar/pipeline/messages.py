@@ -113,9 +113,10 @@ class StageMessages(StageStops):
         early is safe there. How far ahead (benchmark 1, sleep-simulated stages, A/B in one
         run): posting the next compute's receives as its predecessor starts leaves 1F1B's
         neighbours posting and sending to each other at the same instants, and the C++ posts
-        then take 2-4x longer; two computes ahead was 0.1-0.7% faster than one at 20 ms
-        stages and 1.5-3% at 5 ms, three ahead no better than one. NCCL keeps the slot order;
-        the log records each receive in the group of its slot.
+        then take up to 2-4x longer (zero-length stages); two computes ahead was 0.05-0.7%
+        faster than one at 20 ms stages and 1.5-3% at 5 ms, three ahead no better than one,
+        none (the slot order) up to 0.5% slower than two. NCCL keeps the slot order; the log
+        records each receive in the group of its slot (docs/benchmarks.md, benchmark 1).
         """
         actions, prefetched = self.step.actions, self.step.prefetched
         computes = 0
