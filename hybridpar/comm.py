@@ -144,8 +144,7 @@ class Wire:
     coalesce: bool = False   # NCCL: one batch_isend_irecv a group; gloo: the ops one by one
     log: list[list[P2POp]] | None = None
     pending: list[Op] = field(default_factory=list)
-    early: list[tuple[int, list[P2POp]]] = field(default_factory=list)   # (slot, ops) posted
-    #                                                           early, logged with their slot
+    early: dict[int, list[P2POp]] = field(default_factory=dict)   # slot -> ops posted early
 
     def add(self, send: bool, tensor: Tensor, peer: int, channel: int, message: str,
             index: int) -> int:
@@ -190,10 +189,9 @@ class Wire:
             logged = [P2POp("send" if op.send else "recv", op.peer, op.tensor.numel(),
                             str(op.tensor.dtype), op.label) for op in ops]
             if early:
-                self.early.append((slot, logged))
+                self.early.setdefault(slot, []).extend(logged)
             else:
-                ahead = [op for s, ops in self.early if s == slot for op in ops]
-                self.early = [(s, ops) for s, ops in self.early if s != slot]
+                ahead = self.early.pop(slot, [])
                 if logged or ahead:
                     self.log.append(logged + ahead)
         if not ops:

@@ -80,11 +80,8 @@ class LossShare:
                              for s in range(topo.pp) if s != self.last_stage]
                     for work in filter(None, works):
                         work.wait(topo.timeout)
-                else:
-                    if posted is None:   # the step never waited for a peer
-                        self.post()
-                        posted, self._posted = self._posted, None
-                    assert posted is not None
+                else:   # posted when the step first waited (at the latest for its sends)
+                    assert posted is not None, "the loss's receive was never posted"
                     loss, work = posted
                     work.wait(topo.timeout)
         if topo.dp > 1:
