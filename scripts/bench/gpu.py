@@ -453,12 +453,19 @@ def single_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Checks 1-6 on a world of one rank (spawn target); each measurement guarded."""
     topo = hybridpar.init(timeout=cfg["timeout"])
     results: dict[str, Any] = {"environment": environment(topo.device)}
-    results["loss"] = _guarded(loss_curve, topo, cfg)
-    results["modes"] = _guarded(checkpoint_modes, topo, cfg)
-    results["balance"] = _guarded(balance_on_device, topo, cfg)
-    results["trace"] = _guarded(trace_vs_clock, topo, cfg)
-    results["stages"] = _guarded(stage_times, topo, cfg, results["balance"].get("balance"))
-    results["throughput"] = _guarded(step_throughput, topo, cfg)
+    start = time.perf_counter()
+
+    def measure(name: str, fn: Callable[..., dict[str, Any]], *args: Any) -> None:
+        results[name] = _guarded(fn, *args)
+        outcome = "error" if "error" in results[name] else "done"
+        print(f"  {name}: {outcome} at {time.perf_counter() - start:.1f} s", flush=True)
+
+    measure("loss", loss_curve, topo, cfg)
+    measure("modes", checkpoint_modes, topo, cfg)
+    measure("balance", balance_on_device, topo, cfg)
+    measure("trace", trace_vs_clock, topo, cfg)
+    measure("stages", stage_times, topo, cfg, results["balance"].get("balance"))
+    measure("throughput", step_throughput, topo, cfg)
     return plain(results)
 
 
