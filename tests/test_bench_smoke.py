@@ -47,6 +47,8 @@ def test_the_peers_ran_and_are_compared(smoke):
     by_name = {r["name"]: r for r in combined["results"]}
     for row in by_name["schedule"]["rows"]:
         assert row["peer_s"]["median"] > 0 and row["hybridpar_s"]["median"] > 0
+        # a sleep never ends early: the one-process run is never faster than the bound
+        assert row["one_process_s"] >= row["bound_s"] and 0 < row["one_process_efficiency"] <= 1
     for row in by_name["tp_mlp"]["rows"]:
         assert row["loss_diff"] < 1e-4          # DTensor holds the same weights
     for row in by_name["gpt"]["rows"]:
