@@ -7,26 +7,23 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["whole batch", "plain loop", "plain loop fwd", "pipe", "pipe host time",
-         "plain loop host time"]
-
-
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/gpu_microbatch.py", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
-def test_the_tiny_run_times_every_step_and_writes_the_profile(tmp_path):
-    done = run("--device", "cpu", "--tiny", "--out", str(tmp_path))
+def test_the_tiny_run_times_every_count_and_writes_the_profile(tmp_path):
+    done = run("--device", "cpu", "--tiny", "--chunks", "1,4", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_microbatch.json").read_text())
-    assert list(result["times_ms"]) == STEPS
-    assert all(ms > 0 for ms in result["times_ms"].values())
-    assert result["model"]["n_layer"] == 4 and result["chunks"] == 8 and result["backend"] == "gloo"
-    for step in STEPS:
-        assert f"| {step} " in done.stdout, step
+    assert [r["chunks"] for r in result["rows"]] == [1, 4] and result["whole_batch_ms"] > 0
+    for row in result["rows"]:
+        assert all(row[k] > 0 for k in ("plain_loop_ms", "plain_loop_fwd_ms", "pipe_ms",
+                                        "pipe_host_ms", "plain_loop_host_ms")), row
+    assert result["model"]["n_layer"] == 4 and result["backend"] == "gloo"
+    assert "| micro-batches | sequences each | plain loop ms" in done.stdout
     profile = (tmp_path / "gpu_microbatch_profile.txt").read_text()
-    assert "by device time" in profile and "by host time" in profile
+    assert "of 4 micro-batches" in profile and "by host time" in profile
 
 
 def test_a_batch_that_does_not_split_is_refused(tmp_path):
@@ -35,3 +32,5 @@ def test_a_batch_that_does_not_split_is_refused(tmp_path):
     assert done.returncode == 2
     assert "--batch (6) must be a positive multiple of --chunks (4)" in done.stderr
     assert not (tmp_path / "gpu_microbatch.json").exists()
+    done = run("--device", "cpu", "--chunks", "2,x", "--out", str(tmp_path))
+    assert done.returncode == 2 and "--chunks must be integers" in done.stderr
