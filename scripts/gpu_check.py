@@ -19,7 +19,10 @@ quick-start GPT (the model of configs/quickstart.toml) under bf16 autocast:
 With N >= 2 devices (cuda; or --ranks N on cpu, gloo): every pp x tp layout of powers of two
 with 2 <= pp * tp <= N that the model allows, launched with `hybridpar.spawn`: fp32 parity with
 the plain model on one device (losses of 3 AdamW steps, gradients of the first; TF32 off), then
-bf16 tokens/s and MFU. Each check prints PASS or FAIL with its numbers; every table names the
+bf16 tokens/s and MFU; then every schedule (GPipe, 1F1B, interleaved, ZB-H1, ZBV) on pp =
+min(N, 4) ranks (a power of two) with skips over stages, new shapes twice, against one device
+(scripts/bench/gpu_schedules.py): NCCL running the P2P orders the tests replay on CPU. Each
+check prints PASS or FAIL with its numbers; every table names the
 device, torch and CUDA. Writes DIR/gpu_check.json, DIR/gpu_check.md (the docs/gpu.md section) and
 DIR/trace/ (default DIR: runs/gpu_check). Exit code 1 when a check fails, 2 on bad arguments.
 --quick: a batch of 8, fewer warm-ups, repeats and parity steps, shorter profiling
@@ -47,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from bench.common import markdown_table, write_json
 from bench.gpu import GRAD_FLOOR, MODES, REFERENCE_MODE, layout_rank, peak_bf16, single_rank
+from bench.gpu_schedules import SCHEDULES, schedule_rank
 
 import hybridpar
 from hybridpar.models.gpt import check_gpt_config
@@ -439,6 +443,61 @@ def layouts_section(rows: list[dict[str, Any]], cfg: dict[str, Any], backend: st
     return Section(title, [table], notes, checks, {"rows": rows})
 
 
+def schedule_pp(n: int) -> int:
+    """The ranks of check 8: the largest power of two <= min(n, 4) (0: fewer than 2)."""
+    return 0 if n < 2 else 1 << (min(n, 4).bit_length() - 1)
+
+
+def run_schedule(schedule: str, pp: int, cfg: dict[str, Any], backend: str) -> dict[str, Any]:
+    """One schedule of check 8 on pp ranks: the worst rank's errors, or the error."""
+    print(f"- schedule {schedule}: {pp} ranks, {backend} ...", flush=True)
+    start = time.perf_counter()
+    try:
+        per_rank = hybridpar.spawn(schedule_rank, pp,
+                                   args=({**cfg, "pp": pp, "schedule": schedule},),
+                                   backend=backend, timeout=cfg["timeout"],
+                                   threads=threads(backend, pp))
+    except Exception as e:  # a rank raised or hung (a P2P order NCCL cannot progress)
+        return {"schedule": schedule, "pp": pp, "error": describe(e)}
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-30) for r in per_rank
+                   for a, b in zip(r["losses"], r["ref_losses"]))
+    worst = max(per_rank, key=lambda r: r["grad_rel"])
+    return {"schedule": schedule, "pp": pp, "stages": per_rank[0]["stages"],
+            "loss_rel": loss_rel, "grad_rel": worst["grad_rel"],
+            "worst_param": worst["worst_param"], "losses": per_rank[0]["losses"],
+            "seconds": time.perf_counter() - start}
+
+
+def schedules_section(rows: list[dict[str, Any]], backend: str) -> Section:
+    title = f"8. Every schedule on several devices ({backend}), skips over stages: parity"
+    body, checks = [], []
+    for r in rows:
+        name = f"schedule_{r['schedule']}"
+        if "error" in r:
+            body.append([r["schedule"], r["pp"], "error", "", "", ""])
+            checks.append(Check(name, False, f"{r['schedule']}: {short(r['error'])}"))
+            continue
+        ok = finite(r["loss_rel"], r["grad_rel"]) and r["loss_rel"] <= FP32_LOSS_REL \
+            and r["grad_rel"] <= FP32_GRAD_REL
+        checks.append(Check(name, ok, (
+            f"{r['schedule']} on {r['pp']} ranks, {r['stages']} stages: loss "
+            f"{sci(r['loss_rel'])}, gradient {sci(r['grad_rel'])} ({r['worst_param']}) "
+            f"relative to one device; tolerance {FP32_LOSS_REL:g} and {FP32_GRAD_REL:g}"),
+            {"loss_rel": r["loss_rel"], "grad_rel": r["grad_rel"]}))
+        body.append([r["schedule"], r["pp"], r["stages"], sci(r["loss_rel"]),
+                     sci(r["grad_rel"]), f"{r['seconds']:.1f}"])
+    table = markdown_table(["schedule", "ranks", "stages", "Δloss / loss", "max ‖Δg‖ / ‖g‖",
+                            "s (launch included)"], body)
+    notes = ["The 16-layer skip model of `scripts/bench/gpu_schedules.py` (a skip from the "
+             "first stage to the last, one between the middle stages), fp32 with TF32 off, "
+             "3 SGD steps of 32, 32 and 29 rows in 2 × ranks micro-batches (the first and the "
+             "third send headers: new shapes), checkpoint 'except_last', against the plain model "
+             "on each rank's device; the worst step and rank, gradients of the first step. "
+             "One launch per schedule: a P2P order the backend cannot progress hangs that "
+             "schedule alone, until the timeout."]
+    return Section(title, [table], notes, checks, {"rows": rows})
+
+
 # running -------------------------------------------------------------------------------------
 
 def describe(error: Exception) -> str:
@@ -541,10 +600,14 @@ def run_checks(args: argparse.Namespace, cfg: dict[str, Any], device: str
     if args.peak_tflops:
         peak, peak_label = args.peak_tflops * 1e12, "--peak-tflops"
     sections = single_sections(single, cfg, peak, peak_label, device == "cuda")
-    grid = layouts(layout_devices(args, device), cfg["model"])
+    devices = layout_devices(args, device)
+    grid = layouts(devices, cfg["model"])
     if grid:
         rows = [run_layout(pp, tp, cfg, backend, peak) for pp, tp in grid]
         sections.append(layouts_section(rows, cfg, backend))
+    if schedule_pp(devices):
+        rows = [run_schedule(s, schedule_pp(devices), cfg, backend) for s in SCHEDULES]
+        sections.append(schedules_section(rows, backend))
     return sections, env, peak, peak_label
 
 

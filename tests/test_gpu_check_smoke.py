@@ -15,11 +15,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+SCHEDULE_CHECKS = ["schedule_gpipe", "schedule_1f1b", "schedule_interleaved", "schedule_zb-h1",
+                   "schedule_zbv"]
 CHECKS = ["loss_falls", "grads_finite", "checkpoint_modes_agree", "balance_by_time",
-          "trace_vs_clock", "stage_mfu", "layout_pp1_tp2", "layout_pp2_tp1"]
+          "trace_vs_clock", "stage_mfu", "layout_pp1_tp2", "layout_pp2_tp1", *SCHEDULE_CHECKS]
 TABLE_HEADERS = ["| step ", "| dropout | checkpoint ", "| layer | kind ", "| stage | layers ",
                  "| span ", "| part ", "| checkpoint  | micro-batches ", "| pp × tp ",
-                 "| check "]
+                 "| schedule    | ranks | stages ", "| check "]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def test_the_tables_and_verdicts_are_printed_and_written(smoke):
         assert header in run.stdout, header
     for name in CHECKS:
         assert f"**PASS** `{name}`" in run.stdout, name
-    assert "**8 of 8 checks pass**" in run.stdout
+    assert "**13 of 13 checks pass**" in run.stdout
     report = (out / "gpu_check.md").read_text()
     assert report.startswith("## GPU check") and "--quick" in report
     assert "6 N + 12 L h s" in report                  # the MFU formula is stated
@@ -68,3 +70,30 @@ def test_the_numbers_behind_the_verdicts(smoke):
     assert numbers["stage_mfu"]["peak_flops"] is None               # no peak for a CPU
     for layout in ("layout_pp1_tp2", "layout_pp2_tp1"):
         assert numbers[layout]["grad_rel"] <= 1e-4
+    for name in SCHEDULE_CHECKS:   # fp32 on one CPU: only the summation order differs
+        assert numbers[name]["loss_rel"] <= 1e-6 and numbers[name]["grad_rel"] <= 1e-6
+    rows = {r["schedule"]: r for s in result["sections"] if s["title"].startswith("8.")
+            for r in s["data"]["rows"]}
+    assert {name: rows[name]["stages"] for name in rows} == {
+        "gpipe": 2, "1f1b": 2, "interleaved": 4, "zb-h1": 2, "zbv": 4}
+    assert all(len(r["losses"]) == 3 for r in rows.values())
+
+
+def test_a_schedule_that_fails_or_drifts_is_a_fail_with_its_reason():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
+    assert [gpu_check.schedule_pp(n) for n in (1, 2, 3, 4, 8)] == [0, 2, 2, 4, 4]
+    good = {"schedule": "1f1b", "pp": 4, "stages": 4, "loss_rel": 1e-7, "grad_rel": 2e-7,
+            "worst_param": "15.module.fc.weight", "losses": [1.0], "seconds": 3.0}
+    drift = {**good, "schedule": "zbv", "stages": 8, "grad_rel": 3e-3}
+    hung = {"schedule": "gpipe", "pp": 4,
+            "error": "SpawnTimeout: ranks [0, 1, 2, 3] of 4 did not finish within 900 s"}
+    section = gpu_check.schedules_section([good, drift, hung], "nccl")
+    verdicts = {c.name: c for c in section.checks}
+    assert verdicts["schedule_1f1b"].passed
+    assert not verdicts["schedule_zbv"].passed and "gradient 3.0e-03" in \
+        verdicts["schedule_zbv"].summary
+    assert not verdicts["schedule_gpipe"].passed and "did not finish within 900 s" in \
+        verdicts["schedule_gpipe"].summary
+    assert "| gpipe    | 4     | error" in section.tables[0]

@@ -47,8 +47,8 @@ from hybridpar.train.data import TokenBatches, byte_tokens, default_corpus
 from .common import cpu_name
 
 __all__ = ["GRAD_FLOOR", "MODES", "PEAK_BF16", "REFERENCE_MODE", "Clock", "clocked_spans",
-           "environment", "flops_per_token", "layout_rank", "matmul_params", "peak_bf16", "plain",
-           "single_rank"]
+           "environment", "flops_per_token", "layout_rank", "matmul_params", "norm_of",
+           "peak_bf16", "plain", "relative_error", "single_rank"]
 
 MODES = ("always", "except_last", "never")
 REFERENCE_MODE = "never"           # the checkpoint mode the others are compared with
@@ -201,12 +201,12 @@ def _adamw(params: Iterable[nn.Parameter], cfg: dict[str, Any]) -> torch.optim.O
     return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
 
 
-def _norm(tensors: Iterable[Tensor | None]) -> float:
+def norm_of(tensors: Iterable[Tensor | None]) -> float:
     """The 2-norm of `tensors` together (None skipped)."""
     return float(sum(t.double().pow(2).sum() for t in tensors if t is not None) ** 0.5)
 
 
-def _rel(a: Tensor, b: Tensor, whole: float) -> float:
+def relative_error(a: Tensor, b: Tensor, whole: float) -> float:
     """‖a − b‖ / max(‖b‖, GRAD_FLOOR · `whole`), in float64 (`whole`: the model's grad norm).
 
     The floor keeps gradients that are zero in exact arithmetic from dividing noise by noise:
@@ -292,8 +292,8 @@ def checkpoint_modes(topo: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         for mode in sorted(MODES, key=lambda m: m != REFERENCE_MODE):
             loss, grads = _mode_step(topo, cfg, mode, dropout, x, y)
             ref = ref or (loss, grads)
-            whole = _norm(ref[1].values())
-            errors = {name: _rel(g, ref_g, whole) for name, g in grads.items()
+            whole = norm_of(ref[1].values())
+            errors = {name: relative_error(g, ref_g, whole) for name, g in grads.items()
                       if g is not None and (ref_g := ref[1].get(name)) is not None}
             worst = max(errors, key=errors.__getitem__) if errors else None
             rows.append({
@@ -475,14 +475,14 @@ def _grad_errors(pipe: hybridpar.HybridPipe, ref: nn.Module, topo: Any) -> dict[
     """Each local gradient against its slice of the one-device gradient (inf when missing)."""
     refs = dict(ref.named_parameters())
     group = topo.tp_group if topo.tp > 1 else None
-    whole = _norm(p.grad for p in refs.values())
+    whole = norm_of(p.grad for p in refs.values())
     errors = {}
     for name, p in pipe.named_parameters():
         full = refs[name].grad
         if p.grad is None or full is None:
             errors[name] = float("inf")
             continue
-        errors[name] = _rel(p.grad, shard_of(full, p, group), whole)
+        errors[name] = relative_error(p.grad, shard_of(full, p, group), whole)
     return errors
 
 
