@@ -120,6 +120,7 @@ def settings(config: dict[str, Any], *, quick: bool, out: Path,
         "iters": 3 if quick else 20,
         "parity_steps": 2 if quick else 3,
         "timeout": 180 if quick else 900,
+        "hang_timeout": 60 if quick else 120,   # check 8: the watchdog names a stuck P2P op
         "trace_dir": str((out / "trace").resolve()),
     }
 

@@ -104,7 +104,9 @@ def _batch(step: int, rows: int) -> tuple[Tensor, Tensor]:
 def schedule_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """One schedule on pp ranks (spawn target): losses and first-step gradient errors
     against the plain model on this rank's device."""
-    topo = hybridpar.init(pp=cfg["pp"], timeout=cfg["timeout"])
+    # a step stuck that long is a hang: the watchdog (GPUs) or the bounded waits (gloo) then
+    # name the first P2P operation that did not complete, before the launch times out
+    topo = hybridpar.init(pp=cfg["pp"], timeout=cfg["hang_timeout"])
     torch.backends.cuda.matmul.allow_tf32 = False     # parity in true fp32
     torch.backends.cudnn.allow_tf32 = False
     device, schedule = topo.device, cfg["schedule"]
