@@ -24,11 +24,13 @@ next action or break their waits. The step's data: `step.py`.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torchgpipe.skip.skippable import Skippable
 from torchgpipe.skip.tracker import use_skip_tracker
 
 from hybridpar import comm, trace
@@ -86,6 +88,7 @@ class StageExecutor(StageMessages):
         self.listener = self._listener()   # gloo: stops this stage when a peer failed
         s = spec.stage
         self.first, self.last = s == 0, s == spec.num_stages - 1
+        self.skippable = any(isinstance(m, Skippable) for m in spec.partition.modules())
         self.tp = 1 if spec.tp_group is None else dist.get_world_size(spec.tp_group)
         # a peer rank's stage in reports: the one nearest this stage (virtual stages: a rank
         # may hold several)
@@ -252,18 +255,19 @@ class StageExecutor(StageMessages):
     def _compute(self, mb: MicroBatch, i: int) -> None:
         """The partition's forward on micro-batch `i` (and the weighted loss on the last stage,
         when the step has a loss)."""
-        tracker = StageSkipTracker(self.spec.routes, self.spec.stage, mb.skips_in)
-        with use_skip_tracker(tracker), microbatch_context(mb.key):
-            assert mb.inputs is not None
-            if self.step.split:   # linear layers' weight gradients can wait for W
-                with SplitLinear():
-                    out = self.spec.partition(mb.inputs)
-            else:
-                out = self.spec.partition(mb.inputs)
+        assert mb.inputs is not None
+        # a stage without @skippable layers needs no tracker: the compute starts sooner
+        tracker = StageSkipTracker(self.spec.routes, self.spec.stage, mb.skips_in) \
+            if self.skippable else None
+        with microbatch_context(mb.key), \
+                use_skip_tracker(tracker) if tracker is not None else nullcontext(), \
+                SplitLinear() if self.step.split else nullcontext():
+            # SplitLinear: linear layers' weight gradients can wait for W
+            out = self.spec.partition(mb.inputs)
         if not self.last and not isinstance(out, (Tensor, tuple)):
             raise TypeError(f"stage {self.spec.stage} returned {type(out).__name__}; a stage "
                             "must return a Tensor or a tuple of Tensors")
-        mb.outputs, mb.skips_out = out, tracker.outgoing
+        mb.outputs, mb.skips_out = out, {} if tracker is None else tracker.outgoing
         step = self.step
         if self.last and step.loss_fn is not None and step.targets is not None:
             # the one place a loss is computed: weighted by the micro-batch's share of rows
