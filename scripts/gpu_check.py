@@ -409,6 +409,16 @@ def run_layout(pp: int, tp: int, cfg: dict[str, Any], backend: str,
             "environment": per_rank[0]["environment"]}
 
 
+def fp32_parity(name: str, what: str, r: dict[str, Any]) -> Check:
+    """The verdict on a multi-device run's fp32 parity with one device; `what` names the run."""
+    ok = finite(r["loss_rel"], r["grad_rel"]) and r["loss_rel"] <= FP32_LOSS_REL \
+        and r["grad_rel"] <= FP32_GRAD_REL
+    return Check(name, ok, (
+        f"{what}: loss {sci(r['loss_rel'])}, gradient {sci(r['grad_rel'])} "
+        f"({r['worst_param']}) relative to one device; tolerance {FP32_LOSS_REL:g} and "
+        f"{FP32_GRAD_REL:g}"), {"loss_rel": r["loss_rel"], "grad_rel": r["grad_rel"]})
+
+
 def layouts_section(rows: list[dict[str, Any]], cfg: dict[str, Any], backend: str) -> Section:
     title = f"7. Layouts on several devices ({backend}): parity with one device, tokens/s, MFU"
     body, checks = [], []
@@ -418,13 +428,7 @@ def layouts_section(rows: list[dict[str, Any]], cfg: dict[str, Any], backend: st
             body.append([f"{r['pp']} × {r['tp']}", r["ranks"], "error", *[""] * 7])
             checks.append(Check(name, False, f"pp={r['pp']} tp={r['tp']}: {short(r['error'])}"))
             continue
-        ok = finite(r["loss_rel"], r["grad_rel"]) and r["loss_rel"] <= FP32_LOSS_REL \
-            and r["grad_rel"] <= FP32_GRAD_REL
-        checks.append(Check(name, ok, (
-            f"pp={r['pp']} tp={r['tp']}: loss {sci(r['loss_rel'])}, gradient "
-            f"{sci(r['grad_rel'])} ({r['worst_param']}) relative to one device; tolerance "
-            f"{FP32_LOSS_REL:g} and {FP32_GRAD_REL:g}"),
-            {"loss_rel": r["loss_rel"], "grad_rel": r["grad_rel"]}))
+        checks.append(fp32_parity(name, f"pp={r['pp']} tp={r['tp']}", r))
         body.append([f"{r['pp']} × {r['tp']}", r["ranks"], str(r["balance"]), sci(r["loss_rel"]),
                      sci(r["grad_rel"]), str(r["time_balance"]), ms(r["step_ms"]),
                      f"{r['tokens'] / (r['step_ms'] / 1e3):,.0f}",
@@ -478,13 +482,8 @@ def schedules_section(rows: list[dict[str, Any]], backend: str) -> Section:
             body.append([r["schedule"], r["pp"], "error", "", "", ""])
             checks.append(Check(name, False, f"{r['schedule']}: {short(r['error'])}"))
             continue
-        ok = finite(r["loss_rel"], r["grad_rel"]) and r["loss_rel"] <= FP32_LOSS_REL \
-            and r["grad_rel"] <= FP32_GRAD_REL
-        checks.append(Check(name, ok, (
-            f"{r['schedule']} on {r['pp']} ranks, {r['stages']} stages: loss "
-            f"{sci(r['loss_rel'])}, gradient {sci(r['grad_rel'])} ({r['worst_param']}) "
-            f"relative to one device; tolerance {FP32_LOSS_REL:g} and {FP32_GRAD_REL:g}"),
-            {"loss_rel": r["loss_rel"], "grad_rel": r["grad_rel"]}))
+        checks.append(fp32_parity(
+            name, f"{r['schedule']} on {r['pp']} ranks, {r['stages']} stages", r))
         body.append([r["schedule"], r["pp"], r["stages"], sci(r["loss_rel"]),
                      sci(r["grad_rel"]), f"{r['seconds']:.1f}"])
     table = markdown_table(["schedule", "ranks", "stages", "Δloss / loss", "max ‖Δg‖ / ‖g‖",
