@@ -48,7 +48,7 @@ from .common import cpu_name
 
 __all__ = ["GRAD_FLOOR", "MODES", "PEAK_BF16", "REFERENCE_MODE", "Clock", "clocked_spans",
            "environment", "flops_per_token", "layout_rank", "matmul_params", "norm_of",
-           "peak_bf16", "plain", "relative_error", "single_rank"]
+           "peak_bf16", "plain", "relative_error", "side_by_side", "single_rank"]
 
 MODES = ("always", "except_last", "never")
 REFERENCE_MODE = "never"           # the checkpoint mode the others are compared with
@@ -486,21 +486,19 @@ def _grad_errors(pipe: hybridpar.HybridPipe, ref: nn.Module, topo: Any) -> dict[
     return errors
 
 
-def layout_parity(topo: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """fp32 steps of the pipe against the plain model on this rank's device, same batches."""
-    device, tp = topo.device, topo.tp
-    # no dropout: a micro-batch's masks are not the slices of the whole batch's
-    ref = _model(cfg, dropout=0.0).to(device)
-    model = _model(cfg, dropout=0.0, tp=tp if tp > 1 else None)
-    pipe = hybridpar.HybridPipe(model, "params", chunks=cfg["chunks"], topology=topo,
-                                schedule="1f1b", checkpoint="except_last", loss_fn=gpt_loss)
-    ref_opt, opt = _adamw(ref.parameters(), cfg), _adamw(pipe.parameters(), cfg)
+def side_by_side(pipe: hybridpar.HybridPipe, ref: nn.Module,
+                 opts: tuple[torch.optim.Optimizer, torch.optim.Optimizer],
+                 batches: Iterable[tuple[Tensor, Tensor]], loss_fn: Callable[..., Tensor],
+                 topo: Any) -> dict[str, Any]:
+    """Train `pipe` and the plain `ref` (on this rank's device) on the same `batches`, with
+    `opts` (the pipe's, the reference's): both losses of every step and the worst local
+    gradient error of the first step (against its slice of the one-device gradient)."""
+    opt, ref_opt = opts
     losses, ref_losses, errors = [], [], {}
-    for step in range(cfg["parity_steps"]):
-        x, y = _batch(cfg, seed=step)
+    for step, (x, y) in enumerate(batches):
         ref_opt.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
-        ref_loss = gpt_loss(ref(x.to(device)), y.to(device))
+        ref_loss = loss_fn(ref(x.to(topo.device)), y.to(topo.device))
         ref_loss.backward()
         losses.append(float(pipe.train_step(x, y)))
         ref_losses.append(ref_loss.item())
@@ -509,9 +507,23 @@ def layout_parity(topo: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         ref_opt.step()
         opt.step()
     worst = max(errors, key=errors.__getitem__) if errors else None
-    return {"losses": losses, "ref_losses": ref_losses, "balance": list(pipe.balance),
+    return {"losses": losses, "ref_losses": ref_losses,
             "grad_rel": errors[worst] if worst else 0.0, "worst_param": worst,
             "params": len(errors)}
+
+
+def layout_parity(topo: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """fp32 steps of the pipe against the plain model on this rank's device, same batches."""
+    tp = topo.tp
+    # no dropout: a micro-batch's masks are not the slices of the whole batch's
+    ref = _model(cfg, dropout=0.0).to(topo.device)
+    model = _model(cfg, dropout=0.0, tp=tp if tp > 1 else None)
+    pipe = hybridpar.HybridPipe(model, "params", chunks=cfg["chunks"], topology=topo,
+                                schedule="1f1b", checkpoint="except_last", loss_fn=gpt_loss)
+    batches = (_batch(cfg, seed=step) for step in range(cfg["parity_steps"]))
+    result = side_by_side(pipe, ref, (_adamw(pipe.parameters(), cfg),
+                                      _adamw(ref.parameters(), cfg)), batches, gpt_loss, topo)
+    return {**result, "balance": list(pipe.balance)}
 
 
 def layout_speed(topo: Any, cfg: dict[str, Any]) -> dict[str, Any]:
