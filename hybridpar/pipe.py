@@ -32,6 +32,7 @@ from hybridpar.pipeline.loss import LossShare
 from hybridpar.pipeline.lowering import lower
 from hybridpar.pipeline.microbatch import TensorOrTensors, rows, signature, split_batch, to_device
 from hybridpar.pipeline.output import share_output
+from hybridpar.pipeline.partial import PartialGrads
 from hybridpar.pipeline.partition import (
     check_balance,
     check_sequential,
@@ -41,6 +42,7 @@ from hybridpar.pipeline.partition import (
     stage_bounds,
 )
 from hybridpar.pipeline.reduce import GradBuckets
+from hybridpar.pipeline.replicas import ReplicaGroup, check_replicas
 from hybridpar.pipeline.schedule import FORWARD
 from hybridpar.pipeline.skip import SkipRoute
 from hybridpar.pipeline.stage_module import StageModule
@@ -48,6 +50,11 @@ from hybridpar.pipeline.step import StepResult
 from hybridpar.pipeline.tied import Tie, TiedGroups, aliases, detach_other_stages, find_ties
 from hybridpar.pipeline.virtual import RankStages
 from hybridpar.tensor_parallel import random as tp_random
+from hybridpar.tensor_parallel.attrs import (
+    get_parallel_dim,
+    has_partial_grad,
+    register_partial_grad,
+)
 from hybridpar.topology import Topology, current_topology
 
 if TYPE_CHECKING:
@@ -97,6 +104,8 @@ class HybridPipe(StageModule):
         #: the virtual stages of the model, where each lives (stage -> pp rank), the plan
         self.layout = Layout.of(schedule, topo.pp, virtual_stages)
         module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)
+        partial = {n for n, p in module.named_parameters(remove_duplicate=False)
+                   if has_partial_grad(p)}   # (kept by name: a meta build loses attributes)
         if isinstance(balance, str):
             balance = choose_balance(module, balance, topo, sample=balance_sample, chunks=chunks,
                                      init_fn=init_fn, parts=self.layout.stages)
@@ -123,6 +132,16 @@ class HybridPipe(StageModule):
         self._ties = TiedGroups(ties, dict(local.named_parameters(remove_duplicate=False)),
                                 topo, placement=self.layout.placement)
         self._ties.sync()
+        # replicated parameters used on tp shards: their gradients summed over tp
+        mine = [(n, p) for n, p in local.named_parameters(remove_duplicate=False)
+                if n in partial]
+        for _, p in mine:
+            register_partial_grad(p)
+        #: the parameters of this rank whose gradients are summed over tp after each step
+        #: (`pipeline.partial`), by name
+        self.partial_grads = [n for n, _ in mine]
+        self._partial = PartialGrads([p for _, p in mine], topo.tp_group if topo.tp > 1
+                                     else None)
         # dp averaging in buckets launched during each step's last backward (no-op at dp=1)
         self._dp_buckets = GradBuckets(list(local.parameters()),
                                        topo.dp_group if topo.dp > 1 else None)
@@ -295,6 +314,10 @@ class HybridPipe(StageModule):
                 with self._guard("the all-reduce of the gradients over dp",
                                  self.topology.dp_group):
                     self._dp_buckets.finish()
+            if self._partial:
+                with self._guard("the all-reduce over tp of the gradients of replicated "
+                                 "parameters used on shards", self.topology.tp_group):
+                    self._partial.reduce()
             if self._ties:
                 with self._guard("the all-reduce of tied parameters' gradients over stages",
                                  self.topology.pp_group):
@@ -404,6 +427,25 @@ class HybridPipe(StageModule):
         return clip.clip_grad_norm_(self.parameters(), max_norm, self.topology,
                                     guard=self._guard, not_counted=self._ties.not_counted,
                                     norm_type=norm_type)
+
+    def check_replicas(self, *, atol: float = 0.0) -> float:
+        """Raise `ReplicaMismatchError` on every rank if the copies of a replicated parameter
+        (over tp, over dp, a tie's copies over stages) differ, in values or gradients, by
+        more than `atol`; call it on every rank after a `train_step` (`pipeline.replicas`).
+        Returns the largest difference."""
+        topo = self.topology
+        named = list(dict(self.named_parameters()).items())
+        groups = []
+        if topo.tp > 1:
+            groups.append(ReplicaGroup("tp", topo.tp_group, [
+                (n, p) for n, p in named if get_parallel_dim(p) is None]))
+        if topo.dp > 1:
+            groups.append(ReplicaGroup("dp", topo.dp_group, named))
+        name_of = {id(p): n for n, p in named}
+        groups += [ReplicaGroup("tie", group, [(name_of[id(p)], p) for p in params])
+                   for group, params in self._ties.groups]
+        return check_replicas(groups, rank=topo.rank, world=topo.world_size,
+                              device=self.device, guard=self._guard, atol=atol)
 
     def close(self) -> None:
         """Stop this rank's helper threads (the listener, the watchdog) before the process

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from hybridpar import trace
+from hybridpar.pipeline.partial import sum_grads
 from hybridpar.pipeline.partition import stage_bounds
 from hybridpar.topology import Topology
 
@@ -140,6 +140,12 @@ class TiedGroups:
     def __bool__(self) -> bool:
         return bool(self._groups)
 
+    @property
+    def groups(self) -> list[tuple[ProcessGroup, list[nn.Parameter]]]:
+        """The groups this rank is in, each with its local copies (the same order on every
+        rank of the group)."""
+        return [(group, params) for group, _, params in self._groups]
+
     @torch.no_grad()
     def sync(self) -> None:
         """Every copy takes the canonical owner's values (once, at construction)."""
@@ -147,7 +153,6 @@ class TiedGroups:
             for p in params:
                 dist.broadcast(p.data, owner, group=group)
 
-    @torch.no_grad()
     def reduce(self) -> None:
         """Sum the gradients of every tie over its owners, one all-reduce per group.
 
@@ -155,17 +160,7 @@ class TiedGroups:
         the sum.
         """
         for group, _, params in self._groups:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            with trace.collective("all_reduce", flat.numel() * flat.element_size()):
-                dist.all_reduce(flat, group=group)
-            offset = 0
-            for p, g in zip(params, grads):
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
-                if p.grad is None:
-                    p.grad = g
+            sum_grads(params, group)
 
 
 def check_kept(before: Mapping[int, list[str]], module: nn.Module) -> None:

@@ -4,6 +4,9 @@ An activation or parameter may carry two Python attributes (torchshard's convent
 
     attribute           values          meaning
     parallel_dim        None, 0, 1, -1  the layer dim it is sharded on (None: replicated)
+    tp_partial_grad     True            (a replicated parameter) it is used on a shard, so a
+                                        rank's gradient is its shard's part: HybridPipe sums
+                                        it over the tp group after each step
     order_type          0, 1            how that dim maps to the tensor's dims:
                                         0: reversed  (a Linear weight (out, in) is read as
                                            (in, out): parallel dim -1 = tensor dim 0)
@@ -20,15 +23,19 @@ from torch import Tensor
 __all__ = [
     "ORDER_TYPE_ATTR",
     "PARALLEL_DIM_ATTR",
+    "PARTIAL_GRAD_ATTR",
     "get_order_type",
     "get_parallel_dim",
+    "has_partial_grad",
     "register_parallel_attribute",
     "register_parallel_dim",
+    "register_partial_grad",
     "tensor_shard_dim",
 ]
 
 PARALLEL_DIM_ATTR = "parallel_dim"   # torchshard's names: code written for it reads them
 ORDER_TYPE_ATTR = "order_type"
+PARTIAL_GRAD_ATTR = "tp_partial_grad"
 _VALID_DIMS = (None, 0, 1, -1)
 
 
@@ -88,3 +95,17 @@ def tensor_shard_dim(tensor: Tensor) -> int | None:
     if get_order_type(tensor) == 0:
         dim = ndim - 1 - dim
     return dim
+
+
+def register_partial_grad(param: Tensor) -> None:
+    """Mark a replicated parameter used on a tp shard (a norm weight over sharded heads, a
+    scale of a sharded activation): its gradient on each rank is a part, summed over tp."""
+    if get_parallel_dim(param) is not None:
+        raise ValueError("register_partial_grad is for replicated parameters; this one is "
+                         f"sharded (parallel dim {get_parallel_dim(param)})")
+    setattr(param, PARTIAL_GRAD_ATTR, True)
+
+
+def has_partial_grad(param: Tensor) -> bool:
+    """Whether `param` is marked by `register_partial_grad`."""
+    return bool(getattr(param, PARTIAL_GRAD_ATTR, False))

@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
+from hybridpar.tensor_parallel.attrs import PARALLEL_DIM_ATTR
 from hybridpar.tensor_parallel.flow_ops import (
     Abort,
     FullTrace,
@@ -49,7 +51,7 @@ from hybridpar.tensor_parallel.flow_ops import (
 
 __all__ = ["COUNT_ATTRS", "WIDTH_ATTRS", "FullTrace", "Pairing", "TraceFailed",
            "head_attributes", "is_conv1d", "is_linear_like", "linear_sizes", "pair_columns",
-           "sample_input", "trace_full"]
+           "partial_uses", "sample_input", "trace_full"]
 
 # attributes of an attention module that count heads, or hold a width made of heads
 COUNT_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads",
@@ -87,11 +89,14 @@ class _Recorder(TorchFunctionMode):
 
 @dataclass
 class Pairing:
-    """What the simulation kept: columns, rows with the columns feeding them, and why not."""
+    """What the simulation kept: columns, rows with the columns feeding them, and why not;
+    the replicated parameters used on the kept shards (their gradients are partial over tp),
+    with the columns whose shards they meet."""
 
     columns: dict[str, int]                 # layer -> fused parts
     rows: dict[str, set[str]]               # row layer -> the columns feeding it
     reasons: dict[str, str]                 # dropped candidate -> why
+    partial: dict[str, set[str]] = field(default_factory=dict)   # parameter -> columns
 
 
 @contextlib.contextmanager
@@ -119,6 +124,10 @@ def _forward(root: nn.Module, run: Run, sample: tuple[tuple[Any, ...], dict[str,
     meta = {k: torch.empty_like(v, device="meta")
             for k, v in [*root.named_parameters(), *root.named_buffers()]}
     args, kwargs = sample
+    # replicated parameters (not a tp layer's shard): the run follows their uses
+    run.begin({k: meta[k] for k, p in root.named_parameters()
+               if getattr(p, PARALLEL_DIM_ATTR, None) is None},
+              [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)])
     state = torch.get_rng_state()
     try:
         with _patched(root, run), torch.no_grad(), _Recorder(run):
@@ -180,6 +189,27 @@ def _attributes(changes: list[tuple[nn.Module, str, str, int, int]]) -> Iterator
             setattr(module, attr, old)
 
 
+def _simulate(root: nn.Module, names: Mapping[int, str],
+              sample: tuple[tuple[Any, ...], dict[str, Any]], full: FullTrace, tp: int,
+              columns: Mapping[str, int], no_rows: Mapping[str, str] | None) -> Run:
+    """One simulated sharded forward with `columns`; its faults are in `run.blame`."""
+    run = Run(names, tp, full, columns, no_rows)
+    try:
+        with _attributes(head_attributes(root, columns, full, tp)):
+            run.leaks(_forward(root, run, sample))
+    except Abort:
+        pass
+    except TraceFailed:
+        raise
+    except Exception as e:
+        shards = {s for sh in run.shard.values() for s in sh.sources}
+        if not shards:
+            raise TraceFailed(f"the simulated forward failed: {e}") from e
+        run.fault(shards, f"the forward fails on the shard after {run.last_shard_op} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return run
+
+
 def pair_columns(root: nn.Module, names: Mapping[int, str],
                  sample: tuple[tuple[Any, ...], dict[str, Any]], full: FullTrace, tp: int,
                  candidates: Mapping[str, int], no_rows: Mapping[str, str] | None = None
@@ -187,34 +217,40 @@ def pair_columns(root: nn.Module, names: Mapping[int, str],
     """Simulate the sharded forward until every candidate's shard obeys the rules.
 
     `candidates`: layer -> fused parts; `no_rows`: layers that may not be rows, and why.
+    A column no row reads is dropped, and so are the columns whose shard meets a parameter
+    that is also used on a full activation (its gradient would be part partial, part whole:
+    no sum over tp makes it right); the run is repeated without them, so the parameter uses
+    found are those of the columns kept.
     """
     columns = dict(candidates)
     reasons: dict[str, str] = {}
-    for _ in range(len(candidates) + 2):
-        run = Run(names, tp, full, columns, no_rows)
-        try:
-            with _attributes(head_attributes(root, columns, full, tp)):
-                run.leaks(_forward(root, run, sample))
-        except Abort:
-            pass
-        except TraceFailed:
-            raise
-        except Exception as e:
-            shards = {s for sh in run.shard.values() for s in sh.sources}
-            if not shards:
-                raise TraceFailed(f"the simulated forward failed: {e}") from e
-            run.fault(shards, f"the forward fails on the shard after {run.last_shard_op} "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    for _ in range(2 * len(candidates) + 2):
+        run = _simulate(root, names, sample, full, tp, columns, no_rows)
+        for p, cols in run.mixed().items():
+            run.fault(cols, f"its shard meets '{p}', which is also used on full activations "
+                            f"(its gradient would be partly a shard's, partly whole)")
         dropped = {n for n in run.blame if n in columns} | (run.demoted & set(columns))
         if not dropped:
             fed = set().union(*run.rows.values()) if run.rows else set()
-            for n in [n for n in columns if n not in fed]:
+            unfed = [n for n in columns if n not in fed]
+            for n in unfed:
                 reasons[n] = "no row layer reads its output"
                 del columns[n]
+            if unfed:
+                continue
             rows = {r: c & set(columns) for r, c in run.rows.items() if c & set(columns)}
-            return Pairing(columns, rows, reasons)
+            return Pairing(columns, rows, reasons, dict(run.partial))
         for n in dropped:
             if n in run.blame:
                 reasons[n] = run.blame[n]
             del columns[n]
     raise TraceFailed("the simulation did not settle")
+
+
+def partial_uses(root: nn.Module, names: Mapping[int, str],
+                 sample: tuple[tuple[Any, ...], dict[str, Any]], full: FullTrace, tp: int,
+                 columns: Mapping[str, int]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """A dict plan's columns as given: ({parameter: columns} of the replicated parameters
+    used on their shards, those of them also used on full activations)."""
+    run = _simulate(root, names, sample, full, tp, columns, None)
+    return dict(run.partial), run.mixed()

@@ -11,6 +11,15 @@ The engine of `flow`. In a simulated run:
     indexing                             it keeps d whole
     any op                               its outputs differ from the full run's by tp in d only,
                                          and it does not fail
+
+A simulated run also follows the parameters that are not Linear-like layers' (norm weights,
+scales, free biases): a tensor computed from parameters alone carries their names, and an op
+that takes such a tensor is a *use* of them:
+
+    the op also takes        the use is    the parameter's gradient on a tp rank
+    a shard                  partial       its shard's part only: summed over tp, it is whole
+    a full activation        whole         whole already
+    parameters, constants    -             (the output carries the names on)
 """
 
 from __future__ import annotations
@@ -126,6 +135,16 @@ class Run:
         self.rows: dict[str, set[str]] = {}
         self.roles: dict[str, str] = {}
         self.last_shard_op = ""
+        self.derived: dict[int, frozenset[str]] = {}   # computed from these parameters alone
+        self.data: set[int] = set()                     # full activations (from the input)
+        self.partial: dict[str, set[str]] = {}          # parameter -> columns whose shard it met
+        self.whole: set[str] = set()                    # parameters used on full activations
+
+    def begin(self, params: Mapping[str, Tensor], inputs: list[Tensor]) -> None:
+        """Before the forward: the (meta) parameters by name, the input activations."""
+        for name, p in params.items():
+            self.derived[id(p)] = frozenset({name})
+        self.data.update(id(t) for t in inputs)
 
     # blame ------------------------------------------------------------------------------------
 
@@ -169,7 +188,33 @@ class Run:
             raise TraceFailed(f"the forward is not the same twice (at {name})")
         if shards:
             self._check(name, args, kwargs, ins, outs, expected[1], shards, sources)
+        self._follow_params(ins, outs, sources)
         return out
+
+    def _follow_params(self, ins: list[Tensor], outs: list[Tensor],
+                       sources: frozenset[str]) -> None:
+        """Simulated run: the parameter uses of one op (module docstring) and what its
+        outputs are (computed from parameters, or activations)."""
+        owners = frozenset().union(*(self.derived.get(id(t), ()) for t in ins))
+        sharded = bool(sources)
+        active = sharded or any(id(t) in self.data for t in ins)
+        if owners and sharded:
+            for p in owners:
+                self.partial.setdefault(p, set()).update(sources)
+        elif owners and active:
+            self.whole.update(owners)
+        for t in outs:
+            if active:
+                self.data.add(id(t))
+            elif owners:
+                self.derived[id(t)] = owners
+            else:
+                continue
+            self.keep.append(t)
+
+    def mixed(self) -> dict[str, set[str]]:
+        """Parameters used both on a shard and on a full activation: {name: columns}."""
+        return {p: cols for p, cols in self.partial.items() if p in self.whole}
 
     def _learn(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                ins: list[Tensor], outs: list[Tensor]) -> None:
@@ -309,6 +354,9 @@ class Run:
             self._mark(out, Shard(frozenset({name}), out.dim() - 1, self.columns[name]))
         else:
             out = torch.empty(*x.shape[:-1], n_out, dtype=dtype, device="meta")
+        if id(out) not in self.shard:
+            self.data.add(id(out))
+            self.keep.append(out)
         if self.roles.setdefault(name, role) != role:
             self.fault({name} | (s.sources if s is not None else set()),
                        f"'{name}' is called more than once, as {self.roles[name]} and {role}")

@@ -8,8 +8,9 @@
     packed_colwise                         column, fused=2 (gate | up)    Linear / Conv1D
     embedding_rowwise                      vocab                          Embedding
     embedding_colwise                      feature-sharded Embedding      Embedding
-    replicate, replicated_with_grad_allreduce   replicate (hybridpar's replicated gradients
-                                           are already whole on every tp rank)
+    replicate                              replicate
+    replicated_with_grad_allreduce         replicate_sum_grad (replicated, used on a shard:
+                                           its gradient summed over tp, e.g. Qwen3's q_norm)
 
 Other styles (sequence_parallel, packed_rowwise, all_reduce, moe_*, local_params,
 mla_kv_a_proj) raise ValueError. A key is a module name in which ``*`` stands for one layer
@@ -29,7 +30,7 @@ HF_STYLES = {
     "colwise_rep": "column_gather", "colwise_gather_output": "column_gather",
     "packed_colwise": "column_fused2", "embedding_rowwise": "vocab",
     "embedding_colwise": "embedding_feature", "replicate": "replicate",
-    "replicated_with_grad_allreduce": "replicate",
+    "replicated_with_grad_allreduce": "replicate_sum_grad",
 }
 UNSUPPORTED_HF_STYLES = ("sequence_parallel", "packed_rowwise", "all_reduce", "moe_tp_experts",
                          "moe_identity_expert", "local_params", "mla_kv_a_proj", "local_colwise",

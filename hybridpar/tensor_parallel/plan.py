@@ -91,6 +91,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hybridpar.tensor_parallel.attrs import register_partial_grad
 from hybridpar.tensor_parallel.feature.dense import TPDense
 from hybridpar.tensor_parallel.flow import is_conv1d
 from hybridpar.tensor_parallel.hf_plan import split_plan
@@ -114,12 +115,14 @@ from hybridpar.tensor_parallel.plan_flow import (
     LOGITS_NOTE,
     SAMPLE,
     HeadChange,
+    Partial,
     explicit_flow,
     resolve_auto,
 )
 from hybridpar.tensor_parallel.plan_styles import (
     DENSE_MODES,
     DENSE_STYLES,
+    REPLICATED,
     STYLE_HELP,
     STYLES,
     indivisible,
@@ -162,7 +165,7 @@ def _prepare(module: nn.Module, strategies: Mapping[str, Sequence[int]],
     """The strategies checked (`strategy.prepare_strategies`); a layer takes them or a style."""
     prepared = prepare_strategies(module, strategies, None, tp)
     for layer in prepared.given:
-        if styles.get(layer, "replicate") != "replicate":
+        if styles.get(layer, "replicate") not in REPLICATED:
             raise ValueError(f"tp_plan: layer '{layer}' has the style "
                              f"{styles[layer]!r} and the strategies "
                              f"{', '.join(prepared.given[layer])}; give one or the other")
@@ -186,13 +189,15 @@ def _tie_note(name: str, style: str, why: str, styles: Mapping[str, str], layers
 
 def _check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str], tp: int,
                     sample: SAMPLE | None
-                    ) -> tuple[dict[str, str], dict[str, int], list[HeadChange], list[Tie]]:
-    """A dict plan's notes, fused parts, head changes and ties; ValueError before any change."""
+                    ) -> tuple[dict[str, str], dict[str, int], list[HeadChange], list[Tie],
+                               Partial]:
+    """A dict plan's notes, fused parts, head changes, ties and partial parameters;
+    ValueError before any change."""
     notes: dict[str, str] = {}
     ties: list[Tie] = []
-    fused, changes = explicit_flow(module, layers, styles, tp, sample)
+    fused, changes, partial = explicit_flow(module, layers, styles, tp, sample)
     for name, style in styles.items():
-        if style == "replicate":
+        if style in REPLICATED:
             continue
         why = layers.unshardable(name)
         if why is not None:
@@ -209,7 +214,7 @@ def _check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str]
         elif fused.get(name, 1) > 1 or style == "column_fused2":
             notes[name] = (f"fused in {fused.get(name, 2)} parts, each rank keeps its "
                            f"slice of every part")
-    return notes, fused, changes, ties
+    return notes, fused, changes, ties, partial
 
 
 # changing the module ----------------------------------------------------------------------------
@@ -235,7 +240,7 @@ def _replace(module: nn.Module, layers: Layers, styles: Mapping[str, str],
     """Swap in the parallel layers, share tied weights again, give attentions their heads."""
     for name in layers.names:  # parents come before children: replace top-down
         how = styles.get(name)
-        if how is None or how == "replicate":
+        if how is None or how in REPLICATED:
             continue
         parent_name, _, key = name.rpartition(".")
         parent = module.get_submodule(parent_name)
@@ -246,6 +251,23 @@ def _replace(module: nn.Module, layers: Layers, styles: Mapping[str, str],
             module.get_submodule(lin).register_parameter("weight", tied_weight)
     for owner, _, attr, _, value in changes:  # the attention holds tp-th of the heads
         setattr(owner, attr, value)
+
+
+def _mark_partial(module: nn.Module, styles: Mapping[str, str], partial: Partial
+                  ) -> list[str]:
+    """Tag the parameters whose gradients are partial over tp (`attrs.register_partial_grad`):
+    those the forward uses on a shard, and those of 'replicate_sum_grad' layers. One
+    decision line each."""
+    params = dict(module.named_parameters())
+    why = {p: f"used on the shards of {', '.join(sorted(cols))}" for p, cols in partial.items()}
+    for layer, style in styles.items():
+        if style == "replicate_sum_grad":
+            for key, _ in module.get_submodule(layer).named_parameters():
+                why.setdefault(f"{layer}.{key}", f"'{layer}' is {style!r} in the plan")
+    for name in why:
+        register_partial_grad(params[name])
+    return [f"{name}: replicated, gradient summed over tp ({reason})"
+            for name, reason in sorted(why.items())]
 
 
 def _dense_note(name: str, links: list[Link]) -> str:
@@ -327,9 +349,11 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
     if not isinstance(module, nn.Module):
         raise TypeError(f"apply_tp_plan needs an nn.Module, got {type(module).__name__}")
     if not ((isinstance(plan, str) and plan == "auto") or isinstance(plan, Mapping)):
+        hf = ("; 'hf' (a Hugging Face model's own plan) is HybridPipe's: here pass "
+              "hybridpar.hf.tp_plan(model)" if plan == "hf" else "")
         raise ValueError(f"tp_plan must be None, 'auto' or a dict {{'name pattern': style, "
-                         f"'parameter name': (slices per dimension)}}, got {plan!r}; "
-                         f"{STYLE_HELP}")
+                         f"'parameter name': (slices per dimension)}} (HybridPipe also takes "
+                         f"'hf'), got {plan!r}{hf}; {STYLE_HELP}")
     layers = Layers(module)
     styles, strategies = _read_dict(plan, module, layers) if isinstance(plan, Mapping) \
         else ({}, {})
@@ -342,9 +366,11 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
         return module
     ties: list[Tie] = []
     if isinstance(plan, Mapping):
-        notes, fused, changes, ties = _check_explicit(module, layers, styles, tp, sample)
+        notes, fused, changes, ties, partial = _check_explicit(module, layers, styles, tp,
+                                                               sample)
     else:
-        styles, notes, fused, changes = resolve_auto(module, layers, tp, sample)
+        styles, notes, fused, changes, partial = resolve_auto(module, layers, tp, sample)
+    partial_lines = _mark_partial(module, styles, partial)
     _replace(module, layers, styles, fused, group, ties, changes)
     lines: dict[str, str] = {}
     extra: list[str] = []
@@ -354,7 +380,8 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
     hooked = [name for link in link_shards(module, group, SIBLINGS) for name in link.between]
     _link_dense(module, styles, group, notes)
     _guard_logits(module, styles, notes)
-    decisions = _decisions(layers, styles, notes, lines, changes, hooked) + extra
+    decisions = _decisions(layers, styles, notes, lines, changes, hooked) + extra + \
+        partial_lines
     setattr(module, DECISIONS_ATTR, decisions)
     if not dist.is_initialized() or dist.get_rank() == 0:
         label = "dict" if isinstance(plan, Mapping) else "'auto'"

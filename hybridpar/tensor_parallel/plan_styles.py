@@ -5,6 +5,9 @@
                                HF Conv1D
     vocab                      nn.Embedding       ParallelEmbedding(dim=0)
     replicate                  any                left as it is
+    replicate_sum_grad         any                left as it is; its parameters' gradients
+                                                  summed over tp after each step (it is used
+                                                  on a shard: each rank's gradient is a part)
     dense_gather(_async)       nn.Linear          TPDense(mode="gather"), features sharded in/out
     dense_scatter(_async)      nn.Linear          TPDense(mode="scatter"), features sharded in/out
 
@@ -25,10 +28,12 @@ from hybridpar.tensor_parallel.flow_ops import is_conv1d, linear_sizes
 from hybridpar.tensor_parallel.hf_plan import HF_STYLES, match_hf_key
 from hybridpar.tensor_parallel.layer_graph import Layers
 
-__all__ = ["COLUMNS", "DENSE_MODES", "DENSE_STYLES", "STYLES", "STYLE_HELP", "indivisible",
+__all__ = ["COLUMNS", "DENSE_MODES", "DENSE_STYLES", "REPLICATED", "STYLES", "STYLE_HELP",
+           "indivisible",
            "is_type", "resolve_dict", "resolve_hf", "tie_group"]
 
-STYLES = ("column", "row", "vocab", "replicate")
+STYLES = ("column", "row", "vocab", "replicate", "replicate_sum_grad")
+REPLICATED = ("replicate", "replicate_sum_grad")    # styles that leave the layer as it is
 # the TPDense styles: style -> (TPDense mode, async_comm)
 DENSE_MODES = {"dense_gather": ("gather", False), "dense_scatter": ("scatter", False),
                "dense_gather_async": ("gather", True), "dense_scatter_async": ("scatter", True)}
@@ -38,7 +43,8 @@ _TYPE_OF: dict[str, type[nn.Module]] = {"column": nn.Linear, "row": nn.Linear,
                                         "vocab": nn.Embedding,
                                         **dict.fromkeys(DENSE_STYLES, nn.Linear)}
 STYLE_HELP = ("valid styles: 'column' / 'row' (nn.Linear), 'vocab' (nn.Embedding), "
-              "'replicate' (any module), 'dense_gather' / 'dense_scatter' and their '_async' "
+              "'replicate' (any module), 'replicate_sum_grad' (any module used on a shard: "
+              "its gradients summed over tp), 'dense_gather' / 'dense_scatter' and their '_async' "
               "forms (nn.Linear to TPDense)")
 
 
@@ -118,7 +124,7 @@ def resolve_hf(plan: Mapping[str, str], root: nn.Module, layers: Layers) -> dict
         internal = HF_STYLES.get(style, "")
         for n in match_hf_key(key, style, layers.names, prefix):
             m = layers.by_name[n]
-            ok = internal == "replicate" or (
+            ok = internal in REPLICATED or (
                 is_type(m, "row") if internal in (*COLUMNS, "row") else
                 isinstance(m, nn.Embedding))
             if not ok:
