@@ -1,15 +1,17 @@
 """A Hugging Face model's own tensor-parallel plan, in the names of its `to_sequential` layout.
 
     HF (LlamaForCausalLM._tp_plan)             Sequential (L blocks)       style
-    model.embed_tokens                          0                           embedding_rowwise
+    model.embed_tokens (where a plan names it)  0                           embedding_rowwise
     model.layers.*.self_attn.q_proj             1.self_attn.q_proj ...      colwise
     model.layers.*.mlp.down_proj                1.mlp.down_proj ...         rowwise
-    lm_head                                     L + 1                       colwise_gather_output
+    (model.norm: not in the plan)               L + 1                       -
+    lm_head                                     L + 2                       colwise_gather_output
 
 Each ``*`` (one layer index) is expanded over the blocks and mapped with `key_map`, so the
 result is a dict of exact names that ``HybridPipe(..., tp_plan=...)`` takes as it is (the
-styles are Hugging Face's: `tensor_parallel.hf_plan`). A model without a plan (GPT-2 has
-none) gives a `ValueError`: use ``tp_plan="auto"``.
+styles are Hugging Face's: `tensor_parallel.hf_plan`); ``HybridPipe(..., tp_plan="hf")``
+calls it. A model without a plan (GPT-2 has none) gives a `ValueError`: use
+``tp_plan="auto"``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from hybridpar.pipeline.skip import SkipRoute, skip_routes
 from hybridpar.pipeline.tied import check_kept, names_by_id
 from hybridpar.topology import Topology
 
-__all__ = ["apply_plan", "as_chunks", "check_layer_names", "stage_routes", "watchdog_timeout"]
+__all__ = ["apply_plan", "as_chunks", "check_layer_names", "hf_plan", "stage_routes",
+           "watchdog_timeout"]
 
 
 def as_chunks(chunks: object) -> int:
@@ -61,18 +62,45 @@ def watchdog_timeout(watchdog: bool | float | None, topo: Topology
     raise ValueError(f"watchdog must be True, False, None or positive seconds, got {watchdog!r}")
 
 
-def apply_plan(module: nn.Sequential, tp_plan: Any, *, group: ProcessGroup
+def apply_plan(module: nn.Sequential, tp_plan: Any, *, group: ProcessGroup | None
                ) -> tuple[nn.Sequential, list[str]]:
     """`module` with `tp_plan` applied over the tp `group` (tied parameters stay tied), and
-    the plan's decisions; without a plan, `module` as it is and no decisions."""
+    the plan's decisions; without a plan, `module` as it is and no decisions.
+
+    ``tp_plan="hf"`` is the Hugging Face model's own plan (`hf_plan`); None, "auto" and dicts
+    go to `tensor_parallel.plan.apply_tp_plan` as they are.
+    """
     if tp_plan is None:
         return module, []
     from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
 
+    if isinstance(tp_plan, str) and tp_plan == "hf":
+        tp_plan = hf_plan(module)
     tied = names_by_id(module)
     module = check_sequential(apply_tp_plan(module, tp_plan, group=group))
     check_kept(tied, module)
     return module, plan_decisions(module)
+
+
+def hf_plan(module: nn.Module) -> dict[str, str]:
+    """``tp_plan="hf"``: `module`'s own Hugging Face plan, ``hybridpar.hf.tp_plan(module)``
+    (for a `hybridpar.hf.to_sequential` model, in its layer names); a `ValueError` that says
+    what to do for a module that is not one."""
+    try:
+        from hybridpar.hf import config_of, tp_plan
+    except ImportError as e:
+        raise ValueError(f"tp_plan='hf' is a Hugging Face model's own plan, "
+                         f"hybridpar.hf.tp_plan(model), which needs the extra hybridpar[hf] "
+                         f"(transformers): {e}") from e
+    try:
+        config_of(module)
+    except ValueError:
+        raise ValueError(
+            f"tp_plan='hf' is a Hugging Face model's own plan, hybridpar.hf.tp_plan(model), "
+            f"but this {type(module).__name__} holds no Hugging Face config: pass the "
+            "nn.Sequential that hybridpar.hf.to_sequential(model) made, or use tp_plan='auto' "
+            "or a dict {'layer name pattern': style}") from None
+    return tp_plan(module)
 
 
 def stage_routes(module: nn.Sequential, balance: Sequence[int]) -> list[SkipRoute]:

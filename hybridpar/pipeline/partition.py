@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from hybridpar.tensor_parallel.base import ParallelLayer
+
 __all__ = ["balance_problem", "check_balance", "check_sequential", "free_layers", "layer_spans",
            "materialize", "split", "stage_bounds"]
 
@@ -121,14 +123,19 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
 
     ``init_fn(module)`` is applied to every module, children first (as ``model.apply``),
     e.g. a Hugging Face model's ``model._init_weights``; without it each module's
-    ``reset_parameters()``. Nothing may stay uninitialized:
+    ``reset_parameters()``. The tp layers a ``tp_plan`` put in (`ParallelLayer`:
+    `ParallelLinear`, `ParallelEmbedding`, ...) are not the layers a model's own initializer
+    knows: one that `init_fn` left wholly untouched (every tensor of its own still all NaN)
+    is drawn by its own ``reset_parameters()`` (the full plain layer's init, sliced);
+    `hybridpar.hf.init_fn` draws them as Hugging Face would. Nothing may stay
+    uninitialized:
 
     * without `init_fn`, a module holding parameters or buffers of its own and no
       ``reset_parameters`` is a `ValueError` before anything changes;
     * the new storage is filled with NaN first, and a floating tensor still holding a NaN
       after the initialization is a `ValueError` naming it (a buffer computed in
       ``__init__``, such as a rotary embedding's ``inv_freq``, that the initializer did not
-      recompute).
+      recompute; a tp layer `init_fn` drew only in part).
     """
     tensors = list(stage.parameters()) + list(stage.buffers())
     if not any(t.is_meta for t in tensors):
@@ -161,6 +168,7 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
                 t.fill_(float("nan"))
         if init_fn is not None:
             stage.apply(init_fn)
+            _reset_untouched_tp_layers(stage)
         else:
             for sub in stage.modules():
                 reset = getattr(sub, "reset_parameters", None)
@@ -175,7 +183,23 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
                 f"'{name}' is not initialized after materializing the meta-built model with "
                 f"{how} (it still holds the NaN it was filled with): make the initializer "
                 "cover it (a buffer computed in __init__, like a rotary embedding's inv_freq, "
-                "must be recomputed), or build the model on a real device")
+                "must be recomputed; a tp layer it draws must be drawn whole, or left to the "
+                "layer's reset_parameters()), or build the model on a real device")
+
+
+def _reset_untouched_tp_layers(stage: nn.Module) -> None:
+    """``reset_parameters()`` of every tp layer whose own tensors all still hold only NaN
+    (an `init_fn` that does not know the layer); one drawn in part is left to the NaN check."""
+    for sub in stage.modules():
+        if not isinstance(sub, ParallelLayer):
+            continue
+        own = [t for t in (*sub._parameters.values(), *sub._buffers.values())
+               if t is not None and (t.is_floating_point() or t.is_complex())]
+        if not own or any(is_fake(t) for t in own):   # a dry run: no values to look at
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset) and all(bool(torch.isnan(t).all()) for t in own):
+            reset()
 
 
 def _holds_tensors(module: nn.Module) -> bool:

@@ -321,10 +321,10 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
     if par.tp > 1 and par.tp_plan is None:   # as train.trainer.build_pipe
         args.update(tp=par.tp, group=topo.tp_group)
     module, _ = build(config.model.name, **args)
-    if par.tp_plan is not None:
-        from hybridpar.tensor_parallel.plan import apply_tp_plan
+    if par.tp_plan is not None:   # as HybridPipe applies it ("hf" included)
+        from hybridpar.pipeline.build import apply_plan
 
-        module = apply_tp_plan(module, par.tp_plan, group=topo.tp_group)
+        module, _ = apply_plan(module, par.tp_plan, group=topo.tp_group)
     stages = Layout.of(par.schedule, par.pp, par.virtual_stages).stages
     balance = [int(b) for b in balance_by(name, stages, module)]
     if name != par.balance:

@@ -94,17 +94,12 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
     model, loss = build(name, **args)
-    tp_plan: Any = par.tp_plan
-    if tp_plan == "hf":   # the Hugging Face model's own plan, in the Sequential's names
-        from hybridpar.hf import tp_plan as hf_tp_plan
-
-        tp_plan = hf_tp_plan(model)
     # balance = "time" profiles under the precision the run trains in
     bf16 = config.train.precision == "bf16"
     with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=bf16):
         return HybridPipe(model, par.balance, chunks=par.chunks, topology=topo,
                           schedule=par.schedule, virtual_stages=par.virtual_stages,
-                          checkpoint=par.checkpoint, loss_fn=loss, tp_plan=tp_plan,
+                          checkpoint=par.checkpoint, loss_fn=loss, tp_plan=par.tp_plan,
                           deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample)
 
 
