@@ -46,6 +46,14 @@ def reference(model: nn.Sequential, xs, ys, *, optimizer: str = "sgd", chunks: i
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def checked_step(pipe, x, y) -> float:
+    """`pipe.train_step(x, y)`'s loss, then the replica check (`HybridPipe.check_replicas`):
+    every copy of a replicated parameter (tp, dp, ties) equal in values and gradients."""
+    loss = pipe.train_step(x, y).item()
+    pipe.check_replicas()
+    return loss
+
+
 def pipe_worker(model_name: str, model_kwargs: dict, balance, layout, steps: int, batch: int,
                 options: dict, optimizer: str = "sgd"):
     """Train the pipe for `steps` steps; returns losses and the consolidated state dict."""
@@ -63,7 +71,7 @@ def pipe_worker(model_name: str, model_kwargs: dict, balance, layout, steps: int
         x = x[topo.dp_rank * rows:(topo.dp_rank + 1) * rows]
         y = y[topo.dp_rank * rows:(topo.dp_rank + 1) * rows]
         opt.zero_grad()
-        losses.append(pipe.train_step(x, y).item())
+        losses.append(checked_step(pipe, x, y))
         opt.step()
     return {"losses": losses, "state": pipe.consolidated_state_dict()}
 

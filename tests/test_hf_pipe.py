@@ -56,6 +56,7 @@ def _reference(kind, ignore):
 
 
 def _train(kind, ignore, topo, balance, options):
+    """HybridPipe training of `kind`; the replica check after every step (`check_replicas`)."""
     model = tiny(kind)
     loss_fn = CausalLMLoss() if ignore else _next_token_loss
     pipe = hybridpar.HybridPipe(to_sequential(model), balance, topology=topo, loss_fn=loss_fn,
@@ -69,10 +70,11 @@ def _train(kind, ignore, topo, balance, options):
                 losses.append(pipe.train_step(ids, y).item())
         else:
             losses.append(pipe.train_step(ids, y).item())
+        pipe.check_replicas()
         opt.step()
     return {"losses": losses, "state": hf_state_dict(pipe.consolidated_state_dict(),
                                                      model.config),
-            "decisions": pipe.tp_plan_decisions}
+            "decisions": pipe.tp_plan_decisions, "partial": pipe.partial_grads}
 
 
 def _from_checkpoint(topo, directory, ids):

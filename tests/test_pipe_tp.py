@@ -15,6 +15,8 @@ from spawn_cases import spawn_by_world
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
 
+from pipe_harness import checked_step
+
 SMALL = {"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 4, "n_embd": 16}
 STEPS, BATCH = 3, 4
 
@@ -51,7 +53,7 @@ def _gpt_worker(layout, balance, options, dropout):
         x, y = x[topo.dp_rank * rows:(topo.dp_rank + 1) * rows], \
             y[topo.dp_rank * rows:(topo.dp_rank + 1) * rows]
         opt.zero_grad()
-        losses.append(pipe.train_step(x, y).item())
+        losses.append(checked_step(pipe, x, y))
         norms.append(pipe.clip_grad_norm_(0.5).item())
         opt.step()
     return {"losses": losses, "norms": norms, "state": pipe.consolidated_state_dict()}

@@ -18,6 +18,8 @@ from torch import nn
 import hybridpar
 from hybridpar.pipeline.tied import Tie, check_kept, find_ties, names_by_id
 
+from pipe_harness import checked_step
+
 VOCAB, WIDTH, SEQ = 24, 8, 6
 
 
@@ -88,7 +90,7 @@ def train_worker(layout, balance, schedule, steps, batch, tp_plan, clip):
     losses, norms = [], []
     for x, y in zip(*batches(steps, batch)):
         opt.zero_grad()
-        losses.append(pipe.train_step(x, y).item())
+        losses.append(checked_step(pipe, x, y))
         if clip is not None:
             norms.append(float(pipe.clip_grad_norm_(clip)))
         opt.step()

@@ -23,7 +23,7 @@ from hybridpar.tensor_parallel.state import collect_state_dict, gather_full, rel
 from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
 from hybridpar.train.shards import ShardChunk, model_entries, optimizer_entries
 
-from pipe_harness import data, reference
+from pipe_harness import checked_step, data, reference
 
 F64 = torch.float64
 
@@ -224,7 +224,7 @@ def _pipe_worker(schedule, chunks, p, balance, plan, steps, batch):
     losses = []
     for x, y in zip(xs, ys):
         opt.zero_grad()
-        losses.append(pipe.train_step(x, y).item())
+        losses.append(checked_step(pipe, x, y))
         opt.step()
     pipe.eval()
     return {"losses": losses, "state": pipe.consolidated_state_dict(),

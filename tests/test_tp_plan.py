@@ -22,7 +22,7 @@ from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.tensor_parallel.state import gather_full
 
-from pipe_harness import data, reference
+from pipe_harness import checked_step, data, reference
 
 F64 = torch.float64
 
@@ -381,7 +381,7 @@ def _pipe_worker(layout, balance, plan, steps, batch, chunks):
     losses = []
     for x, y in zip(xs, ys):
         opt.zero_grad()
-        losses.append(pipe.train_step(x, y).item())
+        losses.append(checked_step(pipe, x, y))
         opt.step()
     return {"losses": losses, "state": pipe.consolidated_state_dict(),
             "out": pipe(xs[0]).detach()}

@@ -17,7 +17,7 @@ import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
 from hybridpar.pipeline import replay as nccl
 
-from pipe_harness import data, make_optimizer, mlp, reference, skipnet
+from pipe_harness import checked_step, data, make_optimizer, mlp, reference, skipnet
 from test_pipe_features import _bn_reference
 from test_tied import batches, lm_loss, one_device, tied_lm
 
@@ -32,7 +32,7 @@ def _train(pipe, topo, xs, ys, optimizer="sgd"):
     for x, y in zip(xs, ys):
         x, y = (t[topo.dp_rank * rows:(topo.dp_rank + 1) * rows] for t in (x, y))
         opt.zero_grad()
-        losses.append(pipe.train_step(x, y).item())
+        losses.append(checked_step(pipe, x, y))
         opt.step()
     return losses
 
@@ -178,7 +178,7 @@ def _tied_worker(layout, schedule, balance):
     losses = []
     for x, y in zip(*batches(3, 4)):
         opt.zero_grad()
-        losses.append(pipe.train_step(x, y).item())
+        losses.append(checked_step(pipe, x, y))
         opt.step()
     return {"losses": losses, "state": pipe.consolidated_state_dict(),
             "stages": pipe.stages}
@@ -214,7 +214,7 @@ def _gpt_worker(layout, schedule, balance):
         x, y = example_batch("gpt", 8 * dp, seed=step, **SMALL)
         rows = slice(topo.dp_rank * 8, (topo.dp_rank + 1) * 8)
         opt.zero_grad()
-        losses.append(pipe.train_step(x[rows], y[rows]).item())
+        losses.append(checked_step(pipe, x[rows], y[rows]))
         opt.step()
     return {"losses": losses, "state": pipe.consolidated_state_dict()}
 

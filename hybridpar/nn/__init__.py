@@ -6,6 +6,7 @@ from hybridpar.tensor_parallel.feature.dense import TPDense
 from hybridpar.tensor_parallel.feature.wrapper import ModelParallelismWrapper
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.loss import CausalLMLoss, ParallelCrossEntropyLoss
+from hybridpar.tensor_parallel.attrs import register_partial_grad
 from hybridpar.tensor_parallel.random import ParallelDropout
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "TPDense",
     "functional",
     "init",
+    "register_partial_grad",
 ]

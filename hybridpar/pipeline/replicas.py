@@ -20,8 +20,7 @@ parameters and gradients in all-reduces, and the same again in memory for one ch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +29,11 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
+from hybridpar.pipeline.loss import Guard
 
 __all__ = ["CHUNK", "ReplicaGroup", "ReplicaMismatchError", "check_replicas"]
 
 CHUNK = 1 << 24                 # elements per all-reduce (64 MiB in float32)
-Guard = Callable[[str, ProcessGroup], AbstractContextManager[None]]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -107,7 +106,9 @@ def check_replicas(groups: Sequence[ReplicaGroup], *, rank: int, world: int,
                              f"replicas (ranks {ranks})")
     board = torch.zeros(world, dtype=torch.float64, device=device)
     board[rank] = worst
-    with guard("the replica check's agreement", dist.group.WORLD):
+    world_group = dist.group.WORLD
+    assert world_group is not None
+    with guard("the replica check's agreement", world_group):
         dist.all_reduce(board)
     bad = [r for r in range(world) if board[r] > atol]
     if found:

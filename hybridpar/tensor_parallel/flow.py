@@ -60,11 +60,16 @@ WIDTH_ATTRS = ("split_size", "embed_dim", "hidden_size", "all_head_size", "inner
 
 
 def sample_input(root: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """A small meta input for `root`: token ids (2, 3) or features (2, 3, in); None if unknown."""
+    """A small meta input for `root`: token ids (2, 3) or features (2, 3, in), from the first
+    layer holding parameters (a leaf, or a known layer: a parent's own parameters may be
+    used later); None if unknown."""
     if getattr(root, "main_input_name", None) == "input_ids":
         return (torch.zeros(2, 3, dtype=torch.long, device="meta"),), {}
     for m in root.modules():
-        if next(m.parameters(recurse=False), None) is None:
+        known = isinstance(m, nn.Embedding) or is_linear_like(m) or \
+            type(m).__name__ in ("ParallelEmbedding", "ParallelLinear", "ParallelConv1D")
+        if next(m.parameters(recurse=False), None) is None or \
+                (not known and next(m.children(), None) is not None):
             continue
         if isinstance(m, nn.Embedding) or type(m).__name__ == "ParallelEmbedding":
             return (torch.zeros(2, 3, dtype=torch.long, device="meta"),), {}
