@@ -174,6 +174,8 @@ def test_auto_shards_gpt2_conv1d_and_the_fused_qkv_by_heads_and_matches_one_devi
     assert "replicate - replicated (its weight is tied to ['lm_head.weight'])" in \
         _decision(d, "transformer.wte")
     assert "final classifier replicated" in _decision(d, "lm_head")
+    # the position table is indexed by arange, not by the input ids: replicated
+    assert "replicated: a position table" in _decision(d, "transformer.wpe")
 
 
 def test_hf_base_model_tp_plan_and_a_tied_vocab_plan_are_accepted(tp2):

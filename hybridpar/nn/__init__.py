@@ -2,11 +2,11 @@
 
 from hybridpar.nn import functional, init
 from hybridpar.pipeline.batchnorm import DeferredBatchNorm
+from hybridpar.tensor_parallel.attrs import register_partial_grad
 from hybridpar.tensor_parallel.feature.dense import TPDense
 from hybridpar.tensor_parallel.feature.wrapper import ModelParallelismWrapper
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.loss import CausalLMLoss, ParallelCrossEntropyLoss
-from hybridpar.tensor_parallel.attrs import register_partial_grad
 from hybridpar.tensor_parallel.random import ParallelDropout
 
 __all__ = [

@@ -22,6 +22,10 @@ The full run also finds what a layer's output is made of: split at once into k e
 along its features (GPT-2's c_attn: q | k | v) it is *fused* (each part is sharded alike); its
 first reshape ``(*, F) -> (*, n, d)`` gives its n heads of size d. The attention module that
 owns sharded heads gets its head counts and widths divided by tp (`head_attributes`).
+Both runs also follow the replicated parameters (not a Linear's): a use on a shard makes its
+gradient partial over tp (`Pairing.partial`; a column whose shard meets a parameter also used
+on a full activation is dropped), and an embedding table indexed by sizes alone (an arange,
+not the input) is a position table (`FullTrace.positional`).
 Caveat: a reshape that puts the heads inside the head dim would pass the shape test. The
 rules an op must obey, and the run that checks them, are in `flow_ops`.
 """

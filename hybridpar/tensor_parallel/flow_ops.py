@@ -113,6 +113,7 @@ class FullTrace:
     calls: dict[str, int] = field(default_factory=dict)       # layer -> times called
     fused: dict[str, int] = field(default_factory=dict)       # layer -> parts (k > 1)
     heads: dict[str, tuple[int, int]] = field(default_factory=dict)  # layer -> (n, head dim)
+    positional: set[str] = field(default_factory=set)  # embedding tables not indexed by input
 
 
 class Run:
@@ -178,6 +179,10 @@ class Run:
         if self.full is None:
             self.trace.shapes.append((name, [tuple(t.shape) for t in outs]))
             self._learn(name, args, kwargs, ins, outs)
+            if name == "embedding" and len(ins) >= 2 and id(ins[0]) not in self.data:
+                # indices made from sizes alone (arange): a position table, not a vocabulary
+                self.trace.positional.update(self.derived.get(id(ins[1]), ()))
+            self._follow_params(ins, outs, frozenset())
             return out
         index, self.n = self.n, self.n + 1
         expected = self.full.shapes[index] if index < len(self.full.shapes) else None
@@ -333,6 +338,7 @@ class Run:
             out = torch.empty(*x.shape[:-1], n_out, dtype=dtype, device="meta")
             self.direct[id(out)] = (name, None)
             self.keep.append(out)
+            self.data.add(id(out))
             return out
         s = self.shard.get(id(x))
         role = "replicate"

@@ -39,7 +39,12 @@ sharded run):
   divided by tp (`flow.head_attributes`; configs are never changed);
 * an output split at once into k equal parts (GPT-2's fused q | k | v) is sharded part by
   part (``fused=k``);
-* every nn.Embedding becomes vocab-parallel (uneven vocabularies allowed);
+* every nn.Embedding becomes vocab-parallel (uneven vocabularies allowed), but a position
+  table (indexed by an ``arange``, not by the input: GPT-2's wpe), which stays replicated;
+* a replicated parameter used on a column's shard (Qwen3's q_norm) is tagged: its gradient
+  is summed over tp after each step (`attrs.register_partial_grad`, `pipeline.partial`); one
+  also used on a full activation leaves those columns replicated. Dict plans get the same
+  tags (and a ValueError for such a parameter), and the style "replicate_sum_grad";
 * the last Linear of the model, if not paired and the last layer in registration order,
   becomes column-parallel: class-sharded logits, to be fed to `ParallelCrossEntropyLoss`.
   A forward hook on the model and on its last child raises if their output (or its
@@ -256,13 +261,13 @@ def _replace(module: nn.Module, layers: Layers, styles: Mapping[str, str],
 def _mark_partial(module: nn.Module, styles: Mapping[str, str], partial: Partial
                   ) -> list[str]:
     """Tag the parameters whose gradients are partial over tp (`attrs.register_partial_grad`):
-    those the forward uses on a shard, and those of 'replicate_sum_grad' layers. One
-    decision line each."""
+    those the forward uses on a shard, and the own parameters of 'replicate_sum_grad' layers
+    (not their children's). One decision line each."""
     params = dict(module.named_parameters())
     why = {p: f"used on the shards of {', '.join(sorted(cols))}" for p, cols in partial.items()}
     for layer, style in styles.items():
         if style == "replicate_sum_grad":
-            for key, _ in module.get_submodule(layer).named_parameters():
+            for key, _ in module.get_submodule(layer).named_parameters(recurse=False):
                 why.setdefault(f"{layer}.{key}", f"'{layer}' is {style!r} in the plan")
     for name in why:
         register_partial_grad(params[name])

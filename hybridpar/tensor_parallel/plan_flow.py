@@ -12,7 +12,7 @@ the columns}): their gradients on a tp rank are that rank's part, to be summed o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -140,18 +140,25 @@ def resolve_auto(root: nn.Module, layers: Layers, tp: int, sample: SAMPLE | None
     heads_error(layers, full, list(candidates), tp)
     pairing = pair_columns(root, names, sample, full, tp, candidates, no_rows)
     styles = _styles_of(layers, full, pairing, tp, notes)
-    _embeddings_and_classifier(layers, tp, styles, notes)
+    _embeddings_and_classifier(layers, tp, styles, notes, full.positional)
     fused = {c: p for c, p in pairing.columns.items() if p > 1}
     return styles, notes, fused, head_attributes(root, pairing.columns, full, tp), \
         pairing.partial
 
 
 def _embeddings_and_classifier(layers: Layers, tp: int, styles: dict[str, str],
-                               notes: dict[str, str]) -> None:
-    """Every nn.Embedding vocab-parallel; the last Linear, if the last layer, class-sharded."""
+                               notes: dict[str, str], positional: Collection[str] = ()) -> None:
+    """Every nn.Embedding vocab-parallel but position tables (`positional`: weights the
+    forward indexes by positions, not by the input); the last Linear, if the last layer,
+    class-sharded."""
     for name in layers.names:
         m = layers.by_name[name]
         if type(m) is nn.Embedding and name not in layers.in_mha:
+            if f"{name}.weight" in positional:
+                styles[name] = "replicate"
+                notes[name] = ("replicated: a position table (indexed by positions, not by "
+                               "the input); sharded, its output would cost an all-reduce")
+                continue
             why = layers.unshardable(name)
             styles[name] = "replicate" if why else "vocab"
             if why:
