@@ -5,12 +5,18 @@ once (`hybridpar.launch.preload` adds to those). The ranks of the Hugging Face t
 transformers' model families on their own, 1-2 s of CPU a rank (4 ranks: 2-3 s a spawn on 2
 cores). When the collected tests import transformers (they are being run), the forkserver
 imports those modules too, once, before the first spawn starts it: what each rank runs is
-unchanged, it only finds them imported.
+unchanged, it only finds them imported. Last, it imports `torch_warnings`, which sets the
+suite's warning filters (torch's deprecations are errors) in the forkserver, so in every rank.
+Python 3.11's forkserver imports its preloads with its own path (the current directory first,
+not tests/), hence the module by both names, its own (where the forkserver's path has tests/)
+and the one from the current directory (``tests.torch_warnings`` from the checkout); a name
+that does not import is skipped, and test_torch_floor.py checks that a rank has the filters.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hybridpar.launch
 
@@ -22,3 +28,14 @@ HF_PRELOAD = ["transformers", "transformers.models.auto.modeling_auto",
 def pytest_collection_finish(session):
     if "transformers" in sys.modules:
         hybridpar.launch.preload(*HF_PRELOAD)
+    # last: the imports above run unfiltered
+    hybridpar.launch.preload("torch_warnings", _name_from_cwd("torch_warnings"))
+
+
+def _name_from_cwd(module: str) -> str:
+    """The dotted name of tests/`module` as imported from the current directory."""
+    path = Path(__file__).resolve().parent / module
+    try:
+        return ".".join(path.relative_to(Path.cwd().resolve()).parts)
+    except ValueError:   # run from outside the checkout: the forkserver cannot import it
+        return module

@@ -101,7 +101,8 @@ def _worker(tp):
     topo = hybridpar.init(tp=tp)
     group = topo.tp_group
     counts = {"all_reduce": 0, "all_gather": 0}
-    for name in ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce"):
+    for name in ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
+                 "all_reduce"):   # all_gather_single: hybridpar.compat's, on torch >= 2.13
         original = getattr(dist, name)
 
         def counted(*args, _original=original, _key=name, **kwargs):

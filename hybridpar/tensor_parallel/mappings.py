@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from hybridpar.compat import all_gather_single, reduce_scatter_single
 from hybridpar.trace import collective
 
 __all__ = [
@@ -94,8 +95,9 @@ def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
                      length: int | None = None) -> Tensor:
     """Concatenate every rank's `x` along `dim`; `length` is the full length when uneven.
 
-    One `all_gather_single` (the tensor form, `all_gather_into_tensor`) of the shards, one
-    after another (uneven shards padded to the widest), then each narrowed to its size.
+    One `all_gather_single` (`hybridpar.compat`: ``all_gather_into_tensor`` before torch 2.13)
+    of the shards, one after another (uneven shards padded to the widest), then each narrowed
+    to its size.
     """
     n = group_size(group)
     if n == 1:
@@ -111,7 +113,7 @@ def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
     flat = local.new_empty(n * local.numel())   # every shard flattened, one after another
     full = local.numel() // max(local.shape[dim], 1) * sum(sizes) * local.element_size()
     with collective("all_gather", full):
-        dist.all_gather_single(flat, local.view(-1), group=group)
+        all_gather_single(flat, local.view(-1), group)
     stacked = flat.view(n, *local.shape)                               # (n, ..., widest, ...)
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(stacked.unbind(0), sizes)], dim=dim)
 
@@ -119,8 +121,8 @@ def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
 def reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Sum `x` over the group and keep this rank's slice along `dim` (`shard_sizes`).
 
-    One `reduce_scatter_single` (the tensor form, `reduce_scatter_tensor`) over the slices
-    stacked on a new leading dim (uneven slices padded to the widest).
+    One `reduce_scatter_single` (`hybridpar.compat`: ``reduce_scatter_tensor`` before torch
+    2.13) over the slices stacked on a new leading dim (uneven slices padded to the widest).
     """
     n = group_size(group)
     if n == 1:
@@ -135,7 +137,7 @@ def reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Ten
         stacked[r].narrow(dim, 0, part.shape[dim]).copy_(part)
     out = x.new_empty(shape)
     with collective("reduce_scatter", _nbytes(x)):
-        dist.reduce_scatter_single(out.view(-1), stacked.view(-1), group=group)
+        reduce_scatter_single(out.view(-1), stacked.view(-1), group)
     return out.narrow(dim, 0, sizes[group_rank(group)]).contiguous()
 
 
