@@ -179,3 +179,32 @@ def test_profiling_a_sharded_layer_repeats_it_the_same_number_of_times_on_every_
     # closed by peer" in the row layer's all-reduce, after rank 0 finished and exited.
     balances = hybridpar.spawn(_profile_worker, 2, timeout=60)
     assert balances == [[1, 2], [1, 2]]   # layer 0 (5 ms a repeat) dominates on both ranks
+
+
+# Qwen3's q_norm / k_norm at tp > 1: replicated weights on sharded heads ----------------------
+
+def test_qwen3_head_norms_on_sharded_heads_have_their_gradients_summed_over_tp():
+    # Story (issue "Silently wrong at tp > 1"): Qwen3 normalizes every query and key head with
+    # one weight (q_norm, k_norm). At tp = 2 each rank holds half of the heads, so each rank's
+    # gradient of those replicated weights was its heads' part: nothing summed them, the
+    # copies drifted apart (2.7e-2 after 3 AdamW steps) and the model followed (parameters off
+    # by 3.6e-2), with no error, under "auto" and under Qwen3's own plan, whose
+    # 'replicated_with_grad_allreduce' was read as plain 'replicate'. Fixed in 9d70f6b: the
+    # data flow follows replicated parameters into shards, the HF style maps to
+    # 'replicate_sum_grad', HybridPipe sums such gradients over tp each step, and
+    # check_replicas makes any copy that still drifts an error. With the fix reverted, the
+    # flow finds no partial parameter here and the style maps to 'replicate'; the training
+    # itself is checked in test_hf_layouts.py (qwen3 at tp2, pp2 x tp2, ZBV, both plans).
+    pytest.importorskip("transformers")
+    from hf_models import tiny
+
+    from hybridpar.hf import to_sequential
+    from hybridpar.tensor_parallel.hf_plan import HF_STYLES
+    from hybridpar.tensor_parallel.layer_graph import Layers
+    from hybridpar.tensor_parallel.plan_flow import resolve_auto
+
+    model = to_sequential(tiny("qwen3"))
+    *_, partial = resolve_auto(model, Layers(model), 2, None)
+    assert partial == {f"{b}.self_attn.{n}_norm.weight": {f"{b}.self_attn.{n}_proj"}
+                       for b in (1, 2) for n in "qk"}
+    assert HF_STYLES["replicated_with_grad_allreduce"] == "replicate_sum_grad"
