@@ -105,6 +105,14 @@ def test_overrides_of_every_type(small):
     assert config.model.args["dropout"] == 0.1
 
 
+def test_the_replica_check_is_off_by_default_and_takes_a_period_and_a_tolerance(small):
+    assert (ParallelConfig().check_replicas, ParallelConfig().replica_atol) == (0, 0.0)
+    config = load_config(small, ["parallel.check_replicas=10", "parallel.replica_atol=1e-6"])
+    assert (config.parallel.check_replicas, config.parallel.replica_atol) == (10, 1e-6)
+    assert load_config(small, ["parallel.replica_atol=0"]).parallel.replica_atol == 0.0
+    assert Config.from_dict(config.to_dict()) == config
+
+
 def test_overrides_replace_a_list_balance_with_a_name_and_the_last_one_wins(small):
     config = load_config(small, ["parallel.balance=time", "train.steps=5", "train.steps=7"])
     assert config.parallel.balance == "time" and config.train.steps == 7
@@ -165,6 +173,9 @@ def test_a_malformed_set_is_an_error(small):
     ("parallel.tp=none", "parallel.tp must be an integer, got 'none'"),
     ("model.n_layer=four", "model.n_layer must be an integer, got 'four'"),
     ("model.bias=3", "model.bias must be true or false, got 3"),
+    ("parallel.check_replicas=2.5", "parallel.check_replicas must be an integer, got 2.5"),
+    ("parallel.check_replicas=true", "parallel.check_replicas must be an integer, got True"),
+    ("parallel.replica_atol=tiny", "parallel.replica_atol must be a number, got 'tiny'"),
 ])
 def test_wrong_types_name_the_key_and_the_type(small, override, expected):
     assert expected in error_of(small, override)
@@ -180,7 +191,7 @@ def test_wrong_types_name_the_key_and_the_type(small, override, expected):
     ("data.source=web", "data.source must be one of 'synthetic', 'text', 'corpus'"),
     ("parallel.tp_plan=manual", "parallel.tp_plan must be one of 'auto'"),
     ('parallel.tp_plan={"*.fc" = "col"}',
-     "'column', 'row', 'vocab', 'replicate', a TPDense style ('dense_gather', "),
+     "'column', 'row', 'vocab', 'replicate', 'replicate_sum_grad', a TPDense style "),
 ])
 def test_values_outside_their_choices_list_the_choices(small, override, expected):
     assert expected in error_of(small, override)
@@ -203,6 +214,9 @@ def test_a_tpdense_style_in_the_tp_plan_is_accepted(small):
     ("data.val_fraction=1.5", "data.val_fraction must be in [0, 1)"),
     ("train.min_lr=1", "train.min_lr=1.0 is above train.lr"),
     ("train.lr=inf", "train.lr must be a finite number, got inf"),
+    ("parallel.check_replicas=-1", "parallel.check_replicas must be >= 0, got -1"),
+    ("parallel.replica_atol=-1e-6", "parallel.replica_atol must be >= 0, got -1e-06"),
+    ("parallel.replica_atol=nan", "parallel.replica_atol must be a finite number, got nan"),
 ])
 def test_sizes_out_of_range_are_rejected(small, override, expected):
     assert expected in error_of(small, override)

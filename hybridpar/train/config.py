@@ -3,7 +3,7 @@
     [model]       name = "gpt" and the model's keyword options as flat keys (n_layer = 4, ...)
     [data]        source, path, seq_len, val_fraction, seed
     [parallel]    pp, tp, dp, chunks, schedule, virtual_stages, checkpoint, balance, tp_plan,
-                  deferred_batch_norm
+                  deferred_batch_norm, timeout, check_replicas, replica_atol
     [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
                   nonfinite
     [checkpoint]  every, keep
@@ -85,6 +85,14 @@ class ParallelConfig:
     # table: layer glob = "style" (ours or Hugging Face's), parameter name = [slices per dim]
     deferred_batch_norm: bool = False   # BatchNorm statistics of the whole mini-batch
     timeout: float = 600.0        # seconds any rank waits for another before failing
+    check_replicas: int = 0       # 0: off; N: after the backward of steps N, 2N, ... (before
+    # clipping), check that the copies of every replicated parameter (over tp, over dp, a tie's
+    # stages) agree in values and gradients (`HybridPipe.check_replicas`); a mismatch stops
+    # the run with ReplicaMismatchError on every rank. A check all-reduces, per group, 2 x
+    # (parameters + gradients) of its copies in >= fp32: on 2 CPU cores 20% of a step at
+    # pp=1 x tp=2 x dp=2, 7.5% at pp=2 x tp=2 (docs/benchmarks.md); a large N makes it cheap
+    replica_atol: float = 0.0     # the largest difference the check allows; 0.0: bit-identical,
+    # as copies are on CPU / gloo; non-deterministic GPU kernels may need a small tolerance
 
 
 @dataclass(frozen=True)

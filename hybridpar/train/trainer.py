@@ -1,8 +1,9 @@
 """The training loop of `hybridpar run`: one call of `train` per worker process.
 
     resume (latest complete checkpoint) | init-from (a plain state dict) | fresh (the seed)
-    per step:  lr_at(step) -> data -> HybridPipe.train_step -> global grad clip -> AdamW
-               (a NaN / inf loss or gradient norm: stop, or skip the update: train.nonfinite)
+    per step:  lr_at(step) -> data -> HybridPipe.train_step -> [replica check] -> global
+               grad clip -> AdamW (a NaN / inf loss or gradient norm: stop, or skip the
+               update: train.nonfinite; the replica check every parallel.check_replicas steps)
     then:      metrics.jsonl and the progress bar (the rank holding the loss),
                eval loss every eval_every, a checkpoint every `every`, a text sample at the end
 
@@ -31,6 +32,7 @@ from hybridpar.agreement import fail_together
 from hybridpar.models import generate
 from hybridpar.models.registry import build, takes_tokens
 from hybridpar.pipe import HybridPipe
+from hybridpar.pipeline.replicas import ReplicaMismatchError
 from hybridpar.pipeline.trace_report import TraceRequest, traced_step
 from hybridpar.tensor_parallel.random import (
     get_rng_state_all,
@@ -290,12 +292,30 @@ class _Reporter:
             self.metrics.close()
 
 
+def _check_replicas(run: _Run, step: int) -> float:
+    """`HybridPipe.check_replicas` after step `step`'s backward (every rank, the same step):
+    the largest difference between copies, or `ReplicaMismatchError` on every rank, naming
+    the step."""
+    par = run.config.parallel
+    try:
+        return run.pipe.check_replicas(atol=par.replica_atol)
+    except ReplicaMismatchError as e:
+        hint = ("; differences of rounding size on a GPU can come from its non-deterministic "
+                "kernels: allow them with parallel.replica_atol"
+                if run.pipe.device.type == "cuda" else "")
+        raise ReplicaMismatchError(
+            f"step {step} (parallel.check_replicas = {par.check_replicas}, replica_atol = "
+            f"{par.replica_atol:g}): {e}{hint}") from None
+
+
 def _train_step(run: _Run, autocast: Any, trace: TraceRequest | None) -> dict[str, Any]:
     """One optimizer step: lr, batch, forward and backward, clip, update; its record.
 
     A non-finite loss or gradient norm (the same value on every rank: the loss is broadcast
     and the norm all-reduced) stops the run with `FloatingPointError` naming the step, or,
-    with ``train.nonfinite = "skip"``, drops the step's update: ``"skipped": true``.
+    with ``train.nonfinite = "skip"``, drops the step's update: ``"skipped": true``. Every
+    ``parallel.check_replicas``-th step the replicated parameters' copies are compared
+    before the update (`_check_replicas`).
     """
     cfg = run.config.train
     step = run.step + 1
@@ -311,6 +331,9 @@ def _train_step(run: _Run, autocast: Any, trace: TraceRequest | None) -> dict[st
     with traced_step(run.pipe, trace, step=step, last=cfg.steps), autocast:
         loss = float(run.pipe.train_step(x, y))
     record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr}
+    every = run.config.parallel.check_replicas
+    if every and step % every == 0:
+        record["replica_diff"] = _check_replicas(run, step)
     problem = None if math.isfinite(loss) else f"the loss is {loss}"
     if problem is None:   # the norm is checked even without clipping: a NaN gradient is no update
         norm = float(run.pipe.clip_grad_norm_(cfg.grad_clip or math.inf))

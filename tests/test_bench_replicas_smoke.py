@@ -1,0 +1,33 @@
+"""scripts/bench_replicas.py runs end to end on a tiny GPT and its byte counts meet the formula
+(per group, 2 x (parameters + gradients) of the replicated copies in float32); its times mean
+nothing here."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--batch", "4", "--seq", "8",
+        "--chunks", "2", "--warmup", "0", "--iters", "1"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/bench_replicas.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_tiny_run_times_the_check_and_counts_its_bytes_by_the_formula(tmp_path):
+    out = tmp_path / "replicas.json"
+    done = run(*TINY, "--repeats", "3", "--layouts", "1x2x2", "2x2x1", "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["pp"], r["tp"], r["dp"]) for r in result["rows"]] == [(1, 2, 2), (2, 2, 1)]
+    for r in result["rows"]:
+        assert r["match"] and r["largest_difference"] == 0.0
+        assert r["step_s"]["median"] > 0 and r["check_s"]["median"] > 0
+        assert len(r["step_s"]["samples"]) == 3
+    dp_row = result["rows"][0]        # dp=2: every parameter of the rank, 16 bytes each, + tp's
+    assert all(b >= 16 * n for b, n in zip(dp_row["bytes_per_rank"], dp_row["params_per_rank"]))
+    assert "check / step" in done.stdout and result["machine"]["processor"]
+
