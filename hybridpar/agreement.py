@@ -25,10 +25,31 @@ from torch.distributed import ProcessGroup
 __all__ = ["fail_together"]
 
 
+def _device_type(backend: str) -> str:
+    """The device type of the agreement's tensors on a group of `backend` (`dist.get_backend`).
+
+        backend                  devices it carries   agreement on
+        "gloo", "mpi", "fake"    cpu, cuda, ...       cpu
+        "cpu:gloo,cuda:nccl"     cpu, cuda            cpu (gloo): control traffic never syncs
+                                                      a GPU (DESIGN §9)
+        "nccl", "cuda:nccl"      cuda                 cuda (NCCL refuses CPU tensors)
+
+    A group given several backends (``"dev:backend,..."``, what `hybridpar.init` makes of
+    nccl) is named by that whole string, never ``"nccl"``: read it by device, not by name.
+    """
+    name = str(backend).lower()
+    if ":" in name:
+        devices = [pair.split(":", 1)[0].strip() for pair in name.split(",")]
+    else:   # one backend for every device it supports (torch assumes cpu and cuda if unknown)
+        devices = list(dist.Backend.backend_capability.get(name, ["cpu", "cuda"]))
+    return "cpu" if "cpu" in devices else devices[0]
+
+
 def _device(group: ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
+    kind = _device_type(dist.get_backend(group))
+    if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device(kind)
 
 
 @contextmanager

@@ -30,8 +30,9 @@ One rank's tensors to a whole group (the balance, the last stage's output, state
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,16 +50,21 @@ from hybridpar.p2p_abort import (
     header_dummy,
     interrupt,
     publish_abort,
+    publish_hang,
     read_abort,
+    read_hang,
     read_pipeline_abort,
     starts_with_magic,
 )
 from hybridpar.p2p_spec import (
     DTYPES,
     HEADER_LEN,
+    NCCL_DTYPES,
     MessageSpec,
+    NCCLDtypeError,
     SpecBook,
     TensorSpec,
+    check_nccl_dtypes,
     decode,
     header,
     signature_hash,
@@ -77,23 +83,29 @@ __all__ = [
     "DTYPES",
     "HEADER_LEN",
     "MAGIC",
+    "NCCL_DTYPES",
     "WAKE_TAG",
     "CommStats",
     "Incoming",
     "MessageSpec",
+    "NCCLDtypeError",
     "Op",
     "PeerFailed",
     "SpecBook",
     "TensorSpec",
     "Wire",
     "abort_dummy",
+    "check_nccl_dtypes",
     "comm_stats",
+    "delivering_headers",
     "header",
     "header_dummy",
     "interrupt",
     "payloads",
     "publish_abort",
+    "publish_hang",
     "read_abort",
+    "read_hang",
     "read_pipeline_abort",
     "record",
     "reset_comm_stats",
@@ -255,9 +267,11 @@ class Incoming:
 
     def __init__(self, wire: Wire, src: int, channel: int, label: str, *,
                  spec: MessageSpec | None, tp_group: ProcessGroup | None,
-                 device: torch.device, step: int, microbatch: int, stage: int = -1) -> None:
+                 device: torch.device, step: int, microbatch: int, stage: int = -1,
+                 at: int = -1) -> None:
         self.wire, self.src, self.channel, self.label = wire, src, channel, label
         self.microbatch, self.stage = microbatch, stage   # stage: the sender's (-1: unsaid)
+        self.at = at                                      # the receiving stage (-1: unsaid)
         self.step = step   # the key of the peer's abort, if it sends one
         self.spec, self.tp_group, self.device = spec, tp_group, device
         self.header: Tensor | None = None
@@ -303,7 +317,7 @@ class Incoming:
         for work in self.header_works:
             wait(work, timeout)
         self._check_abort(self.header)
-        spec, signature = decode(self.header)
+        spec, signature = decode(self.header if _delivery is None else _delivery(self))
         if signature != expected_signature:
             raise ValueError(
                 f"rank {self.src} sent {self.label} for a step of different shapes than this "
@@ -344,6 +358,24 @@ class Incoming:
                 if s.absent:
                     out.insert(k, None)
             return tuple(out)
+
+
+_delivery: Callable[[Incoming], Tensor] | None = None
+
+
+@contextlib.contextmanager
+def delivering_headers(deliver: Callable[[Incoming], Tensor]) -> Iterator[None]:
+    """Meanwhile a received header is read as `deliver(message)` returns it (a CPU header).
+
+    For `hybridpar check`, whose fake receives deliver no data: the header travels (sizes,
+    order, device, the wait for it), and what it says comes from the dry run's shape pass.
+    """
+    global _delivery
+    saved, _delivery = _delivery, deliver
+    try:
+        yield
+    finally:
+        _delivery = saved
 
 
 def wait(work: dist.Work | None, timeout: datetime.timedelta | None) -> None:

@@ -10,7 +10,9 @@ delivers into a larger receive. This check is a CPU read, done on gloo; on NCCL 
 synchronise the host, so there the receiver relies on the process group's timeout.
 A rank whose own action failed also stores its error under its pipeline's key
 (``hybridpar/abort/<step>/pipeline-<id>``), which the peers it owes nothing find from a
-thread (`pipeline.listener`); `interrupt` breaks their waits on gloo.
+thread (`pipeline.listener`); `interrupt` breaks their waits on gloo. A watchdog that
+reports a hang stores it under ``hybridpar/hang``, one key every rank's watchdog reads, so the
+ranks it cannot reach through the pipeline (dp and tp peers) stop with its report too.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ __all__ = [
     "header_dummy",
     "interrupt",
     "publish_abort",
+    "publish_hang",
     "read_abort",
+    "read_hang",
     "read_pipeline_abort",
     "starts_with_magic",
 ]
@@ -83,6 +87,24 @@ def read_abort(step: int, src: int) -> PeerFailed | None:
         return None
     rank, stage, text = store.get(key).decode(errors="replace").split("\n", 2)
     return PeerFailed(src, int(rank), int(stage), text)
+
+
+def publish_hang(report: str) -> None:
+    """Store this rank's hang report where every rank's watchdog looks (the first one wins)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.compare_set(_HANG_KEY, "", f"{dist.get_rank()}\n{report}")
+
+
+def read_hang() -> PeerFailed | None:
+    """The hang a rank's watchdog published, or None (one store read when none did)."""
+    store = dist.distributed_c10d._get_default_store()
+    if not store.check([_HANG_KEY]):
+        return None
+    src, _, report = store.get(_HANG_KEY).decode(errors="replace").partition("\n")
+    return PeerFailed(int(src), int(src), -1, report.splitlines()[0] if report else "")
+
+
+_HANG_KEY = "hybridpar/hang"
 
 
 def read_pipeline_abort(step: int, pipeline: str) -> PeerFailed | None:

@@ -10,6 +10,8 @@ step (train or not, the shapes and dtypes of its micro-batches) and kept in a `S
     known           payloads alone (the sender checks that    tensors only, no grad
                     its tensors still fit the spec)
 
+A spec's dtypes are those of `DTYPES`; between GPUs, those NCCL carries (`NCCL_DTYPES`: not
+int16), checked by `check_nccl_dtypes` when a GPU stage sends a message of new shapes.
 `hybridpar.comm` sends and receives the messages these specs describe.
 """
 
@@ -29,9 +31,12 @@ __all__ = [
     "ABSENT",
     "DTYPES",
     "HEADER_LEN",
+    "NCCL_DTYPES",
     "MessageSpec",
+    "NCCLDtypeError",
     "SpecBook",
     "TensorSpec",
+    "check_nccl_dtypes",
     "decode",
     "header",
     "signature_hash",
@@ -43,6 +48,17 @@ _MAX_NDIM = 8
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _NO_TAG = 9
+# What NCCL carries, as torch's NCCL backend maps dtypes to NCCL's: the `ncclDataType` map of
+# torch/csrc/distributed/c10d/ProcessGroupNCCL (collectives) and `to_nccl_data_type` of
+# torch/csrc/cuda/nccl.cpp (send / recv) both list int8, uint8, int32, int64, float16,
+# float32, float64, bfloat16, bool (sent as uint8) and the float8 types (as uint8). Of
+# `DTYPES`, int16 is missing (NCCL has no 16-bit integer): a send of one fails on the GPU with
+# "Unconvertible NCCL type" (complex and uint16 / 32 / 64 are not in `DTYPES` at all).
+NCCL_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                         torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool})
+_NCCL_CAST = {torch.int16: torch.int32}   # what to cast a dtype NCCL lacks to
+
+
 class TensorSpec(NamedTuple):
     """One tensor of a message: what the receiver allocates and how it travels."""
 
@@ -93,6 +109,25 @@ def spec_of(tensors: Sequence[Tensor | None], tp: int, *, grads: bool, single: b
         specs.append(TensorSpec(t.dtype, tuple(t.shape), get_parallel_dim(t),
                                 grads and t.is_floating_point(), _scatters(t, tp)))
     return MessageSpec(tuple(specs), single)
+
+
+class NCCLDtypeError(TypeError):
+    """A message between stages carries a dtype that NCCL cannot (`NCCL_DTYPES`)."""
+
+
+def check_nccl_dtypes(spec: MessageSpec, names: Sequence[str], what: str) -> None:
+    """Raise `NCCLDtypeError` if a tensor of `spec` has a dtype NCCL cannot carry; `names`
+    says what each tensor is (``"output 1 of layer 2 (Embedding)"``), `what` the message."""
+    for t, name in zip(spec.tensors, names):
+        if t.absent or t.dtype in NCCL_DTYPES:
+            continue
+        cast = _NCCL_CAST.get(t.dtype, torch.int64)
+        carried = ", ".join(str(d).removeprefix("torch.") for d in DTYPES if d in NCCL_DTYPES)
+        raise NCCLDtypeError(
+            f"{what}: {name} is {t.dtype}, which NCCL cannot carry between GPUs (torch's NCCL "
+            f"backend has no {str(t.dtype).removeprefix('torch.')}; it carries {carried}); "
+            f"return it as another dtype from that layer, e.g. .to({cast}), and cast it back "
+            "in the next stage if it must be")
 
 
 def _encode(spec: MessageSpec, signature: int) -> list[int]:

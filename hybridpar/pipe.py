@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar import comm
+from hybridpar import comm, generation
 from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
 from hybridpar.balance.choose import choose_balance
+from hybridpar.device import cuda, is_cuda
 from hybridpar.pipeline import clip, consolidate
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
 from hybridpar.pipeline.build import (
@@ -27,6 +29,7 @@ from hybridpar.pipeline.build import (
 )
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
+from hybridpar.pipeline.failure import PipelineError
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.loss import LossShare
 from hybridpar.pipeline.lowering import lower
@@ -101,6 +104,7 @@ class HybridPipe(StageModule):
         chunks = as_chunks(chunks)
         checkpoint = check_checkpoint(checkpoint)   # any object whose str() is a mode
         topo = topology if topology is not None else current_topology()
+        generation.check_usable(topo.generation, "HybridPipe(...)")
         #: the virtual stages of the model, where each lives (stage -> pp rank), the plan
         self.layout = Layout.of(schedule, topo.pp, virtual_stages)
         module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)
@@ -185,8 +189,8 @@ class HybridPipe(StageModule):
             rank_of_stage=lambda t: topo.stage_rank(layout.placement[t]),
             tp_group=topo.tp_group if topo.tp > 1 else None,
             timeout=topo.timeout, checkpoint=self.checkpoint,
-            replay=RNGReplay(tp_random.get_rng_state_all, tp_random.set_rng_state_all,
-                             device_type=self.device.type),
+            replay=RNGReplay(functools.partial(tp_random.get_rng_state_all, self.device),
+                             tp_random.set_rng_state_all, device_type=self.device.type),
             device=self.device, p2p_tags=topo.p2p_tags,
             watchdog=timeout if k == 0 else None,
             local_stages=frozenset(self.stages) - {s}, listen=k == 0), wire=wire)
@@ -248,16 +252,6 @@ class HybridPipe(StageModule):
         """The layers of one of the stages this rank holds (`stages`), original names."""
         return self._executor_of(stage).spec.partition
 
-    def agree_specs(self, inputs: Sequence[TensorOrTensors],
-                    specs: dict[tuple[int, int, int], Any], *, stage: int | None = None) -> None:
-        """Take `specs` ({(channel, peer stage, micro-batch): comm.MessageSpec}, what a shape
-        pass found for `stage`, by default this rank's first) as agreed for training steps of
-        these input micro-batches' shapes: such a step then sends no header (`hybridpar
-        check` agrees the shapes of every rank in advance, since its fake ranks run one after
-        another)."""
-        executor = self._executor_of(self.stages[0] if stage is None else stage)
-        executor.book.commit((True, signature(inputs)), specs)
-
     def _executor_of(self, stage: int) -> StageExecutor:
         for executor in self._executors:
             if executor.spec.stage == stage:
@@ -303,7 +297,7 @@ class HybridPipe(StageModule):
         mode = check_checkpoint(self.checkpoint) if self.training else "never"
         for executor in self._executors:
             executor.spec.checkpoint = mode
-        with self._recording("train_step", len(inputs)):
+        with self._communicating("train_step"), self._recording("train_step", len(inputs)):
             result = self._run(actions, inputs=inputs, targets=targets,
                                loss_fn=self.loss_fn, weights=weights, train=True,
                                what="train_step", signature=signature(inputs),
@@ -333,7 +327,7 @@ class HybridPipe(StageModule):
         """
         inputs, targets, weights = self._microbatches(input, target)
         actions = self._program(len(inputs), train=False)
-        with self._recording("eval_step", len(inputs)):
+        with self._communicating("eval_step"), self._recording("eval_step", len(inputs)):
             result = self._run(actions, inputs=inputs, targets=targets,
                                loss_fn=self.loss_fn, weights=weights, train=False,
                                what="eval_step", signature=signature(inputs),
@@ -345,7 +339,7 @@ class HybridPipe(StageModule):
         """Record this step's timeline when `trace` is on (replacing the previous one)."""
         if not self.trace:
             return contextlib.nullcontext()
-        clock = tracing.DeviceClock() if self.device.type == "cuda" else None
+        clock = tracing.DeviceClock() if is_cuda(self.device, branch="trace clock") else None
         return self.recorder.recording(what=what, microbatches=microbatches,
                                       schedule=self.schedule, checkpoint=self.checkpoint,
                                       clock=clock)
@@ -383,6 +377,34 @@ class HybridPipe(StageModule):
             targets = [to_device(y, self.device) for y in targets]
         return inputs, targets, weights
 
+    @contextlib.contextmanager
+    def _communicating(self, what: str) -> Iterator[None]:
+        """A block that talks to other ranks: refused on process groups a failed step broke
+        (`generation`), which a `PipelineError` out of it breaks (so does a failed action:
+        `StageStops.raise_at`; errors every rank raises together leave them usable). The
+        rank's watchdog (if on) watches the block, and on a GPU afterwards until the device
+        has done the work it queued (`pipeline.watchdog`): the host may wait for that anywhere
+        (``float(loss)``).
+        """
+        generation.check_usable(self.topology.generation, what)
+        dog = self._executor.watchdog
+        if dog is not None:
+            dog.enter()
+        until = None
+        try:
+            yield
+            if dog is not None and is_cuda(self.device, branch="watch the device"):
+                event = cuda().event()
+                event.record()
+                until = event.query
+        except PipelineError as e:
+            generation.mark_broken(f"{what} failed: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''}")
+            raise
+        finally:
+            if dog is not None:
+                dog.leave(until=until)
+
     def _guard(self, operation: str, group: Any) -> contextlib.AbstractContextManager[None]:
         """A collective outside the schedule: a timeout becomes a `PipelineError` block."""
         return self._executor.guard(operation, dist.get_process_group_ranks(group), group)
@@ -398,35 +420,41 @@ class HybridPipe(StageModule):
         if 0 in self.stages:
             inputs = [to_device(x, self.device) for x in inputs]
         actions = self._program(len(inputs), train=False)
-        with self._recording("forward", len(inputs)):
-            result = self._run(actions, inputs=inputs, targets=None, loss_fn=None,
-                               weights=[1.0] * len(inputs), train=False,
-                               what="forward", signature=signature(inputs))
-        # deferred BatchNorm in training mode: this mini-batch's statistics, committed now
-        # (torchgpipe commits after its last micro-batch; a later train_step is its own update)
-        commit_deferred_batch_norms(self)
-        return share_output(result.outputs if self.layout.last_rank == self.stage else None,
-                            self.topology, self._guard, last=self.layout.last_rank)
+        with self._communicating("forward"):
+            with self._recording("forward", len(inputs)):
+                result = self._run(actions, inputs=inputs, targets=None, loss_fn=None,
+                                   weights=[1.0] * len(inputs), train=False,
+                                   what="forward", signature=signature(inputs))
+            # deferred BatchNorm in training mode: this mini-batch's statistics, committed
+            # now (torchgpipe commits after its last micro-batch; a later train_step is its
+            # own update)
+            commit_deferred_batch_norms(self)
+            return share_output(result.outputs if self.layout.last_rank == self.stage else None,
+                                self.topology, self._guard, last=self.layout.last_rank)
 
     # state -------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model's full state dict (same keys and shapes), on every rank
         (`pipeline.consolidate`: no pickles)."""
-        return consolidate.consolidated_state_dict(
-            self, self.topology, stage_keys=self._stage_keys, state_keys=self._state_keys,
-            aliases=self.tied_aliases)
+        with self._communicating("consolidated_state_dict"):
+            return consolidate.consolidated_state_dict(
+                self, self.topology, stage_keys=self._stage_keys, state_keys=self._state_keys,
+                aliases=self.tied_aliases)
 
     def load_consolidated_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load a full (unsharded) state dict, keeping this rank's stage and tp shard."""
-        consolidate.load_consolidated(self, state_dict, self.topology,
-                                      state_keys=self._state_keys, aliases=self.tied_aliases)
+        with self._communicating("load_consolidated_state_dict"):
+            consolidate.load_consolidated(self, state_dict, self.topology,
+                                          state_keys=self._state_keys,
+                                          aliases=self.tied_aliases)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the global norm over all stages and tp shards (`pipeline.clip`: replicated
         parameters and ties count once); returns the norm before clipping."""
-        return clip.clip_grad_norm_(self.parameters(), max_norm, self.topology,
-                                    guard=self._guard, not_counted=self._ties.not_counted,
-                                    norm_type=norm_type)
+        with self._communicating("clip_grad_norm_"):
+            return clip.clip_grad_norm_(self.parameters(), max_norm, self.topology,
+                                        guard=self._guard, not_counted=self._ties.not_counted,
+                                        norm_type=norm_type)
 
     def check_replicas(self, *, atol: float = 0.0) -> float:
         """Raise `ReplicaMismatchError` on every rank if the copies of a replicated parameter
@@ -444,8 +472,9 @@ class HybridPipe(StageModule):
         name_of = {id(p): n for n, p in named}
         groups += [ReplicaGroup("tie", group, [(name_of[id(p)], p) for p in params])
                    for group, params in self._ties.groups]
-        return check_replicas(groups, rank=topo.rank, world=topo.world_size,
-                              device=self.device, guard=self._guard, atol=atol)
+        with self._communicating("check_replicas"):
+            return check_replicas(groups, rank=topo.rank, world=topo.world_size,
+                                  device=self.device, guard=self._guard, atol=atol)
 
     def close(self) -> None:
         """Stop this rank's helper threads (the listener, the watchdog) before the process

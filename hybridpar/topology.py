@@ -26,8 +26,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
+from hybridpar.generation import current as current_generation
+from hybridpar.generation import renew
 from hybridpar.loopback import is_loopback, loopback_interface, loopback_store
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "Coordinate",
     "ParallelDims",
     "Topology",
+    "build_mesh",
     "current_topology",
     "default_tp_group",
     "forget",
@@ -114,8 +117,10 @@ class Topology:
 
     def __init__(self, dims: ParallelDims, rank: int, mesh: DeviceMesh | None,
                  *, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-                 device: torch.device | None = None, p2p_tags: bool = False) -> None:
+                 device: torch.device | None = None, p2p_tags: bool = False,
+                 generation: int = 0) -> None:
         self.dims = dims
+        self.generation = generation   # of the process groups (`hybridpar.generation`)
         self.rank = rank
         self.mesh = mesh
         self.timeout = timeout
@@ -249,15 +254,36 @@ def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None
             # CPU tensors (agreement flags, abort text) go over gloo, CUDA tensors over NCCL
             backend = "cpu:gloo,cuda:nccl"
         _init_default_group(backend, wait, device_id)
+    else:   # after a failed step broke the groups: a new generation of them (gloo)
+        renew(wait)
     dims = ParallelDims.for_world(dist.get_world_size(), pp=pp, tp=tp, dp=dp)
     device_type = "cuda" if "nccl" in dist.get_backend() else "cpu"
-    mesh = init_device_mesh(device_type, (dims.dp, dims.pp, dims.tp),
-                            mesh_dim_names=("dp", "pp", "tp"))
+    mesh = build_mesh(dims, dist.get_rank(), device_type, timeout=wait)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     _current = Topology(dims, dist.get_rank(), mesh, timeout=wait, device=device,
-                        p2p_tags=tags)
+                        p2p_tags=tags, generation=current_generation())
     return _current
+
+
+def build_mesh(dims: ParallelDims, rank: int, device_type: str, *,
+               timeout: datetime.timedelta) -> DeviceMesh:
+    """The ("dp", "pp", "tp") device mesh of `rank`, every group with `timeout`.
+
+    `init_device_mesh` gives its groups torch's default timeout (30 minutes, whatever the
+    world group has), so the groups are made here: every rank creates every group of each
+    dim, in the same order (`new_group` is collective), and keeps its own.
+    """
+    grid = torch.arange(dims.world_size).view(dims.dp, dims.pp, dims.tp)
+    mine: list[ProcessGroup] = []
+    for dim in range(3):
+        rows = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])   # the groups along `dim`
+        for ranks in rows.tolist():
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                assert group is not None
+                mine.append(group)
+    return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=("dp", "pp", "tp"))
 
 
 def _cuda_device() -> torch.device:

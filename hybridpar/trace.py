@@ -55,7 +55,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from hybridpar.device import cuda
 
 __all__ = ["COLUMNS", "KINDS", "OPS", "CommStats", "DeviceClock", "Recorder", "Span", "active",
            "collective", "comm_stats", "count", "reset_comm_stats", "span"]
@@ -155,11 +155,12 @@ class DeviceClock:
     forward measures the launch. Each end is an event on the current stream instead; `now`
     returns a placeholder (-1 - index) and `resolve` maps it to the anchor's wall clock plus
     the GPU time elapsed since the anchor event (one synchronize, at the end of the step).
-    `event` makes the events (``torch.cuda.Event(enable_timing=True)`` by default).
+    `event` makes the events (CUDA's, ``hybridpar.device.cuda().event(timing=True)``, by
+    default).
     """
 
     def __init__(self, event: Callable[[], Any] | None = None) -> None:
-        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.event = event or (lambda: cuda().event(timing=True))
         self.anchor = self.event()
         self.anchor.record()
         self.anchor_ns = time.time_ns()

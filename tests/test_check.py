@@ -1,4 +1,4 @@
-"""`hybridpar check`: one training step of every rank on fake GPUs (hybridpar.train.check).
+"""`hybridpar check`: the first steps of every rank on fake GPUs (hybridpar.train.check).
 
 Every dry run here goes through the real pipeline (build_pipe, HybridPipe.train_step, the
 executor, comm). The fake GPU's registration lasts for the process that runs a dry run, so
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from hybridpar.device import BRANCHES
 from hybridpar.models import gpt, mlp
 from hybridpar.train.check import CheckError, CheckReport, dry_run
 from hybridpar.train.config import Config, load_config
@@ -31,14 +32,14 @@ QUICKSTART = ROOT / "configs" / "quickstart.toml"
 LARGE = ROOT / "configs" / "gpt_large_gpu.toml"
 
 
-def small_mlp(**parallel):
+def small_mlp(*, model=(), train=(), **parallel):
     """A 2-stage x 2-shard MLP: 16 rows of 16 features in 4 micro-batches, 4 classes."""
     return Config.from_dict({
         "name": "small_mlp",
         "model": {"name": "mlp", "in_features": 16, "hidden": 32, "out_features": 4,
-                  "n_layer": 3},
+                  "n_layer": 3, **dict(model)},
         "parallel": {"pp": 2, "tp": 2, "chunks": 4, "schedule": "1f1b", **parallel},
-        "train": {"batch_size": 16}})
+        "train": {"batch_size": 16, **dict(train)}})
 
 
 # faulty layers ---------------------------------------------------------------------------------
@@ -54,6 +55,41 @@ class ReadsAValue(nn.Module):
         return x
 
 
+class CountsAsInt16(nn.Module):
+    def forward(self, x):
+        return x, (x > 0).sum(-1).to(torch.int16)   # (N, C), (N,) int16: NCCL has no int16
+
+
+class DropsCounts(nn.Module):
+    def forward(self, inputs):
+        x, counts = inputs
+        return x + 0 * counts[:, None]
+
+
+def mlp_with_int16_counts(**options):
+    """Stage 0 (layers 0-2) ends with CountsAsInt16: an int16 crosses the boundary."""
+    layers = list(mlp(**options))
+    return nn.Sequential(*layers[:2], CountsAsInt16(), DropsCounts(), *layers[2:])
+
+
+def traced_dry_run(config, **options):
+    """`dry_run` with every rank's pipe tracing its steps (as `hybridpar run --trace` does)."""
+    from hybridpar.train import trainer
+
+    built = trainer.build_pipe
+
+    def build_traced(*args, **kwargs):
+        pipe = built(*args, **kwargs)
+        pipe.trace = True
+        return pipe
+
+    trainer.build_pipe = build_traced
+    try:
+        return dry_run(config, isolate=False, **options)
+    finally:
+        trainer.build_pipe = built
+
+
 def mlp_with_zeros_on_the_cpu(**options):
     layers = list(mlp(**options))
     return nn.Sequential(*layers[:3], ZerosOnTheCPU(), *layers[3:])
@@ -66,19 +102,21 @@ def mlp_that_reads_a_value(**options):
 
 def receive_before_sending(config):
     """A dry run whose stage 0 posts its first gradient receive in a group of its own before
-    sending its first activation: stage 1 first waits for that activation, so under NCCL's
-    rendezvous both ranks wait for each other (a planted fault in the P2P order)."""
+    sending its second activation: stage 1 waits for that activation (with its first
+    gradient's send after it), so under NCCL's rendezvous both ranks wait for each other (a
+    planted fault in the P2P order; 1F1B's stage 0 posts that receive with the send)."""
     from hybridpar.pipe import HybridPipe
-    from hybridpar.pipeline.schedule import GROUP, RECV_B, Action
+    from hybridpar.pipeline.schedule import GROUP, RECV_B, SEND_F, Action
 
     lowered = HybridPipe._program
 
     def program(pipe, microbatches, *, train):
         actions = list(lowered(pipe, microbatches, train=train))
         if pipe.stage == 0 and train:
-            first = next(k for k, a in enumerate(actions) if a.kind == RECV_B)
-            actions.insert(1, actions.pop(first))      # right after F0, before SEND_F0
-            actions.insert(2, Action(GROUP, -1))
+            receive = actions.pop(next(k for k, a in enumerate(actions) if a.kind == RECV_B))
+            second = next(k for k, a in enumerate(actions) if a.kind == SEND_F and
+                          a.microbatch == 1)
+            actions[second:second] = [receive, Action(GROUP, -1)]   # F1 RECV_B0 | SEND_F1
         return actions
 
     HybridPipe._program = program
@@ -91,11 +129,8 @@ def receive_before_sending(config):
 # the dry runs, in one child process -------------------------------------------------------------
 JOBS = {
     "quickstart": lambda: dry_run(QUICKSTART, isolate=False),
-    # dropout=0: ParallelDropout(parity=True) reads the shard widths on the host in every
-    # forward (tensor_parallel/random.py, `widths.tolist()`), which the dry run reports as a
-    # host synchronisation; 2 micro-batches instead of 8 keep the test short
-    "large": lambda: dry_run(LARGE, overrides=["model.dropout=0.0", "parallel.chunks=2"],
-                             isolate=False),
+    # 2 micro-batches instead of 8 keep the test short
+    "large": lambda: dry_run(LARGE, overrides=["parallel.chunks=2"], isolate=False),
     "gpipe": lambda: dry_run(small_mlp(schedule="gpipe", checkpoint="never"), isolate=False),
     "1f1b": lambda: dry_run(small_mlp(schedule="1f1b", checkpoint="never"), isolate=False),
     "zeros": lambda: dry_run(small_mlp(), model=f"{__file__}:mlp_with_zeros_on_the_cpu",
@@ -106,6 +141,14 @@ JOBS = {
     "interleaved": lambda: dry_run(small_mlp(schedule="interleaved", balance=[1, 1, 1, 1]),
                                    isolate=False),
     "zbv": lambda: dry_run(small_mlp(schedule="zbv", balance=[1, 1, 1, 1]), isolate=False),
+    # bf16, sharded dropout, checkpointed micro-batches, a traced step: every CUDA branch
+    "branches": lambda: traced_dry_run(small_mlp(model={"dropout": 0.1},
+                                                 train={"precision": "bf16"},
+                                                 checkpoint="except_last")),
+    "int16": lambda: dry_run(small_mlp(balance="uniform"),
+                             model=f"{__file__}:mlp_with_int16_counts", isolate=False),
+    "int16 on cpu": lambda: dry_run(small_mlp(balance="uniform"), device="cpu",
+                                    model=f"{__file__}:mlp_with_int16_counts", isolate=False),
 }
 
 
@@ -203,7 +246,7 @@ def test_the_quick_start_moves_bsh_floats_per_micro_batch_and_direction(runs):
     for r in report.ranks:                   # scatter-gather: each tp rank moves 1/tp of it
         assert r.comm["p2p_send"] == {"bytes": m * boundary // tp, "calls": m}
         assert r.comm["p2p_recv"] == {"bytes": m * boundary // tp, "calls": m}
-        assert "p2p_header" not in r.comm     # the shapes were agreed before the step
+        assert r.comm["p2p_header"] == {"bytes": m * 1024, "calls": m}   # new shapes: 1 KiB
         assert r.collectives > 0              # tp all-reduces, loss broadcast, norm
     assert report.p2p_groups > 0
 
@@ -250,7 +293,7 @@ def test_a_p2p_order_nccl_cannot_progress_is_named(runs):
     failed = runs["deadlock"]
     assert failed["error"].startswith("the P2P order NCCL cannot progress: ")
     assert "the gradient of micro-batch 0" in failed["error"]
-    assert "the activation of micro-batch 0" in failed["error"]
+    assert "the activation of micro-batch 1 header" in failed["error"]   # new shapes
 
 
 def test_too_little_memory_names_the_rank_and_by_how_much():
@@ -265,16 +308,55 @@ def test_too_little_memory_names_the_rank_and_by_how_much():
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_virtual_stages_dry_run_every_stage_in_steady_state(runs, schedule):
+def test_virtual_stages_dry_run_every_stage_with_its_headers(runs, schedule):
     """pp 2 x tp 2, 2 stages per rank: the shape passes go round the ranks (under the V,
-    rank 0's last stage waits for rank 1's), then every rank's step sends no header, and
-    its groups replay under NCCL's rules."""
+    rank 0's last stage waits for rank 1's), then every rank's steps exchange their headers,
+    and their groups replay under NCCL's rules."""
     report = runs[schedule]
     held = {"interleaved": {0: (0, 2), 1: (1, 3)}, "zbv": {0: (0, 3), 1: (1, 2)}}[schedule]
     assert report.p2p_groups > 0
     for r in report.ranks:
         assert r.layers == held[r.stage]     # one layer per stage
-        assert r.comm["p2p_send"]["bytes"] > 0 and "p2p_header" not in r.comm
+        assert r.comm["p2p_send"]["bytes"] > 0 and r.comm["p2p_header"]["calls"] > 0
+
+
+# the GPU path -----------------------------------------------------------------------------------
+def test_every_cuda_branch_runs_in_the_dry_run(runs):
+    # the fake GPU counts as CUDA (hybridpar.device.standing_in): every branch that reads the
+    # switch takes its GPU side, its CUDA calls going to the dry run's FakeCuda
+    report = runs["branches"]
+    assert set(report.cuda_branches) == set(BRANCHES), report.cuda_branches
+    assert report.cuda_branches["watchdog"] == 4          # on by default: one per rank
+    assert report.cuda_branches["pinned batch"] == 4 * 2  # every rank, both steps
+
+
+def test_fake_cpu_ranks_take_no_cuda_branch(runs):
+    assert runs["int16 on cpu"].cuda_branches == {}
+
+
+def test_the_dry_steps_exchange_headers_for_new_shapes_and_a_short_last_batch(runs):
+    # step 1: the first batch; step 2: one row short, so the last micro-batch is smaller:
+    # both are new shapes, each forward message goes with its header
+    report = runs["1f1b"]
+    assert report.microbatches == [[4, 4, 4, 4], [4, 4, 4, 3]]
+    for r in report.ranks:   # the numbers are the first step's: one header per message
+        assert r.comm["p2p_header"]["calls"] == 4
+    assert report.p2p_groups > 0   # both steps' groups, headers included, replayed
+
+
+def test_an_int16_between_stages_is_rejected_naming_the_layer_and_the_output(runs):
+    failed = runs["int16"]
+    assert failed["rank"] == 0
+    assert failed["error"].startswith(
+        "rank 0 (dp 0, stage 0, tp 0): stage 0 sends the activation of micro-batch 0 to stage "
+        "1: output 1 of layer 2 (CountsAsInt16) is torch.int16, which NCCL cannot carry "
+        "between GPUs"), failed["error"]
+    assert "e.g. .to(torch.int32)" in failed["error"]
+
+
+def test_gloo_carries_the_int16_that_nccl_cannot(runs):
+    report = runs["int16 on cpu"]   # the same model on fake CPU ranks passes
+    assert report.device == "cpu" and len(report.ranks) == 4
 
 
 # the command line ------------------------------------------------------------------------------

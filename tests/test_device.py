@@ -155,3 +155,51 @@ def test_under_bf16_a_split_backward_gives_every_parameter_its_gradient():
         for name, g in split["grads"].items():
             assert g is not None and g.dtype == torch.float32, (mode, name)
             assert torch.equal(g, plain["grads"][name]), (mode, name)
+
+
+# the GPU switch: hybridpar.device ----------------------------------------------------------
+
+def test_the_switch_is_true_on_cuda_devices_only_outside_a_dry_run():
+    from hybridpar.device import has_cuda, is_cuda, pinned
+
+    assert is_cuda(torch.device("cuda", 1), branch="watchdog")
+    assert not is_cuda(torch.device("cpu"), branch="watchdog")
+    assert not is_cuda(torch.empty(1, device="meta"), branch="dropout scale")
+    assert has_cuda(branch="rng streams") == torch.cuda.is_available()
+    x = torch.zeros(2)
+    assert pinned(torch.device("cpu"), x)[0] is x      # a CPU run pins nothing
+
+
+def test_a_stand_in_counts_as_cuda_and_its_runtime_takes_the_cuda_calls():
+    from hybridpar.device import cuda, has_cuda, is_cuda, pinned, standing_in
+    from hybridpar.train.check_fake_gpu import FakeCuda
+
+    fake = FakeCuda()
+    with standing_in("meta", fake):
+        assert is_cuda(torch.empty(1, device="meta"), branch="dropout scale")
+        assert has_cuda(branch="rng streams") and cuda() is fake
+        x = torch.zeros(2)
+        assert pinned(torch.device("meta"), x)[0] is x
+        cuda().manual_seed(7)
+        state = cuda().get_rng_state()
+        assert state.dtype == torch.uint8 and state.shape == (16,) and state[0] == 7
+    assert not is_cuda(torch.device("meta"), branch="watchdog") and cuda() is not fake
+    assert fake.hits == {"dropout scale": 1, "rng streams": 1, "pinned batch": 1}
+
+
+def test_nccl_carries_every_dtype_a_stage_may_send_but_int16():
+    from hybridpar.p2p_spec import (
+        DTYPES,
+        NCCL_DTYPES,
+        NCCLDtypeError,
+        check_nccl_dtypes,
+        spec_of,
+    )
+
+    assert set(DTYPES) - NCCL_DTYPES == {torch.int16}
+    spec = spec_of([torch.zeros(2), torch.zeros(2, dtype=torch.int16)], 1, grads=True,
+                   single=False)
+    check_nccl_dtypes(spec._replace(tensors=spec.tensors[:1]), ["output 0"], "a message")
+    with pytest.raises(NCCLDtypeError, match=r"^a message: output 1 is torch.int16, which "
+                       r"NCCL cannot carry.*\.to\(torch.int32\)"):
+        check_nccl_dtypes(spec, ["output 0", "output 1"], "a message")

@@ -94,6 +94,18 @@ def _worker(name, layout, balance, schedule):
             "state": pipe.consolidated_state_dict()}
 
 
+def assert_plan_matches(results, ref_values, ref_state) -> None:
+    """Every rank's values of the PLAN's steps and final state equal one device's."""
+    for r in results:
+        for (kind, _), got, want in zip(PLAN, r["values"], ref_values):
+            if kind == "forward":
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            else:
+                assert got == pytest.approx(want, abs=1e-5), kind
+        for k, v in ref_state.items():
+            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name,layout,balance,schedule", [
     ("gpt", (2, 1), [2, 3], "1f1b"),
     ("gpt", (2, 2), [2, 3], "gpipe"),     # scatter-gather: each tp rank sends 1/2
@@ -109,14 +121,7 @@ def test_changing_shapes_equal_one_device_and_known_shapes_send_no_header(name, 
     ref_values, ref_state = _reference(name)
     results = hybridpar.spawn(_worker, layout[0] * layout[1],
                               args=(name, layout, balance, schedule), timeout=180)
-    for r in results:
-        for (kind, _), got, want in zip(PLAN, r["values"], ref_values):
-            if kind == "forward":
-                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-            else:
-                assert got == pytest.approx(want, abs=1e-5), kind
-        for k, v in ref_state.items():
-            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+    assert_plan_matches(results, ref_values, ref_state)
     per_step = [sum(r["headers"][i] for r in results) for i in range(len(PLAN))]
     assert [per_step[i] for i in sorted(REPEATS)] == [0] * len(REPEATS), per_step
     assert all(per_step[i] > 0 for i in NEW), per_step

@@ -70,7 +70,22 @@ def _groups_worker():
         out[name] = [int(m.item()) for m in members]
     out["next_stage"] = topo.stage_rank((topo.pp_rank + 1) % topo.pp)
     assert hybridpar.current_topology() is topo
+    # every group hybridpar makes waits as long as the topology says (torch's own default
+    # for a new group is 30 minutes, whatever the world group has): the mesh's, and a tie's
+    tied = hybridpar.HybridPipe(_tied_model(), [1, 1], topology=topo)
+    groups = [topo.dp_group, topo.pp_group, topo.tp_group,
+              *[g for g, _ in tied._ties.groups]]
+    out["timeouts"] = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                       for g in groups]
+    out["tie groups"] = len(tied._ties.groups)
     return out
+
+
+def _tied_model():
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight
+    return torch.nn.Sequential(emb, head)
 
 
 def test_groups_hold_the_ranks_that_share_the_other_coordinates():
@@ -83,6 +98,7 @@ def test_groups_hold_the_ranks_that_share_the_other_coordinates():
         assert out["pp"] == [(dp * 2 + p) * 2 + tp for p in range(2)]
         assert out["dp"] == [(d * 2 + pp) * 2 + tp for d in range(2)]
         assert out["next_stage"] == (dp * 2 + (1 - pp)) * 2 + tp
+        assert out["tie groups"] == 1 and out["timeouts"] == [30.0] * 4
 
 
 def _bad_layout_worker():

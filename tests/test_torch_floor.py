@@ -34,9 +34,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from spawn_cases import spawn_cases
-from test_p2p_order import PLAN
 from test_p2p_order import _reference as order_reference
 from test_p2p_order import _worker as order_worker
+from test_p2p_order import assert_plan_matches
 from test_pipe_parity import _assert_same
 from test_pipe_tp import _gpt_worker
 from test_pipe_tp import _reference as tp_reference
@@ -166,14 +166,7 @@ def test_data_parallel_pipeline_matches_one_device_on_the_floor(runs):
 
 def test_virtual_stages_matched_by_order_alone_match_one_device_on_the_floor(runs):
     ref_values, ref_state = order_reference(ORDER[0])
-    for r in runs["order"]:
-        for (kind, _), got, want in zip(PLAN, r["values"], ref_values):
-            if kind == "forward":
-                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-            else:
-                assert got == pytest.approx(want, abs=1e-5), kind
-        for k, v in ref_state.items():
-            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+    assert_plan_matches(runs["order"], ref_values, ref_state)
     logs = {rank: [[nccl.P2POp(*op) for op in group] for group in r["log"]]
             for rank, r in enumerate(runs["order"])}
     assert nccl.replay(logs, check_labels=True).pairs > 0   # the order NCCL would match

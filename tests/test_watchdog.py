@@ -68,6 +68,7 @@ def _watched(folder: str, mode: str):
                                 watchdog=1.0)
     report = Path(folder) / f"rank{topo.rank}.txt"
     pipe._executor.watchdog.on_hang = report.write_text  # instead of exiting the process
+    pipe._executor.watchdog.publish = lambda _: None     # (publishing: tested below)
     x = torch.randn(4, 4)
     if topo.pp_rank == 1:
         if mode == "abort":
@@ -102,7 +103,8 @@ def test_watchdog_values_are_checked():
 
     topo = Topology(ParallelDims(), 0, None, timeout=datetime.timedelta(seconds=7))
     assert watchdog_timeout(None, topo) is None            # gloo: every wait is bounded
-    assert watchdog_timeout(True, topo) == datetime.timedelta(seconds=7)
+    # before NCCL's own watchdog, which fires at the process groups' timeout
+    assert watchdog_timeout(True, topo) == datetime.timedelta(seconds=7 * 0.9)
     assert watchdog_timeout(2.5, topo) == datetime.timedelta(seconds=2.5)
     with pytest.raises(ValueError, match="watchdog must be True, False, None or positive"):
         watchdog_timeout(-1, topo)
@@ -118,6 +120,7 @@ def _watched_virtual(folder: str):
                                 loss_fn=lambda o, y: o.pow(2).mean(), watchdog=1.0)
     report = Path(folder) / f"rank{topo.rank}.txt"
     pipe._executor.watchdog.on_hang = report.write_text  # instead of exiting the process
+    pipe._executor.watchdog.publish = lambda _: None     # (publishing: tested below)
     x = torch.randn(4, 4)
     if topo.pp_rank == 1:
         time.sleep(4)
@@ -132,3 +135,91 @@ def test_a_watched_rank_of_virtual_stages_reports_the_stage_it_waits_in(tmp_path
     # ZBV rank 0: 0F0 0F1, then stage 3's F0 waits for stage 2's activation (rank 1)
     assert rank0.startswith("stage 3 (rank 0) is stuck at F(0) of train_step"), rank0
     assert "receive the activation of micro-batch 0 from stage 2 (rank 1)" in rank0, rank0
+
+
+# the whole step as the host sees it, the device's part, a lost store, the report published ----
+
+def test_entries_nest_and_the_devices_part_is_watched_after_the_host_left():
+    seen: list[str] = []
+    done: list[bool] = []
+    dog = Watchdog(datetime.timedelta(seconds=0.3), describe=lambda stuck: f"host done "
+                   f"{dog.host_done}", on_hang=seen.append, poll=0.05)
+    dog.enter()                 # train_step
+    dog.enter()                 # its schedule
+    dog.leave()                 # the schedule ended: still inside train_step
+    assert dog.armed and not dog.host_done
+    dog.leave(until=lambda: bool(done))   # the host left; the device has queued work
+    assert dog.armed and dog.host_done
+    time.sleep(0.6)             # the device never finishes: reported
+    assert seen == ["host done True"]
+    dog.enter()
+    dog.leave(until=lambda: bool(done))
+    done.append(True)           # the device finishes: disarmed, nothing reported
+    time.sleep(0.5)
+    dog.close()
+    assert seen == ["host done True"] and not dog.armed
+
+
+def test_a_lost_store_is_reported_once_and_a_hang_is_still_seen():
+    seen: list[str] = []
+    warnings: list[str] = []
+
+    def store_gone() -> str | None:
+        raise RuntimeError("Connection reset by peer")
+
+    dog = Watchdog(datetime.timedelta(seconds=0.3), describe=lambda stuck: "stuck",
+                   peer_failed=store_gone, on_hang=seen.append, on_warning=warnings.append,
+                   poll=0.05)
+    dog.enter()
+    time.sleep(0.6)
+    dog.close()
+    assert len(warnings) == 1 and "the rendezvous store is unreachable (RuntimeError: " \
+        "Connection reset by peer)" in warnings[0]
+    assert seen == ["stuck"]
+
+
+def test_an_own_hang_is_published_and_a_peers_is_not():
+    published: list[str] = []
+    own = Watchdog(datetime.timedelta(seconds=0.1), describe=lambda stuck: "mine",
+                   on_hang=lambda _: None, publish=published.append, poll=0.05)
+    peer = Watchdog(datetime.timedelta(seconds=60), describe=lambda stuck: "mine",
+                    peer_failed=lambda: "theirs", on_hang=lambda _: None,
+                    publish=published.append, poll=0.05)
+    own.enter()
+    peer.enter()
+    time.sleep(0.4)
+    own.close()
+    peer.close()
+    assert published == ["mine"]
+
+
+def _stall_before_dp(folder: str):
+    """dp=2 on gloo with a 1 s watchdog (30 s timeouts): rank 1 stops for 4 s after its
+    schedule, before the dp all-reduce of the gradients, without dying."""
+    topo = hybridpar.init(dp=2, timeout=30)
+    torch.manual_seed(0)
+    pipe = hybridpar.HybridPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [2],
+                                chunks=2, topology=topo, loss_fn=lambda o, y: o.pow(2).mean(),
+                                watchdog=1.0)
+    report = Path(folder) / f"rank{topo.rank}.txt"
+    pipe._executor.watchdog.on_hang = report.write_text  # instead of exiting the process
+    if topo.rank == 1:
+        finish = pipe._dp_buckets.finish
+        pipe._dp_buckets.finish = lambda: (time.sleep(4), finish())[1]
+    x = torch.randn(4, 4)
+    pipe.train_step(x, x)
+    pipe.close()
+    return report.read_text() if report.exists() else ""
+
+
+def test_a_rank_stopped_after_its_schedule_is_reported_where_the_step_waits(tmp_path):
+    rank0, rank1 = hybridpar.spawn(_stall_before_dp, 2, args=(str(tmp_path),), timeout=60)
+    # rank 0 waits in a dp all-reduce after the schedule (its gradient buckets went out during
+    # the backward, so the loss's), or reads rank 1's published report first; rank 1 reports
+    # itself stuck on the host, or rank 0's report
+    waits = "over dp (ranks [0, 1])" in rank0 and "waiting for:    the all-reduce of the " \
+        in rank0
+    told = "a peer failed first: stage 0 (rank 1) is stuck at the end of train_step" in rank0
+    assert waits or told, rank0
+    assert "stage 0 (rank 1) is stuck at the end of train_step" in rank1 or \
+        "a peer failed first: stage 0 (rank 0) is stuck" in rank1, rank1

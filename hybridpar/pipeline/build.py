@@ -9,13 +9,17 @@ from typing import Any
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hybridpar.device import is_cuda
 from hybridpar.pipeline.partition import check_sequential
 from hybridpar.pipeline.skip import SkipRoute, skip_routes
 from hybridpar.pipeline.tied import check_kept, names_by_id
 from hybridpar.topology import Topology
 
-__all__ = ["apply_plan", "as_chunks", "check_layer_names", "hf_plan", "stage_routes",
-           "watchdog_timeout"]
+__all__ = ["WATCHDOG_SHARE", "apply_plan", "as_chunks", "check_layer_names", "hf_plan",
+           "stage_routes", "watchdog_timeout"]
+
+
+WATCHDOG_SHARE = 0.9   # the watchdog's timeout, as a share of the process groups'
 
 
 def as_chunks(chunks: object) -> int:
@@ -49,14 +53,16 @@ def watchdog_timeout(watchdog: bool | float | None, topo: Topology
                      ) -> datetime.timedelta | None:
     """None / True / seconds / False -> how long a step may make no progress (None: off).
 
-    By default the watchdog runs on GPUs only: on gloo every wait is bounded already.
+    By default the watchdog runs on GPUs only: on gloo every wait is bounded already. On, it
+    fires at `WATCHDOG_SHARE` of the topology timeout: before NCCL's own watchdog, which tears
+    the process down at the process groups' timeout without saying where the step was.
     """
     if watchdog is None:
-        watchdog = topo.device.type == "cuda"
+        watchdog = is_cuda(topo.device, branch="watchdog")
     if watchdog is False:
         return None
     if watchdog is True:
-        return topo.timeout
+        return topo.timeout * WATCHDOG_SHARE
     if isinstance(watchdog, (int, float)) and watchdog > 0:
         return datetime.timedelta(seconds=float(watchdog))
     raise ValueError(f"watchdog must be True, False, None or positive seconds, got {watchdog!r}")

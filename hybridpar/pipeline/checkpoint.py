@@ -18,6 +18,7 @@ would give its weight no gradient (on CUDA, where autocast caches casts).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -54,16 +55,19 @@ def is_checkpointed(mode: str, microbatch: int, microbatches: int) -> bool:
 class RNGReplay:
     """Captures the RNG state at a first forward; replays it for the recomputation.
 
-    `get_state` / `set_state` default to the CPU (and CUDA) generators; the pipe passes the
-    tensor-parallel ones, which also cover the RNG tracker's named streams.
+    `get_state` / `set_state` default to the CPU generator and the CUDA generator of `device`
+    (the rank's; None: the current CUDA device's once CUDA is initialized), one GPU's and not
+    every visible one's: they run for every checkpointed micro-batch. The pipe passes the
+    tensor-parallel ones, which also cover the RNG tracker's named streams. `device_type`
+    (autocast's) defaults to `device`'s type, else "cpu".
     """
 
     def __init__(self, get_state: Callable[[], Any] | None = None,
                  set_state: Callable[[Any], None] | None = None, *,
-                 device_type: str = "cpu") -> None:
-        self.get_state = get_state or _default_get
+                 device_type: str | None = None, device: torch.device | None = None) -> None:
+        self.get_state = get_state or functools.partial(_default_get, device)
         self.set_state = set_state or _default_set
-        self.device_type = device_type
+        self.device_type = device_type or (device.type if device is not None else "cpu")
 
     @contextmanager
     def first_forward(self) -> Iterator[Any]:
@@ -92,13 +96,18 @@ def _no_cast_cache(device_type: str) -> contextlib.AbstractContextManager[Any]:
                           cache_enabled=False)
 
 
-def _default_get() -> Any:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+def _default_get(device: torch.device | None) -> Any:
+    cuda = None
+    if device is None and torch.cuda.is_initialized():
+        cuda = torch.cuda.current_device()
+    elif device is not None and device.type == "cuda":
+        cuda = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.get_rng_state(), None if cuda is None else (cuda, torch.cuda.get_rng_state(cuda))
 
 
 def _default_set(state: Any) -> None:
     cpu, cuda = state
     torch.set_rng_state(cpu)
     if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+        index, generator = cuda
+        torch.cuda.set_rng_state(generator, index)

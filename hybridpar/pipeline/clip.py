@@ -7,6 +7,12 @@
 
 The sum is all-reduced over tp, then over pp (dp replicas hold equal gradients after their
 reduction). The scale min(1, max_norm / norm) stays a tensor: no host synchronisation.
+
+A few kernels, not a few per parameter: the gradients are grouped by (device, dtype, weight)
+and each group takes one `torch._foreach_norm` (float64 accumulation) and one stack of its
+norms; the scale is one `torch._foreach_mul_` per (device, dtype). The sum of squares then
+agrees with a per-parameter float64 sum to float64's last bits, not bit for bit (each norm
+is a root, squared back).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from hybridpar.pipeline.loss import Guard
 from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.topology import Topology
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "local_square_sum"]
 
 
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, topology: Topology, *,
@@ -38,13 +44,7 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, topology: T
                          f"{norm_type}; leave norm_type at 2.0")
     params = list(params)
     tp = topology.tp
-    total = torch.zeros((), dtype=torch.float64, device=topology.device)
-    for p in params:
-        if p.grad is None or id(p) in not_counted:
-            continue
-        square = p.grad.detach().double().pow(2).sum()
-        sharded = get_parallel_dim(p) is not None
-        total += square if sharded or tp == 1 else square / tp
+    total = local_square_sum(params, tp, topology.device, not_counted=not_counted)
     nbytes = total.element_size()
     if tp > 1:
         with trace.collective("all_reduce", nbytes), guard(
@@ -58,7 +58,35 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, topology: T
     # in float64, so float64 models clip as on one device; a multiply by 1.0 leaves a
     # gradient as it was
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.dtype))
+            grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for (device, dtype), group in grads.items():
+        torch._foreach_mul_(group, scale.to(device, dtype))
     return norm.to(torch.float32)
+
+
+def local_square_sum(params: Iterable[nn.Parameter], tp: int, device: torch.device, *,
+                     not_counted: Collection[int] = ()) -> Tensor:
+    """This rank's part of the squared norm (float64 on `device`), weighted as above.
+
+    One `_foreach_norm` per (device, dtype, counted in full or 1 / tp) group of gradients:
+
+        group                       norms (float64)      its part
+        sharded (or tp = 1)         n_1 .. n_k           sum n_i^2
+        replicated over tp          m_1 .. m_j           sum m_i^2 / tp
+    """
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
+    for p in params:
+        if p.grad is None or id(p) in not_counted:
+            continue
+        whole = tp == 1 or get_parallel_dim(p) is not None
+        grad = p.grad.detach()
+        groups.setdefault((grad.device, grad.dtype, whole), []).append(grad)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (_, _, whole), grads in groups.items():
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+        square = torch.stack(norms).square().sum().to(device)   # (len(grads),) -> ()
+        total += square if whole else square / tp
+    return total

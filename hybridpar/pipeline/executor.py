@@ -84,7 +84,7 @@ class StageExecutor(StageMessages):
         self.step = StepState()       # the step being run (an idle one between steps)
         self.watchdog = None if spec.watchdog is None else Watchdog(
             spec.watchdog, describe=self._hang_report, pending=self._pending,
-            peer_failed=self._peer_abort)
+            peer_failed=self._peer_abort, publish=comm.publish_hang)
         self.listener = self._listener()   # gloo: stops this stage when a peer failed
         s = spec.stage
         self.first, self.last = s == 0, s == spec.num_stages - 1

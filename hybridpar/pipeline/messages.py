@@ -18,7 +18,9 @@ Every floating tensor that crosses a boundary in training gets a gradient back (
 the receiver did not use it), so sender and receiver agree on the messages without asking.
 A step whose *signature* (train or not, micro-batch shapes and dtypes) is new sends a header
 with each forward-direction message; the specs learned are kept per signature (`SpecBook`)
-and later steps of that signature send payloads alone.
+and later steps of that signature send payloads alone. On a GPU the spec of each new
+forward-direction message is checked against the dtypes NCCL carries then (once per new
+shapes: `p2p_spec.NCCL_DTYPES`), the error naming the layer and the output or skip.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
+from torchgpipe.skip.skippable import Skippable
 
 from hybridpar import comm, trace
+from hybridpar.device import is_cuda
 from hybridpar.pipeline.failure import Aborted, WaitFailed
 from hybridpar.pipeline.lowering import BWD, FWD, LABELS, SKIP, SKIPG, messages
 from hybridpar.pipeline.schedule import (
@@ -211,7 +215,8 @@ class StageMessages(StageStops):
               spec: comm.MessageSpec | None) -> comm.Incoming:
         message = comm.Incoming(self.wire, self._rank(stage), channel, what, spec=spec,
                                 tp_group=self.spec.tp_group, device=self.spec.device,
-                                step=self.steps, microbatch=i, stage=stage)
+                                step=self.steps, microbatch=i, stage=stage,
+                                at=self.spec.stage)
         self.step.incoming.append(message)
         return message
 
@@ -223,7 +228,11 @@ class StageMessages(StageStops):
         if channel in (FWD, SKIP):
             spec = comm.spec_of(tensors, self.tp, grads=grads, single=single)
             agreed = self._agreed(channel, stage, i)
-            if self.step.agreed is None:
+            if self.step.agreed is None:   # new shapes: NCCL's dtypes checked once
+                if is_cuda(self.spec.device, branch="nccl dtypes"):
+                    comm.check_nccl_dtypes(spec, self._carried(channel, stage, spec),
+                                           f"stage {self.spec.stage} sends {what} to stage "
+                                           f"{stage}")
                 self.step.learned[channel, stage, i] = spec
                 header = comm.header(spec, self.step.signature, self.spec.device)
             elif agreed != spec:
@@ -243,6 +252,21 @@ class StageMessages(StageStops):
         with trace.span("send", peer=self._rank(stage), channel=channel, nbytes=size):
             comm.send_message(self.wire, tensors, spec, self._rank(stage), channel, what,
                               tp_group=self.spec.tp_group, header=header)
+
+    def _carried(self, channel: int, peer: int, spec: comm.MessageSpec) -> list[str]:
+        """What each tensor of a FWD or SKIP message to `peer` is, to name it in errors."""
+        layers = list(self.spec.partition.named_children())
+        if channel == FWD:
+            name, layer = layers[-1]
+            last = f"layer {name} ({type(layer).__name__})"
+            return [f"the output of {last}"] if spec.single else \
+                [f"output {k} of {last}" for k in range(len(spec.tensors))]
+        named = []
+        for r in self.skip_out[peer]:
+            stash = [f" of layer {n} ({type(m).__name__})" for n, m in layers
+                     if isinstance(m, Skippable) and m.namespaced(r.name) == r.key]
+            named.append(f"skip {r.name!r}{stash[0] if stash else ''}")
+        return named
 
     # communication -----------------------------------------------------------------------
     def _communicate(self, action: Action | Comm) -> None:

@@ -36,6 +36,18 @@ __all__ = ["CHUNK", "ReplicaGroup", "ReplicaMismatchError", "check_replicas"]
 CHUNK = 1 << 24                 # elements per all-reduce (64 MiB in float32)
 
 
+_HINTS = {   # what makes copies of each group drift, and what to do
+    "tp": "tp: a parameter used on a tp shard gets only its rank's part of the gradient: mark "
+          "it with hybridpar.nn.register_partial_grad(param) or the 'replicate_sum_grad' style "
+          "of a tp_plan (or report the model);",
+    "dp": "dp: the replicas' gradients were not averaged alike (a parameter unused on some "
+          "replicas, an optimizer stepped on one rank only); on GPUs, non-deterministic "
+          "kernels differ by rounding: allow it with atol (parallel.replica_atol);",
+    "tie": "tie: the copies of a tied parameter on different stages started or stepped apart "
+           "(an optimizer that skips one of them);",
+}
+
+
 class ReplicaMismatchError(RuntimeError):
     """Copies of a replicated parameter differ across the ranks that hold them."""
 
@@ -113,11 +125,10 @@ def check_replicas(groups: Sequence[ReplicaGroup], *, rank: int, world: int,
     bad = [r for r in range(world) if board[r] > atol]
     if found:
         more = f" (and {len(found) - 4} more)" if len(found) > 4 else ""
+        kinds = [k for k in _HINTS if any(f"its {k} replicas" in f for f in found)]
         raise ReplicaMismatchError(
-            f"replicated parameters differ on rank {rank}: {'; '.join(found[:4])}{more}. A "
-            "copy whose gradient is only its rank's part (a parameter used on a tp shard) "
-            "drifts so: mark it with hybridpar.nn.register_partial_grad(param), the "
-            "'replicate_sum_grad' style of a tp_plan, or report the model")
+            f"replicated parameters differ on rank {rank}: {'; '.join(found[:4])}{more}. "
+            + " ".join(_HINTS[k] for k in kinds))
     if bad:
         raise ReplicaMismatchError(
             f"replicated parameters differ on ranks {bad} (largest difference "

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar import comm
+from hybridpar import comm, generation
 from hybridpar.pipeline import failure
 from hybridpar.pipeline.failure import PEER_GRACE, Aborted, PeerStopped, PipelineError, WaitFailed
 from hybridpar.pipeline.listener import Listener
@@ -78,16 +78,23 @@ class StageStops:
         # on a GPU the first operation the device has not completed; on gloo (works say
         # nothing until waited on) what the host waits for
         acting = self.acting or self
-        pending = self._pending() if self.spec.device.type != "cpu" else []
-        waiting = pending[0] if pending else acting.step.waiting or "an operation on the host"
         assert self.watchdog is not None
+        pending = self._pending() if self.spec.device.type != "cpu" else []
+        waiting = pending[0] if pending else acting.step.waiting or (
+            "the device to finish the step's queued work (its collectives: loss, gradients, "
+            "norm); the host has left the step" if self.watchdog.host_done
+            else "an operation on the host")
         return failure.hang_report(acting._place(acting.step.at), stuck_for, waiting,
                                    datetime.timedelta(seconds=self.watchdog.timeout))
 
     def _peer_abort(self) -> str | None:
-        """A published abort of this step by a peer of the pipeline, as a report."""
+        """A published abort of this step by a peer of the pipeline, or a hang any rank's
+        watchdog published, as a report."""
         acting = self.acting or self
         me = dist.get_rank()
+        hang = comm.read_hang()
+        if hang is not None and hang.src != me:
+            return failure.peer_abort_report(acting._place(acting.step.at), hang)
         for rank in dict.fromkeys(self._rank(t) for t in range(self.spec.num_stages)):
             if rank == me:
                 continue
@@ -157,8 +164,11 @@ class StageStops:
         saw) becomes a `PipelineError` block."""
         step = self.steps - 1   # the step just run
         self.listener.enter(step, group)
+        self.step.waiting = f"{operation} (ranks {list(ranks)})"   # the watchdog's report
         try:
             yield
+            if self.watchdog is not None:
+                self.watchdog.beat()
         except PipelineError:
             raise
         except RuntimeError as e:
@@ -170,6 +180,7 @@ class StageStops:
                     from e
             raise failure.collective_error(operation, ranks, self._place(), e) from e
         finally:
+            self.step.waiting = ""
             self.listener.leave()
 
     def raise_at(self, error: Exception, index: int,
@@ -179,6 +190,8 @@ class StageStops:
         peer that failed or went away raises the `PipelineError` block). `owed`: the aborts
         to send (default: this stage's `owed`)."""
         failed = self._fail(error, index, owed)
+        generation.mark_broken(f"{self.step.what or 'a step'} failed: {type(error).__name__}: "
+                               f"{str(error).splitlines()[0] if str(error) else ''}")
         if failed is error:
             raise error
         raise failed from error

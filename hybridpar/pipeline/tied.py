@@ -133,7 +133,7 @@ class TiedGroups:
             for dp in range(topology.dp):
                 for tp in range(topology.tp):
                     ranks = [topology.global_rank(dp, s, tp) for s in stages]
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, timeout=topology.timeout)
                     if topology.rank in ranks:
                         self._groups.append((group, ranks[0], mine))
 

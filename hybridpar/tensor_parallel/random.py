@@ -11,7 +11,10 @@ A sharded activation with ``parity=True`` draws the mask of the FULL tensor from
 stream and keeps its slice, so every mask equals the one-device model's mask under the same
 seed (and the default stream stays in step with it). ``parity=False`` draws only the local
 mask from the tracker stream: less work, masks independent across ranks, no one-device parity.
-`get_rng_state_all` / `set_rng_state_all` capture and restore both, for recomputation.
+`get_rng_state_all` / `set_rng_state_all` capture and restore both, for recomputation: the
+CPU generator and the CUDA generator of the rank's own device only (every checkpointed
+micro-batch captures one; reading every visible GPU's would be a call into each device for
+states nothing replays).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
+from hybridpar.device import cuda, has_cuda, is_cuda
 from hybridpar.tensor_parallel.attrs import (
     ORDER_TYPE_ATTR,
     get_order_type,
@@ -56,21 +60,21 @@ _MODEL_PARALLEL_SEED_OFFSET = 2718
 RNGState = dict[str, Tensor]
 
 
-def _cuda() -> bool:
-    return torch.cuda.is_available()
+def _cuda(branch: str = "rng streams") -> bool:
+    return has_cuda(branch=branch)   # torch.cuda.is_available(), or a dry run's fake GPU
 
 
 def _capture() -> RNGState:
     state = {"cpu": torch.get_rng_state()}
     if _cuda():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = cuda().get_rng_state()
     return state
 
 
 def _restore(state: RNGState) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and _cuda():
-        torch.cuda.set_rng_state(state["cuda"])
+        cuda().set_rng_state(state["cuda"])
 
 
 class RNGStatesTracker:
@@ -101,10 +105,10 @@ class RNGStatesTracker:
             raise ValueError(f"RNG stream {name!r} already exists; call reset() first")
         state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
         if _cuda():
-            saved = torch.cuda.get_rng_state()
-            torch.cuda.manual_seed(seed)
-            state["cuda"] = torch.cuda.get_rng_state()
-            torch.cuda.set_rng_state(saved)
+            saved = cuda().get_rng_state()
+            cuda().manual_seed(seed)
+            state["cuda"] = cuda().get_rng_state()
+            cuda().set_rng_state(saved)
         self._states[name] = state
 
     def get_states(self) -> dict[str, RNGState]:
@@ -155,19 +159,38 @@ def model_parallel_manual_seed(seed: int, *, group: ProcessGroup | None = None) 
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + _MODEL_PARALLEL_SEED_OFFSET + group_rank(group))
 
 
-def get_rng_state_all() -> dict[str, Any]:
-    """The default CPU RNG, every CUDA device's RNG (when available) and the tracker streams."""
+def _cuda_index(device: torch.device | str | None) -> int | None:
+    """The CUDA generator that belongs to `device`: its index for a CUDA device, the current
+    device's for None when CUDA is available (`hybridpar.init` sets the rank's), else None."""
+    if device is None:
+        return cuda().current_device() if _cuda("recompute rng") else None
+    device = torch.device(device)
+    if not is_cuda(device, branch="recompute rng"):
+        return None
+    return device.index if device.index is not None else cuda().current_device()
+
+
+def get_rng_state_all(device: torch.device | str | None = None) -> dict[str, Any]:
+    """The default CPU RNG, the CUDA RNG of `device` and the tracker streams.
+
+    `device` is the rank's device (`topology.device`): a CPU device adds no CUDA state, None
+    the current CUDA device's when CUDA is available. The CUDA state is keyed by its device
+    index, ``{"cpu": ..., "cuda": {"1": ...}, "tracker": ...}``, so `set_rng_state_all` puts
+    it back on that device; no other GPU is read.
+    """
     state: dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": _TRACKER.get_states()}
-    if _cuda():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    index = _cuda_index(device)
+    if index is not None:
+        state["cuda"] = {str(index): cuda().get_rng_state(index)}
     return state
 
 
 def set_rng_state_all(state: dict[str, Any]) -> None:
     """Restore what `get_rng_state_all` captured, so the same dropout masks are drawn again."""
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and _cuda():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and _cuda("recompute rng"):
+        for index, generator in state["cuda"].items():
+            cuda().set_rng_state(generator, int(index))
     _TRACKER.set_states(state["tracker"])
 
 
@@ -242,7 +265,8 @@ class ParallelDropout(nn.Dropout):
         # kernel and the same amount of randomness as F.dropout of the full activation.
         mask = F.dropout(input.new_ones((*input.shape[:-1], full)), self.p, True)  # (*, C)
         mask = mask.narrow(-1, start, width)                                       # (*, C/tp)
-        if input.is_cuda and input.dtype in (torch.float16, torch.bfloat16) and self.p < 1:
+        if input.dtype in (torch.float16, torch.bfloat16) and self.p < 1 and \
+                is_cuda(input, branch="dropout scale"):
             # CUDA's fused kernel scales half inputs in float32, rounding once:
             # half(x * keep * (1 / (1 - p))); a half mask would round the scale first.
             scale = float(torch.tensor(1.0 - self.p, dtype=torch.float32).reciprocal())

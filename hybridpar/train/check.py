@@ -1,23 +1,27 @@
-"""Dry run: one training step of every rank on fake GPUs, checked and measured without a GPU.
+"""Dry run: the first training steps of every rank on fake GPUs, checked and measured without
+a GPU.
 
 `hybridpar check CONFIG` builds each rank's HybridPipe as `hybridpar run` does
 (`train.trainer.build_pipe`) and runs its `train_step` and gradient clip under
-`FakeTensorMode` on the `fake` process-group backend, one rank after another in one process:
+`FakeTensorMode` on the `fake` process-group backend, one rank after another in one process,
+hybridpar's CUDA-only branches taken as on a GPU (`hybridpar.device.standing_in`):
 
     per rank of dp x pp x tp            fails the check (CheckError, one line)
     1. init_process_group("fake")       -
     2. build_pipe on a fake GPU         an error building the stage
     3. shape pass of the stage          an error in it
-    4. train_step, gradient clip        a tensor on the wrong device; a host sync (.item(),
-                                        .tolist(), bool(t)); any other error of the step
+    4. train_step, gradient clip;       a tensor on the wrong device; a host sync (.item(),
+       train_step of a batch one row    .tolist(), bool(t)); a dtype NCCL cannot carry
+       short (both of new shapes:       between stages; any other error of a step
+       headers)
     then: NCCL replay of every P2P op   an order NCCL cannot progress (replay.NCCLOrderError)
           --memory GiB                  a rank whose peak does not fit
 
-This module is the command and `dry_run`; the ranks run in `check_ranks` (with the shape
-agreement that lets a fake step skip its headers), a failure is worded by `check_failure`,
-the fake GPU is `check_fake_gpu`'s and the numbers measured are `check_memory`'s. `dry_run`
-runs the ranks in a child process by default: the fake GPU's registration lasts for the
-process.
+This module is the command and `dry_run`; the ranks run in `check_ranks`, after the shape
+pass of `check_shapes` (it says what the headers say that a fake receive cannot deliver), a
+failure is worded by `check_failure`, the fake GPU and its CUDA runtime are
+`check_fake_gpu`'s and the numbers measured are `check_memory`'s. `dry_run` runs the ranks
+in a child process by default: the fake GPU's registration lasts for the process.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
             memory_gib: float | None = None,
             overrides: Sequence[str] = (), model: str | None = None,
             isolate: bool = True) -> CheckReport:
-    """Check one training step of every rank of `config` (a `Config` or a TOML path).
+    """Check the first training steps of every rank of `config` (a `Config` or a TOML path).
 
     `device`: "cuda" (fake GPUs) or "cpu" (fake CPU ranks, as gloo runs them). `memory_gib`:
     the memory of one device; a rank whose peak exceeds it fails. `overrides`: ``--set``
@@ -107,10 +111,11 @@ def _child(out: str) -> int:
 
 def add_parser(commands: Any) -> None:
     """The `hybridpar check` subcommand and its options."""
-    p = commands.add_parser("check", help="dry-run one step of every rank on fake GPUs",
-                            description="Dry-run one training step of every rank of a config "
-                            "on fake GPUs (no GPU needed): device placement, host syncs, the "
-                            "NCCL order of the P2P, and memory and traffic per rank.")
+    p = commands.add_parser("check", help="dry-run the first steps of every rank on fake GPUs",
+                            description="Dry-run the first training steps of every rank of a "
+                            "config on fake GPUs (no GPU needed), through hybridpar's CUDA "
+                            "branches: device placement, host syncs, the dtypes and NCCL order "
+                            "of the P2P, headers of new shapes, memory and traffic per rank.")
     p.add_argument("config", help="a TOML config (see configs/)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="fake GPUs (default) or fake CPU ranks as gloo runs them")

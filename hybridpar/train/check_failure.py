@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hybridpar.p2p_spec import NCCLDtypeError
 from hybridpar.train.check_fake_gpu import STANDIN
 from hybridpar.train.check_memory import CheckReport
 
@@ -18,7 +19,8 @@ __all__ = ["CheckError", "LayerStack", "failure"]
 
 # the dry run's own modules: a failure's site is the deepest frame outside them (and torch)
 _DRY_RUN_FILES = tuple(str(Path(__file__).with_name(name)) for name in (
-    "check.py", "check_ranks.py", "check_failure.py", "check_memory.py", "check_fake_gpu.py"))
+    "check.py", "check_ranks.py", "check_shapes.py", "check_failure.py", "check_memory.py",
+    "check_fake_gpu.py"))
 
 
 class CheckError(RuntimeError):
@@ -84,6 +86,8 @@ def failure(error: BaseException, where: str, layers: LayerStack | None, during:
     layer = layers.describe() if layers is not None else None
     place = f"in {layer}" if layer else f"in {during} (outside the stage's layers)"
     for e in reversed(chain):   # the root cause first
+        if isinstance(e, NCCLDtypeError):   # names the layer and the tensor itself
+            return CheckError(f"{where}: {e}", rank=rank)
         if isinstance(e, FakeTensorDeviceMismatchError) or "found two different devices" \
                 in str(e):
             return CheckError(f"{where}: tensors on the GPU and the CPU meet {place}{_site(e)}"

@@ -1,11 +1,19 @@
-"""The fake GPU of a dry run: PrivateUse1 as ``fakegpu``, its bf16 autocast, FakeFunctions.
+"""The fake GPU of a dry run: PrivateUse1 as ``fakegpu``, its bf16 autocast, FakeFunctions,
+and `FakeCuda`, the CUDA runtime its branches call.
 
-On a CPU-only build of torch, FakeTensorMode makes `cuda` tensors, but autograd and indexing
-on them ask torch for a CUDA device guard, which such a build lacks. So the fake GPU is torch's
-PrivateUse1 device registered as ``fakegpu``: a device guard and hooks, no kernels, every op
-computed by FakeTensorMode. The registration lasts for the process (`torch.accelerator` then
-reports the device), which is why `hybridpar.train.check.dry_run` runs in a child process by
-default. bf16 autocast on it casts as CUDA's autocast does where memory is concerned (matmuls,
+On a CPU-only build of torch, FakeTensorMode makes `cuda` tensors, but autograd on them cannot
+run: the build registers no CUDA device guard (`torch._C._ensureCUDADeviceGuardSet` patches
+CUDA builds without a GPU only), and with one put in place by hand autograd's stream logic
+still asks for the accelerator, which is CUDA only when torch's CUDA hooks (libtorch_cuda)
+say so (``Cannot access accelerator device when none is available``; with a PrivateUse1
+accelerator registered instead, ``opt_ready_stream && opt_parent_stream INTERNAL ASSERT`` in
+the engine). So the fake GPU is torch's PrivateUse1 device registered as ``fakegpu``: a
+device guard and hooks, no kernels, every op computed by FakeTensorMode. hybridpar's
+CUDA-only branches read `hybridpar.device.is_cuda`, which counts ``fakegpu`` as CUDA while a
+dry run runs (`device.standing_in`), so they run as on a GPU; their CUDA calls go to
+`FakeCuda`. The registration lasts for the process (`torch.accelerator` then reports the
+device), which is why `hybridpar.train.check.dry_run` runs in a child process by default.
+bf16 autocast on it casts as CUDA's autocast does where memory is concerned (matmuls,
 convolutions and attention in bf16; softmax, norms, losses, reductions in fp32; weight casts
 cached for the step). `FakeFunctions` fills the gaps of FakeTensorMode listed in its
 docstring.
@@ -13,7 +21,8 @@ docstring.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-__all__ = ["STANDIN", "FakeFunctions", "clear_cast_cache", "fake_gpu"]
+from hybridpar.device import Cuda
+
+__all__ = ["STANDIN", "FakeCuda", "FakeFunctions", "clear_cast_cache", "fake_gpu"]
 
 STANDIN = "fakegpu"   # the PrivateUse1 name of the fake GPU
 
@@ -174,6 +185,90 @@ class FakeFunctions(torch.overrides.TorchFunctionMode):
             for key in [k for k, v in self.memo.items() if v is out]:
                 del self.memo[key]
         return out
+
+
+class FakeCuda(Cuda):
+    """`hybridpar.device.cuda()` in a dry run: the CUDA calls of hybridpar's GPU branches
+    without CUDA, and how often each branch was taken (`hits`).
+
+        call                    does
+        available, initialized  True: there is a GPU, it has started
+        RNG state get / set     a 16-byte state per device (a CUDA Philox state's size),
+                                kept on the CPU; manual_seed writes the seed into it
+        pin                     the tensor as it is (no page-locked memory without CUDA)
+        event                   an event that has completed when recorded
+    """
+
+    def __init__(self) -> None:
+        self.hits: Counter[str] = Counter()
+        self.states: dict[int, Tensor] = {}
+
+    def reached(self, branch: str) -> None:
+        self.hits[branch] += 1
+
+    def available(self) -> bool:
+        return True
+
+    def initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def _index(self, device: int | str) -> int:
+        return device if isinstance(device, int) else torch.device(device).index or 0
+
+    def get_rng_state(self, device: int | str = "cuda") -> Tensor:
+        with unset_fake_temporarily():   # a real CPU tensor, as torch.cuda's
+            index = self._index(device)
+            if index not in self.states:
+                self.states[index] = torch.zeros(16, dtype=torch.uint8)
+            return self.states[index].clone()
+
+    def set_rng_state(self, state: Tensor, device: int | str = "cuda") -> None:
+        if state.dtype != torch.uint8 or state.shape != (16,):
+            raise TypeError(f"a CUDA RNG state is a (16,) uint8 tensor, got {state.dtype} "
+                            f"{tuple(state.shape)}")
+        with unset_fake_temporarily():
+            self.states[self._index(device)] = state.clone()
+
+    def manual_seed(self, seed: int) -> None:
+        with unset_fake_temporarily():
+            self.states[0] = torch.tensor([seed, 0], dtype=torch.int64).view(torch.uint8)
+
+    def get_rng_state_all(self) -> list[Tensor]:
+        return [self.get_rng_state(0)]
+
+    def set_rng_state_all(self, states: Sequence[Tensor]) -> None:
+        for index, state in enumerate(states):
+            self.set_rng_state(state, index)
+
+    def pin(self, t: Tensor) -> Tensor:
+        if t.device.type != "cpu":
+            raise RuntimeError(f"cannot pin a tensor on {t.device}: only CPU tensors can be")
+        return t
+
+    def event(self, *, timing: bool = False) -> Any:
+        return _DoneEvent()
+
+
+class _DoneEvent:
+    """A CUDA event of a dry run: complete as soon as recorded, 0 ms from any other."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def elapsed_time(self, end: Any) -> float:
+        return 0.0
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,

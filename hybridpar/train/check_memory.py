@@ -8,7 +8,8 @@ What is measured (`RankReport`, `CheckReport`):
     optimizer     AdamW's exp_avg and exp_avg_sq                  2 x the trainable parameters
     activations   the peak of tensors saved for backward          saved_tensors_hooks (below)
     peak          params + grads + optimizer + activations        checked against --memory
-    p2p           pipeline payloads sent + received               hybridpar.comm_stats()
+    p2p           pipeline payloads sent + received (not the      hybridpar.comm_stats()
+                  headers of new shapes: ``comm["p2p_header"]``)
     collectives   all-reduce, all-gather, reduce-scatter, bcast   hybridpar.comm_stats()
 
 Activations (`SavedActivations`): every tensor autograd saves during the step is keyed by
@@ -52,7 +53,7 @@ __all__ = [
 
 GiB = 2**30
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-_P2P = ("p2p_send", "p2p_recv", "p2p_header")
+_P2P = ("p2p_send", "p2p_recv")   # payloads: every step's (headers: new shapes only)
 
 
 def tensor_bytes(tensors: Iterable[Tensor | None]) -> int:
@@ -152,6 +153,8 @@ class CheckReport:
     memory_gib: float | None = None
     notes: list[str] = field(default_factory=list)
     p2p_groups: int = 0               # P2P groups replayed under NCCL's rules
+    microbatches: list[list[int]] = field(default_factory=list)   # rows, per dry step
+    cuda_branches: dict[str, int] = field(default_factory=dict)   # CUDA branches taken
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -203,6 +206,13 @@ class CheckReport:
             f" --memory {self.memory_gib:.3g} GiB"
         lines.append(f"largest peak: {worst.where}, {format_bytes(worst.peak)}; {fit}; "
                      f"NCCL replay of {self.p2p_groups} P2P groups: ok")
+        if self.microbatches:
+            steps = ", then ".join("+".join(map(str, rows)) for rows in self.microbatches)
+            lines.append(f"{len(self.microbatches)} steps of new shapes (headers exchanged), "
+                         f"micro-batch rows {steps}; the numbers are the first step's")
+        if self.cuda_branches:
+            lines.append("CUDA branches taken: " + ", ".join(
+                f"{name} {n}" for name, n in self.cuda_branches.items()))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

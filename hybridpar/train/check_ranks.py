@@ -1,16 +1,20 @@
-"""The ranks of one dry run in this process, one after another: build, agree shapes, fake step.
+"""The ranks of one dry run in this process, one after another: build, shape pass, fake steps.
 
 Each rank joins the `fake` process-group backend, builds its HybridPipe as `hybridpar run`
-does (`train.trainer.build_pipe`) on a fake GPU, and runs `train_step` and the gradient clip
-under `FakeTensorMode`; its numbers become a `RankReport`, its failures one `CheckError` line
-(`check_failure`). After the last rank, the P2P of all of them is replayed under NCCL's rules.
+does (`train.trainer.build_pipe`) on a fake GPU, pins its batch as the trainer does
+(`device.pinned`) and runs two steps under `FakeTensorMode`, each of new shapes:
 
-Shape agreement. In the first step of new shapes every forward-direction message carries a
-header that the receiver reads on the host (`comm.Incoming.learn`); a fake receive delivers
-nothing. So each rank first runs its partition on fake inputs shaped as its upstream stages
-send them (ranks go in order, stage s - 1 before stage s), derives the `comm.MessageSpec` of
-every FWD / SKIP message it sends, and commits what it sends and receives into its executor's
-`SpecBook` under the step's signature: the step runs in its steady state, payloads only.
+    step   batch                                    then
+    1      the first batch `hybridpar run` draws    the gradient clip; the numbers reported
+    2      the same, one row short (a short last    -
+           batch: the last micro-batch smaller
+           when chunks does not divide it)
+
+Its numbers become a `RankReport`, its failures one `CheckError` line (`check_failure`).
+After the last rank, the P2P of all of them (both steps) is replayed under NCCL's rules.
+
+Their headers travel; what a received one says comes from the shape pass that runs first
+(`check_shapes`), since a fake receive delivers nothing.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from hybridpar import comm
+from hybridpar.device import pinned, standing_in
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.microbatch import signature, split_batch
 from hybridpar.topology import ParallelDims, Topology, using
 from hybridpar.train.check_failure import CheckError, LayerStack, failure
-from hybridpar.train.check_fake_gpu import FakeFunctions, clear_cast_cache, fake_gpu
+from hybridpar.train.check_fake_gpu import FakeCuda, FakeFunctions, clear_cast_cache, fake_gpu
 from hybridpar.train.check_memory import (
     CheckReport,
     RankReport,
@@ -45,11 +51,10 @@ from hybridpar.train.check_memory import (
     optimizer_bytes,
     tensor_bytes,
 )
+from hybridpar.train.check_shapes import ShapePass
 from hybridpar.train.config import Config
 
 __all__ = ["DryRun"]
-
-SpecKey = tuple[int, int, int]   # (channel, peer stage, micro-batch), as executor.SpecKey
 
 
 class DryRun:
@@ -62,10 +67,10 @@ class DryRun:
         par = config.parallel
         self.dims = ParallelDims(dp=par.dp or 1, pp=par.pp, tp=par.tp)
         self.notes: list[str] = []
-        self.inbox: dict[tuple[int, int, int], dict[SpecKey, Any]] = {}  # by (dp, stage, tp)
-        self.books: dict[tuple[int, int, int], dict[SpecKey, Any]] = {}  # each stage's specs
+        self.shapes = ShapePass()
         self.logs: dict[int, list[Any]] = {}
-        self.batches: dict[int, tuple[Tensor, Tensor]] = {}
+        self.batches: dict[int, list[tuple[Tensor, Tensor]]] = {}   # by dp: each step's
+        self.cuda = FakeCuda()   # the CUDA runtime of the GPU branches (--device cuda)
 
     def all_ranks(self) -> CheckReport:
         from hybridpar.pipeline.replay import NCCLOrderError, replay
@@ -75,13 +80,15 @@ class DryRun:
             raise RuntimeError("dry_run needs a process without torch.distributed initialized "
                                "(it runs every rank on the fake backend itself)")
         for d in range(self.dims.dp):   # first batches as `hybridpar run` draws them (real)
-            self.batches[d] = make_batches(self.config, split="train", dp_rank=d,
-                                           dp=self.dims.dp).next_batch()
+            self.batches[d] = _dry_batches(*make_batches(
+                self.config, split="train", dp_rank=d, dp=self.dims.dp).next_batch())
+        cuda = self.device_kind == "cuda"
         with _preserved_state(), _model_override(self.config, self.model):
-            device_type = fake_gpu() if self.device_kind == "cuda" else "cpu"
-            self._shape_rounds(device_type)
-            ranks = [self._rank(r, device_type, self._step)
-                     for r in range(self.dims.world_size)]
+            device_type = fake_gpu() if cuda else "cpu"
+            with standing_in(device_type, self.cuda) if cuda else contextlib.nullcontext():
+                self._shape_rounds(device_type)
+                ranks = [self._rank(r, device_type, self._step)
+                         for r in range(self.dims.world_size)]
         try:
             result = replay(self.logs, check_labels=True)
         except NCCLOrderError as e:
@@ -93,7 +100,9 @@ class DryRun:
             dims=(self.dims.dp, self.dims.pp, self.dims.tp), balance=list(par.balance),
             chunks=par.chunks, schedule=par.schedule, checkpoint=par.checkpoint,
             precision=self.config.train.precision, ranks=ranks, memory_gib=self.memory_gib,
-            notes=self.notes, p2p_groups=sum(result.groups.values()))
+            notes=self.notes, p2p_groups=sum(result.groups.values()),
+            microbatches=[[m.shape[0] for m in x.chunk(par.chunks)] for x, _ in self.batches[0]],
+            cuda_branches=dict(sorted(self.cuda.hits.items())))
         problem = None if self.memory_gib is None else memory_problem(ranks, self.memory_gib)
         if problem is not None:
             raise CheckError(problem, rank=max(ranks, key=lambda r: r.peak).rank, report=report)
@@ -108,27 +117,24 @@ class DryRun:
         if layout.virtual == 1:
             return   # ranks in order: stage s - 1's pass comes before stage s's
         for _ in range(layout.stages):
-            waiting = [r for r in range(self.dims.world_size)
-                       if not self._agreed(self.dims.coordinate(r), layout)]
+            waiting = [r for r in range(self.dims.world_size) if not self.shapes.done(
+                self.dims.coordinate(r), layout, len(self.batches[0]))]
             if not waiting:
                 return
             for r in waiting:
                 self._rank(r, device_type, self._shapes)
         raise AssertionError("unreachable: each round passes at least one more stage")
 
-    def _agreed(self, at: Any, layout: Layout) -> bool:
-        return all((at.dp, s, at.tp) in self.books for s in layout.stages_of(at.pp))
-
     def _rank(self, rank: int, device_type: str,
-              body: Callable[[Topology, Tensor, Tensor], Any]) -> Any:
+              body: Callable[[Topology, Any], Any]) -> Any:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dims = self.dims
         backend = "fake" if device_type == "cpu" else f"cpu:fake,{device_type}:fake"
-        x, y = self.batches[dims.coordinate(rank).dp]
-        dist.init_process_group(backend, store=FakeStore(), rank=rank,
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")  # the backend
+        # with a store that answers (the watchdog and abort notices read it), not its FakeStore
+        dist.init_process_group(backend, store=dist.HashStore(), rank=rank,
                                 world_size=dims.world_size)
         try:
             mesh = init_device_mesh(device_type, (dims.dp, dims.pp, dims.tp),
@@ -139,8 +145,7 @@ class DryRun:
             topo = Topology(dims, rank, mesh, timeout=timeout, device=device)
             with using(topo), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
                     FakeFunctions(mode):
-                # the batch on the device, as a GPU run must put it (see docs/check.md)
-                return body(topo, mode.from_tensor(x).to(device), mode.from_tensor(y).to(device))
+                return body(topo, mode)
         finally:
             with _quiet_stderr():   # the fake backend warns about hooks on every rank
                 dist.destroy_process_group()
@@ -155,50 +160,72 @@ class DryRun:
             raise failure(e, _where(topo), None, "building its stage",
                           cpu=topo.device.type == "cpu") from e
 
-    def _shapes(self, topo: Topology, x: Tensor, y: Tensor) -> None:
+    def _inputs(self, pipe: HybridPipe, topo: Topology, mode: Any) -> list[list[Any]]:
+        """Each dry step's input micro-batches, fake, on the device (for the shape pass)."""
+        return [split_batch(mode.from_tensor(x).to(pipe.device), pipe.chunks, "input")
+                for x, _ in self.batches[topo.dp_rank]]
+
+    def _shapes(self, topo: Topology, mode: Any) -> None:
         """A shape round's visit of a rank: the passes of the stages whose inputs are known."""
         pipe = self._build(topo)
         layers = LayerStack(pipe.partition)
         try:
             with layers.tracking():
-                self._agree_shapes(pipe, topo, split_batch(x, pipe.chunks, "input"))
+                self.shapes.run(pipe, topo, self._inputs(pipe, topo, mode))
         except Exception as e:
             raise failure(e, _where(topo), layers, "its shape pass",
                           cpu=topo.device.type == "cpu") from e
+        finally:
+            pipe.close()
 
-    def _step(self, topo: Topology, x: Tensor, y: Tensor) -> RankReport:
-        from hybridpar import comm
+    def _step(self, topo: Topology, mode: Any) -> RankReport:
+        pipe = self._build(topo)
+        try:
+            return self._steps(pipe, topo, mode)
+        finally:
+            pipe.close()   # its helper threads (the watchdog is on on GPUs)
 
+    def _steps(self, pipe: HybridPipe, topo: Topology, mode: Any) -> RankReport:
+        """The rank's shape pass, then its dry steps (module docstring); its numbers."""
         where = _where(topo)
         cpu = topo.device.type == "cpu"
-        pipe = self._build(topo)
         layers = LayerStack(pipe.partition)
-        inputs = split_batch(x, pipe.chunks, "input")
+        inputs = self._inputs(pipe, topo, mode)
         try:
             with layers.tracking():
-                self._agree_shapes(pipe, topo, inputs)
+                self.shapes.run(pipe, topo, inputs)
         except Exception as e:
             raise failure(e, where, layers, "its shape pass", cpu=cpu) from e
-        for s in pipe.stages:
-            pipe.agree_specs(inputs, self.books[topo.dp_rank, s, topo.tp_rank], stage=s)
         pipe.p2p_log = []
         comm.reset_comm_stats()
         saved = SavedActivations(exclude=[*pipe.parameters(), *pipe.buffers()])
         bf16 = self.config.train.precision == "bf16"
+        signatures = [comm.signature_hash((True, signature(i))) for i in inputs]
+        stats: dict[str, dict[str, int]] = {}
+        during = "train_step"
         try:
-            with layers.tracking(), saved.track(), torch.autocast(
-                    pipe.device.type, dtype=torch.bfloat16, enabled=bf16):
-                pipe.train_step(x, y)
-            self._clip(pipe)
+            with comm.delivering_headers(self.shapes.headers(topo, signatures)):
+                for k, (x, y) in enumerate(self.batches[topo.dp_rank]):
+                    self.shapes.current, headers = k, _calls(comm.comm_stats(), "p2p_header")
+                    during = "train_step" if k == 0 else "train_step of a short last batch"
+                    x, y = pinned(pipe.device, x, y)   # as the trainer does; the pipe copies
+                    measured = saved.track() if k == 0 else contextlib.nullcontext()
+                    with layers.tracking(), measured, torch.autocast(
+                            pipe.device.type, dtype=torch.bfloat16, enabled=bf16):
+                        pipe.train_step(mode.from_tensor(x), mode.from_tensor(y))
+                    if k == 0:
+                        self._clip(pipe)
+                        stats = comm.comm_stats()
+                    if self.dims.pp > 1 and _calls(comm.comm_stats(), "p2p_header") == headers:
+                        raise CheckError(f"{where}: step {k + 1}, of new shapes, exchanged no "
+                                         "shape header (hybridpar's step signature changed?)",
+                                         rank=topo.rank)
+        except CheckError:
+            raise
         except Exception as e:
-            raise failure(e, where, layers, "train_step", cpu=cpu) from e
+            raise failure(e, where, layers, during, cpu=cpu) from e
         finally:
             clear_cast_cache()
-        stats = comm.comm_stats()
-        if stats.get("p2p_header", {}).get("calls"):
-            raise CheckError(f"{where}: the step exchanged shape headers although the dry run "
-                             "agreed the shapes in advance (hybridpar's step signature changed?)",
-                             rank=topo.rank)
         self.logs[topo.rank] = pipe.p2p_log or []
         params = list(pipe.parameters())
         return RankReport(rank=topo.rank, dp=topo.dp_rank, stage=topo.pp_rank, tp=topo.tp_rank,
@@ -218,92 +245,20 @@ class DryRun:
             if note not in self.notes:
                 self.notes.append(note)
 
-    def _agree_shapes(self, pipe: HybridPipe, topo: Topology, inputs: list[Any]) -> None:
-        """The shape pass of each stage of the rank not passed yet whose inputs are known:
-        run it on fake inputs shaped as its upstream stages send them, put what it sends in
-        the inboxes of its downstream stages; its book (sent and received) in `books`."""
-        from hybridpar.pipeline.lowering import FWD, SKIP
-
-        dp, tp = topo.dp_rank, topo.tp_rank
-        for s in pipe.stages:
-            skip_in, _ = pipe.skips_of(s)
-            received = self.inbox.get((dp, s, tp), {})
-            needs = [(FWD, s - 1)] if s > 0 else []
-            needs += [(SKIP, src) for src in skip_in]
-            if (dp, s, tp) in self.books or not all(
-                    (channel, src, i) in received for channel, src in needs
-                    for i in range(len(inputs))):
-                continue
-            book = dict(received)
-            sends: dict[Any, dict[tuple[int, int], Any]] = {}   # input specs -> what it sends
-            part = pipe.partition_of(s)
-            modes = {m: m.training for m in part.modules()}
-            part.eval()   # the same shapes; no batch-norm statistics, no dropout drawn
-            try:
-                for i, first_input in enumerate(inputs):
-                    # outputs depend on input shapes only (the executor requires it): equal
-                    # micro-batches need one forward
-                    key = (signature([first_input]) if s == 0 else received[FWD, s - 1, i],
-                           *(received[SKIP, src, i] for src in skip_in))
-                    if key not in sends:
-                        sends[key] = _sends(pipe, s, first_input, received, i)
-                    for (channel, dst), spec in sends[key].items():
-                        book[channel, dst, i] = spec
-                        self.inbox.setdefault((dp, dst, tp), {})[channel, s, i] = spec
-            finally:
-                for m, training in modes.items():
-                    m.training = training
-            self.books[dp, s, tp] = book
-
 
 def _where(topo: Topology) -> str:
     return f"rank {topo.rank} (dp {topo.dp_rank}, stage {topo.pp_rank}, tp {topo.tp_rank})"
 
 
-def _sends(pipe: HybridPipe, s: int, first_input: Any, received: dict[SpecKey, Any],
-           i: int) -> dict[tuple[int, int], Any]:
-    """{(channel, peer stage): spec} of the messages stage `s` sends for micro-batch `i`."""
-    from torchgpipe.skip.tracker import use_skip_tracker
-
-    from hybridpar import comm
-    from hybridpar.pipeline.lowering import FWD, SKIP
-    from hybridpar.pipeline.skip import StageSkipTracker
-
-    skip_in, skip_out = pipe.skips_of(s)
-    tp = pipe.topology.tp
-    x = first_input if s == 0 else _fake_message(received[FWD, s - 1, i], pipe.device)
-    incoming: dict[Any, Tensor | None] = {}
-    for src, routes in skip_in.items():
-        tensors = _fake_message(received[SKIP, src, i], pipe.device)
-        incoming.update((r.key, t) for r, t in zip(routes, tensors))
-    routes_here = [r for routes in (*skip_in.values(), *skip_out.values()) for r in routes]
-    tracker = StageSkipTracker(routes_here, s, incoming)
-    with torch.no_grad(), use_skip_tracker(tracker):
-        out = pipe.partition_of(s)(x)
-    last = s == pipe.layout.stages - 1
-    sent = {} if last else {(FWD, s + 1): comm.spec_of(
-        out if isinstance(out, tuple) else (out,), tp, grads=True,
-        single=isinstance(out, Tensor))}
-    for dst, routes in skip_out.items():
-        sent[SKIP, dst] = comm.spec_of([tracker.outgoing[r.key] for r in routes], tp,
-                                       grads=True, single=False)
-    return sent
+def _dry_batches(x: Tensor, y: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """The batches of the dry steps: the first one, and the same one row short (none with a
+    single row)."""
+    n = x.shape[0] - 1
+    return [(x, y)] if n < 1 else [(x, y), (x[:n].clone(), y[:n].clone())]
 
 
-def _fake_message(spec: Any, device: torch.device) -> Any:
-    """The tensors `comm.Incoming.finish` delivers for a message of `spec`."""
-    from hybridpar.tensor_parallel.attrs import register_parallel_dim
-
-    out: list[Tensor | None] = []
-    for s in spec.tensors:
-        if s.absent:
-            out.append(None)
-            continue
-        t = torch.empty(s.shape, dtype=s.dtype, device=device)
-        if s.tag is not None:
-            register_parallel_dim(t, s.tag)
-        out.append(t.requires_grad_(s.requires_grad))
-    return out[0] if spec.single else tuple(out)
+def _calls(stats: dict[str, dict[str, int]], kind: str) -> int:
+    return stats.get(kind, {}).get("calls", 0)
 
 
 def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config:
@@ -337,12 +292,14 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
 # the process around the ranks -------------------------------------------------------------
 @contextlib.contextmanager
 def _preserved_state() -> Iterator[None]:
-    """Give back the RNG streams and the warning filters afterwards."""
+    """Give back the RNG streams, the warning filters and the process-group generation
+    afterwards (a fake rank's failed step marks it broken: `hybridpar.generation`)."""
+    from hybridpar import generation
     from hybridpar.tensor_parallel.random import get_rng_tracker
 
     tracker = get_rng_tracker()
     streams = tracker.get_states()
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), generation.kept():
         warnings.simplefilter("ignore")
         try:
             yield

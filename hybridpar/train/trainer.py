@@ -29,6 +29,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hybridpar.agreement import fail_together
+from hybridpar.device import pinned
 from hybridpar.models import generate
 from hybridpar.models.registry import build, takes_tokens
 from hybridpar.pipe import HybridPipe
@@ -54,6 +55,7 @@ from hybridpar.train.data import SyntheticBatches, TokenBatches, decode, make_ba
 from hybridpar.train.export import load_exported
 from hybridpar.train.lr import lr_at
 from hybridpar.train.metrics import MetricsLog
+from hybridpar.train.nccl_env import nccl_env
 from hybridpar.train.shards import (
     Entry,
     check_unique,
@@ -311,11 +313,13 @@ def _check_replicas(run: _Run, step: int) -> float:
 def _train_step(run: _Run, autocast: Any, trace: TraceRequest | None) -> dict[str, Any]:
     """One optimizer step: lr, batch, forward and backward, clip, update; its record.
 
-    A non-finite loss or gradient norm (the same value on every rank: the loss is broadcast
-    and the norm all-reduced) stops the run with `FloatingPointError` naming the step, or,
-    with ``train.nonfinite = "skip"``, drops the step's update: ``"skipped": true``. Every
-    ``parallel.check_replicas``-th step the replicated parameters' copies are compared
-    before the update (`_check_replicas`).
+    The record's ``"loss"`` and ``"grad_norm"`` stay device tensors: the host reads them in
+    `_resolve`, every ``train.log_every`` steps, so a step does not wait for its GPU work
+    (the pipe, the clip and the update read nothing on the host either). With
+    ``train.nonfinite = "skip"`` the step reads them once itself: a non-finite loss or
+    gradient norm drops its update (``"skipped": true``). Every
+    ``parallel.check_replicas``-th step the replicated parameters' copies are compared before
+    the update (`_check_replicas`).
     """
     cfg = run.config.train
     step = run.step + 1
@@ -324,38 +328,63 @@ def _train_step(run: _Run, autocast: Any, trace: TraceRequest | None) -> dict[st
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     x, y = run.batches.next_batch()
-    if run.pipe.device.type == "cuda":   # pinned: the pipe's copies to the GPU overlap compute
-        x, y = x.pin_memory(), y.pin_memory()
+    x, y = pinned(run.pipe.device, x, y)   # on a GPU: the pipe's copies overlap compute
     run.optimizer.zero_grad(set_to_none=True)
     reset_comm_stats()
     with traced_step(run.pipe, trace, step=step, last=cfg.steps), autocast:
-        loss = float(run.pipe.train_step(x, y))
+        loss = run.pipe.train_step(x, y).detach()
     record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr}
     every = run.config.parallel.check_replicas
     if every and step % every == 0:
         record["replica_diff"] = _check_replicas(run, step)
-    problem = None if math.isfinite(loss) else f"the loss is {loss}"
-    if problem is None:   # the norm is checked even without clipping: a NaN gradient is no update
-        norm = float(run.pipe.clip_grad_norm_(cfg.grad_clip or math.inf))
-        if cfg.grad_clip:
-            record["grad_norm"] = norm
-        if not math.isfinite(norm):
-            problem = f"the gradient norm is {norm} (loss {loss:.6g})"
+    # the norm is taken even without clipping: a NaN gradient is found, and never applied
+    # under "skip"
+    record["grad_norm"] = run.pipe.clip_grad_norm_(cfg.grad_clip or math.inf)
+    problem = _nonfinite(*torch.stack([loss.float(), record["grad_norm"].float()]).tolist()) \
+        if cfg.nonfinite == "skip" else None   # "skip" decides now: one host read a step
     if problem is None:
         run.optimizer.step()
-    elif cfg.nonfinite == "skip":
+    else:
         run.optimizer.zero_grad(set_to_none=True)
         record["skipped"] = True
         if run.reporter:
             log.warning("skipped step %d: %s (train.nonfinite = 'skip': no update, gradients "
                         "dropped)", step, problem)
-    else:
-        raise FloatingPointError(
-            f"{problem} at step {step}; lower train.lr, set train.grad_clip, or use precision = "
-            "'fp32' (or set train.nonfinite = 'skip' to drop such steps' updates and go on)")
     record["comm"] = comm_stats()   # this step's bytes and calls per kind, on this rank
     run.step += 1
     return record
+
+
+def _nonfinite(loss: float, norm: float) -> str | None:
+    """What is not finite of a step's loss and gradient norm, or None."""
+    if not math.isfinite(loss):
+        return f"the loss is {loss}"
+    if not math.isfinite(norm):
+        return f"the gradient norm is {norm} (loss {loss:.6g})"
+    return None
+
+
+def _resolve(records: list[dict[str, Any]], *, clipped: bool) -> None:
+    """Read the steps' losses and gradient norms in one host read (what waits for the GPU),
+    as floats in place; a non-finite one stops the run (``train.nonfinite = "stop"``) with
+    `FloatingPointError` naming its step. Without clipping the norm leaves the record."""
+    if not records:
+        return
+    values = torch.stack([torch.stack([r["loss"].float(), r["grad_norm"].float()])
+                          for r in records]).tolist()   # (steps, 2): the one host read
+    for r, (loss, norm) in zip(records, values):
+        r["loss"] = loss
+        if clipped:
+            r["grad_norm"] = norm
+        else:
+            del r["grad_norm"]
+        problem = None if r.get("skipped") else _nonfinite(loss, norm)
+        if problem is not None:
+            raise FloatingPointError(
+                f"{problem} at step {r['step']}; lower train.lr, set train.grad_clip, or use "
+                "precision = 'fp32' (or set train.nonfinite = 'skip' to drop such steps' "
+                "updates and go on). The losses are read every train.log_every steps: the "
+                "updates after that step ran, but no checkpoint holds them")
 
 
 def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | None = None,
@@ -371,6 +400,7 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
     ``{"start": first step run, "losses": [...], "eval": {step: loss}, "sample": text}``.
     """
     run_dir = Path(run_dir)
+    nccl_env(run_dir, create=torch.cuda.is_available())   # before the process group exists
     topo = _topology(config)
     if topo.rank == 0 and write_config:
         write_resolved(config, run_dir)
@@ -391,17 +421,24 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
     every = config.checkpoint.every
     quiet = logging_redirect_tqdm() if run.reporter and progress else contextlib.nullcontext()
     with quiet:  # log lines go above the bar, not through it
+        pending: list[dict[str, Any]] = []   # steps whose loss the host has not read yet
         while run.step < last:
             began = time.perf_counter()
             record = _train_step(run, autocast, trace)
             elapsed = time.perf_counter() - began
-            losses.append(record["loss"])
-            if cfg.eval_every and run.step % cfg.eval_every == 0:
+            pending.append(record)
+            evaluate = bool(cfg.eval_every) and run.step % cfg.eval_every == 0
+            save = bool(every) and (run.step % every == 0 or run.step == cfg.steps)
+            show = run.step % cfg.log_every == 0 or run.step == cfg.steps or evaluate or \
+                "skipped" in record
+            if show or save or run.step == last:   # never a checkpoint of a non-finite step
+                _resolve(pending, clipped=bool(cfg.grad_clip))
+                losses.extend(r["loss"] for r in pending)
+                pending = []
+            if evaluate:
                 evals[run.step] = record["eval_loss"] = _evaluate(run)
-            reporter.step(record, elapsed, log=run.step % cfg.log_every == 0
-                          or run.step == cfg.steps or "eval_loss" in record
-                          or "skipped" in record)
-            if every and (run.step % every == 0 or run.step == cfg.steps):
+            reporter.step(record, elapsed, log=show)
+            if save:
                 run.save()
         reporter.close()
         sample = _sample(run) if run.step == cfg.steps and start < run.step else None
