@@ -3,12 +3,11 @@ step, autocast's cast cache off where recomputation would reuse a stale cast."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 
 import pytest
 import torch
+from host_reads import watching_reads
 from torch import nn
 
 import hybridpar
@@ -34,33 +33,20 @@ def test_a_gpu_job_that_lands_on_a_cpu_raises_instead_of_training_on_the_cpu():
 
 # host synchronisation --------------------------------------------------------------------
 
-_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__")
 # Allowed on CPU tensors only, by design: the target bounds check of the vocab-parallel loss
 # raises a clear IndexError on CPU and becomes a device-side assert on a GPU.
 _CPU_ONLY = (os.path.join("tensor_parallel", "loss.py"), "_check_targets")
 
 
-@contextlib.contextmanager
+def _refuse(name: str, caller) -> None:
+    if not (caller.co_filename.endswith(_CPU_ONLY[0]) and caller.co_name == _CPU_ONLY[1]):
+        raise AssertionError(f"host synchronisation: Tensor.{name} in "
+                             f"{caller.co_filename}:{caller.co_name}")
+
+
 def _no_host_sync():
     """Make every host read of a tensor's values raise (what would synchronise a GPU)."""
-    originals = {name: getattr(torch.Tensor, name) for name in _SYNCS}
-
-    def guard(name):
-        def read(self, *args, **kwargs):
-            caller = sys._getframe(1).f_code
-            if not (caller.co_filename.endswith(_CPU_ONLY[0]) and caller.co_name == _CPU_ONLY[1]):
-                raise AssertionError(f"host synchronisation: Tensor.{name} in "
-                                     f"{caller.co_filename}:{caller.co_name}")
-            return originals[name](self, *args, **kwargs)
-        return read
-
-    for name in _SYNCS:
-        setattr(torch.Tensor, name, guard(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+    return watching_reads(_refuse)
 
 
 def _step_without_host_sync(layout, schedule):

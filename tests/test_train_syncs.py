@@ -5,39 +5,21 @@ steps (one read of all the steps since), so a GPU step never waits for the host;
 from __future__ import annotations
 
 import collections
-import contextlib
-import sys
 
 import pytest
-import torch
+from host_reads import watching_reads
 from test_train_run import config
 
 import hybridpar
 from hybridpar.train.trainer import train
 
-_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__")
 
-
-@contextlib.contextmanager
 def _counting(reads: collections.Counter):
     """Count host reads of tensor values made by hybridpar/train/trainer.py, by function."""
-    originals = {name: getattr(torch.Tensor, name) for name in _SYNCS}
-
-    def counted(name):
-        def read(self, *args, **kwargs):
-            caller = sys._getframe(1).f_code
-            if caller.co_filename.endswith("train/trainer.py"):
-                reads[f"{caller.co_name}:{name}"] += 1
-            return originals[name](self, *args, **kwargs)
-        return read
-
-    for name in _SYNCS:
-        setattr(torch.Tensor, name, counted(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+    def count(name, caller):
+        if caller.co_filename.endswith("train/trainer.py"):
+            reads[f"{caller.co_name}:{name}"] += 1
+    return watching_reads(count)
 
 
 def _run(run_dir: str, nonfinite: str):
