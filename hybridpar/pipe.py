@@ -18,6 +18,7 @@ from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
 from hybridpar.balance.choose import choose_balance
 from hybridpar.device import cuda, is_cuda
+from hybridpar.keyed import KeyedInit
 from hybridpar.pipeline import clip, consolidate
 from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
 from hybridpar.pipeline.build import (
@@ -78,8 +79,10 @@ class HybridPipe(StageModule):
     without it, a lighter listener stops the stage when a peer failed (`pipeline.listener`).
 
     ``init_fn``: for a model built on the `meta` device, a callable applied to every module
-    of the stage after `to_empty` (e.g. a Hugging Face model's ``_init_weights``); without it,
-    each module's ``reset_parameters()``. A tensor left uninitialized is an error
+    of the stage after `to_empty` (e.g. a Hugging Face model's ``_init_weights``), or a
+    `hybridpar.keyed.KeyedInit` (each module drawn under a seed keyed by its name: the same
+    values in every layout); without it, ``KeyedInit(torch.initial_seed())``: each module's
+    ``reset_parameters()``, keyed. A tensor left uninitialized is an error
     (`pipeline.partition.materialize`).
 
     ``schedule="interleaved"`` (``virtual_stages=v``, default 2) or ``"zbv"`` (2) cut the model
@@ -105,6 +108,8 @@ class HybridPipe(StageModule):
         checkpoint = check_checkpoint(checkpoint)   # any object whose str() is a mode
         topo = topology if topology is not None else current_topology()
         generation.check_usable(topo.generation, "HybridPipe(...)")
+        if init_fn is None:   # a meta-built model: drawn by name, the same in every layout
+            init_fn = KeyedInit(torch.initial_seed())
         #: the virtual stages of the model, where each lives (stage -> pp rank), the plan
         self.layout = Layout.of(schedule, topo.pp, virtual_stages)
         module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from hybridpar.keyed import keyed
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
@@ -250,7 +251,7 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
                for _ in range(n_layer)]
     layers.append(nn.LayerNorm(n_embd, bias=bias))
     layers.append(Head(n_embd, vocab_size, tp=tp, group=group))
-    return nn.Sequential(*layers)
+    return keyed(torch.initial_seed(), nn.Sequential(*layers))
 
 
 def gpt_loss(logits: Tensor, targets: Tensor, *, group: ProcessGroup | None = None) -> Tensor:

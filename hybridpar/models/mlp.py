@@ -12,10 +12,12 @@ loss is plain `F.cross_entropy`. Built under the same seed, ``mlp(tp=n)`` holds 
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from hybridpar.keyed import keyed
 from hybridpar.tensor_parallel.layers import ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.mappings import group_size
 from hybridpar.tensor_parallel.random import ParallelDropout
@@ -73,7 +75,7 @@ def mlp(*, in_features: int = 32, hidden: int = 64, out_features: int = 10, n_la
         MLPBlock(in_features if i == 0 else hidden, hidden, dropout=dropout, tp=tp, group=group)
         for i in range(n_layer)]
     layers.append(nn.Linear(hidden, out_features))                  # replicated classifier
-    return nn.Sequential(*layers)
+    return keyed(torch.initial_seed(), nn.Sequential(*layers))
 
 
 def mlp_loss(logits: Tensor, target: Tensor) -> Tensor:

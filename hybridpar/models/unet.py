@@ -26,6 +26,8 @@ from torch import Tensor, nn
 from torchgpipe.skip import Namespace, pop, skippable, stash
 from torchgpipe.skip.skippable import Skippable
 
+from hybridpar.keyed import keyed
+
 __all__ = ["Bottleneck", "Classifier", "Down", "Stem", "Up", "unet", "unet_loss"]
 
 SkipGenerator = Generator[stash | pop, Tensor | None, Tensor]
@@ -129,7 +131,7 @@ def unet(*, channels: int = 8, depth: int = 2, in_channels: int = 3, classes: in
         layers.append(_isolate(Up(widths[i + 1], widths[i], widths[i], batch_norm=batch_norm),
                                levels[i]))
     layers.append(Classifier(channels, classes))
-    return nn.Sequential(*layers)
+    return keyed(torch.initial_seed(), nn.Sequential(*layers))
 
 
 def unet_loss(logits: Tensor, target: Tensor) -> Tensor:

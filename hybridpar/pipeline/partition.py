@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from hybridpar.keyed import KeyedInit
 from hybridpar.tensor_parallel.base import ParallelLayer
 
 __all__ = ["balance_problem", "check_balance", "check_sequential", "free_layers", "layer_spans",
@@ -140,7 +141,7 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
     tensors = list(stage.parameters()) + list(stage.buffers())
     if not any(t.is_meta for t in tensors):
         return
-    if init_fn is None:
+    if init_fn is None or (isinstance(init_fn, KeyedInit) and init_fn.init is None):
         bare = [(name, sub) for name, sub in stage.named_modules() if _holds_tensors(sub)
                 and not callable(getattr(sub, "reset_parameters", None))]
         if bare:
@@ -166,7 +167,11 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
         for t in [*stage.parameters(), *stage.buffers()]:
             if t.is_floating_point() or t.is_complex():
                 t.fill_(float("nan"))
-        if init_fn is not None:
+        initialize = getattr(init_fn, "initialize", None)   # `keyed.KeyedInit`: by name
+        if callable(initialize):
+            initialize(stage)
+            _reset_untouched_tp_layers(stage)
+        elif init_fn is not None:
             stage.apply(init_fn)
             _reset_untouched_tp_layers(stage)
         else:
