@@ -11,17 +11,21 @@ from hybridpar.hf.init import init_fn
 from hybridpar.hf.keys import KeyMap, hf_state_dict, key_map, sequential_state_dict
 from hybridpar.hf.plan import config_of, tp_plan
 from hybridpar.hf.sequential import to_sequential
+from hybridpar.hf.shard_load import ShardLoad, init_for_loading, load_hf_shards
 
 __all__ = [
     "SUPPORTED",
     "DecoderBlock",
     "KeyMap",
+    "ShardLoad",
     "TokenPositionEmbedding",
     "config_of",
     "hf_state_dict",
     "init_fn",
+    "init_for_loading",
     "key_map",
     "load_hf_checkpoint",
+    "load_hf_shards",
     "save_hf_checkpoint",
     "sequential_state_dict",
     "to_sequential",

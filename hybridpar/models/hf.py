@@ -10,8 +10,11 @@
 Every ``[model]`` key but ``pretrained`` is a field of the family's config class; the model
 is random-init from the run's seed. ``pretrained = "PATH"`` reads a local checkpoint
 directory instead (its ``config.json`` gives the architecture, the other keys are not used;
-its ``*.safetensors`` the weights). Built with `hybridpar.hf.to_sequential`; trained with
-`next_token_loss` on token ids (``data.source = "corpus"`` gives bytes: vocab_size >= 256).
+its ``*.safetensors`` the weights, tensor by tensor: `hybridpar.hf.load_hf_shards`). Built
+on ``meta`` (what `hybridpar run` does with ``pretrained``) the model stays empty: each rank
+then reads only its stage's tp slices into the pipe (`train.trainer.build_pipe`). Built with
+`hybridpar.hf.to_sequential`; trained with `next_token_loss` on token ids
+(``data.source = "corpus"`` gives bytes: vocab_size >= 256).
 Needs ``pip install 'hybridpar[hf]'``.
 """
 
@@ -73,7 +76,7 @@ def _family_of_type(model_type: str) -> str:
 
 def _build(family: str, options: dict[str, Any]) -> Built:
     """The family's model from `options`, as an nn.Sequential, with `next_token_loss`."""
-    from hybridpar.hf import load_hf_checkpoint, to_sequential
+    from hybridpar.hf import load_hf_shards, to_sequential
 
     transformers = _transformers()
     config = hf_config(family, options)
@@ -81,8 +84,8 @@ def _build(family: str, options: dict[str, Any]) -> Built:
     sequential = to_sequential(model)
     pretrained = options.get("pretrained")
     on_meta = any(p.is_meta for p in sequential.parameters())
-    if pretrained is not None and not on_meta:
-        sequential.load_state_dict(load_hf_checkpoint(pretrained, config=config), strict=True)
+    if pretrained is not None and not on_meta:   # on meta: the caller loads (`build_pipe`)
+        load_hf_shards(sequential, pretrained, config=config)
     return sequential, next_token_loss
 
 

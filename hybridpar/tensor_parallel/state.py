@@ -8,6 +8,8 @@ A sharded parameter carries its tags (`attrs`: parallel dim, order type) and its
     row    Linear weight ( 0, 0)    1            (out, in)    columns shard_range(in, tp, r)
     vocab  Embedding     ( 0, 1)    0            (V, D)       rows    shard_range(V, tp, r)
 
+`shard_ranges` gives that slice as ranges of the full tensor (one, or one per part of a fused
+weight), which `shard_of` cuts from a full tensor and a checkpoint reader reads from a file.
 `collect_state_dict` all-gathers every sharded entry (every rank gets full tensors, as a
 one-device model would save them); `relocate_state_dict` keeps this rank's slice of each, for
 any tp size, so a dict collected at tp=2 loads into a tp=4 or a tp=1 model.
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import tensor_shard_dim
-from hybridpar.tensor_parallel.fused import fused_gather_full, fused_parts, fused_shard_of
+from hybridpar.tensor_parallel.fused import fused_gather_full, fused_parts, fused_ranges
 from hybridpar.tensor_parallel.mappings import (
     all_gather_along,
     group_rank,
@@ -35,6 +38,7 @@ from hybridpar.topology import default_tp_group
 
 __all__ = [
     "FULL_SHAPE_ATTR",
+    "ShardRanges",
     "collect_state_dict",
     "full_shape",
     "gather_full",
@@ -43,6 +47,7 @@ __all__ = [
     "register_full_shape",
     "relocate_state_dict",
     "shard_of",
+    "shard_ranges",
     "sharded_parameters",
     "slice",
 ]
@@ -90,25 +95,54 @@ def full_shape(param: Tensor, group: ProcessGroup | None = None) -> torch.Size:
     return torch.Size(sizes)
 
 
+class ShardRanges(NamedTuple):
+    """Where a rank's slice of a sharded parameter lies in the full tensor: along tensor dim
+    `dim`, the ``[start, stop)`` `ranges`, concatenated in order."""
+
+    dim: int
+    ranges: list[tuple[int, int]]
+
+
+def shard_ranges(param: Tensor, group: ProcessGroup | None = None) -> ShardRanges | None:
+    """This rank's slice of the full tensor of the sharded `param`, as ranges (None: `param`
+    is not sharded). L = the full length of the shard dim, tp ranks, this rank r:
+
+        param                        ranges
+        plain                        [shard_range(L, tp, r)]   (the first L % tp ranks get
+                                                                one more: uneven vocab)
+        fused, k parts (q | k | v)   `fused_ranges(L, k, tp, r)`: the r-th of tp in each part
+
+    `shard_of` cuts these from a full tensor; `hybridpar.hf.load_hf_shards` reads them from
+    a file (one read per range), so the two cannot disagree.
+    """
+    dim = tensor_shard_dim(param)
+    if dim is None:
+        return None
+    g = _resolve(group)
+    length, tp, rank = full_shape(param, g)[dim], group_size(g), group_rank(g)
+    if fused_parts(param) > 1:
+        return ShardRanges(dim, fused_ranges(length, fused_parts(param), tp, rank))
+    return ShardRanges(dim, [shard_range(length, tp, rank)])
+
+
 def shard_of(full_tensor: Tensor, param: Tensor, group: ProcessGroup | None = None) -> Tensor:
     """This rank's slice of `full_tensor` for the sharded `param` (a new, detached tensor).
 
     `full_tensor` is returned as is when `param` is not sharded. `group` defaults to the
-    default tp group (`hybridpar.init`).
+    default tp group (`hybridpar.init`). The slice is `shard_ranges` of `param`.
     """
-    dim = tensor_shard_dim(param)
-    if dim is None:
+    where = shard_ranges(param, group)
+    if where is None:
         return full_tensor
-    g = _resolve(group)
-    expected = full_shape(param, g)
+    expected = full_shape(param, _resolve(group))
     if full_tensor.shape != expected:
         raise ValueError(f"expected a full tensor of shape {tuple(expected)}, got "
                          f"{tuple(full_tensor.shape)}")
-    if fused_parts(param) > 1:   # q | k | v: this rank's slice of every part
-        return fused_shard_of(full_tensor, param, g)
-    start, stop = shard_range(expected[dim], group_size(g), group_rank(g))
-    return full_tensor.detach().narrow(dim, start, stop - start).clone(
-        memory_format=torch.contiguous_format)
+    dim, ranges = where
+    pieces = [full_tensor.detach().narrow(dim, a, b - a) for a, b in ranges]
+    if len(pieces) == 1:
+        return pieces[0].clone(memory_format=torch.contiguous_format)
+    return torch.cat(pieces, dim)
 
 
 def gather_full(tensor: Tensor, param: Tensor, group: ProcessGroup | None = None) -> Tensor:

@@ -8,7 +8,9 @@
                eval loss every eval_every, a checkpoint every `every`, a text sample at the end
 
 Every rank runs the same loop in lockstep; each builds the whole model from the seed and keeps
-its stage's tp shards, so every layout starts from the weights of the one-device model.
+its stage's tp shards, so every layout starts from the weights of the one-device model (with
+``model.pretrained`` it builds the model on ``meta`` and reads only its stage's tp shards
+from the checkpoint).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -90,21 +93,45 @@ def loss_rank(topo: Topology) -> int:
 
 
 def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridPipe:
-    """The config's model built from its seed on every rank, as this rank's HybridPipe stage."""
+    """The config's model built from its seed on every rank, as this rank's HybridPipe stage.
+
+    With ``model.pretrained`` (an ``hf:`` family) the model is built on ``meta``, the pipe
+    gives storage to this rank's stages and tp slices only (zeros and the rotary buffers:
+    `hybridpar.hf.init_for_loading`), and the rank reads just those from the checkpoint
+    (`hybridpar.hf.load_hf_shards`); then the random streams are seeded again, so what the
+    build drew (balance profiling) does not move dropout.
+    """
     par, name = config.parallel, config.model.name
     args = dict(config.model.args)
     if par.tp > 1 and par.tp_plan is None:
         args.update(tp=par.tp, group=topo.tp_group)
+    pretrained = args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
-    model, loss = build(name, **args)
+    with torch.device("meta") if pretrained is not None else contextlib.nullcontext():
+        model, loss = build(name, **args)
+    init: Callable[[nn.Module], None] | None = None
+    if pretrained is not None:
+        from hybridpar.hf import init_for_loading
+
+        init = init_for_loading
     # balance = "time" profiles under the precision the run trains in
     bf16 = config.train.precision == "bf16"
     with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=bf16):
-        return HybridPipe(model, par.balance, chunks=par.chunks, topology=topo,
+        pipe = HybridPipe(model, par.balance, chunks=par.chunks, topology=topo,
                           schedule=par.schedule, virtual_stages=par.virtual_stages,
                           checkpoint=par.checkpoint, loss_fn=loss, tp_plan=par.tp_plan,
-                          deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample)
+                          deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample,
+                          init_fn=init)
+    if pretrained is not None:
+        from hybridpar.hf import load_hf_shards
+
+        loaded = load_hf_shards(pipe, pretrained)
+        log.info("model.pretrained %s: read %d tensors (%.1f MiB) on this rank", pretrained,
+                 loaded.tensors, loaded.bytes_read / 2**20)
+        torch.manual_seed(config.train.seed)
+        model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
+    return pipe
 
 
 def _optimizer(pipe: HybridPipe, config: Config) -> torch.optim.AdamW:

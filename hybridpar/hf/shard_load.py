@@ -1,0 +1,297 @@
+"""Per-rank loading of a Hugging Face checkpoint: this rank's tensors, of a tp shard its slice.
+
+    for every tensor of the rank's state dict (layout-free Sequential names)
+      name     `key_map(config).to_hf(name)`; else a tie's other names (a tied head left out
+               of the files is the embedding's tensor); else a bare decoder's name
+      file     ``model.safetensors.index.json``'s ``weight_map``, else the ``*.safetensors``
+               (each file's header) that holds it
+      read     replicated:  ``get_tensor(name)``                            the whole tensor
+               tp-sharded:  ``get_slice(name)[..., a:b, ...]`` for each     its slice only
+                            range of `shard_ranges(param)` (one; one per
+                            part of a fused q | k | v)
+      store    copied into the parameter's own storage, range by range; the copy casts
+               (a bf16 file into float32 parameters: no full-size temporary)
+
+Peak host memory beyond the model's storage: one tensor (or its slice) in the file's dtype,
+and that tensor's pages of the memory-mapped file (a file is opened for each tensor, so its
+pages are unmapped after it). Every rank reads only its own keys; a tensor tied across
+stages is read by each stage that holds a copy. Everything is checked before anything is
+read (every key found, every shape the model's, no key the model lacks, every file a whole
+safetensors file), and an error is raised on every rank (`fail_together`), naming the key
+and the file(s).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from hybridpar.agreement import fail_together
+from hybridpar.hf.checkpoint import _INDEX, _files
+from hybridpar.hf.keys import KeyMap, key_map
+from hybridpar.tensor_parallel.state import ShardRanges, full_shape, module_group, shard_ranges
+
+__all__ = ["ShardLoad", "init_for_loading", "load_hf_shards"]
+
+_ERRORS = (FileNotFoundError, ValueError, OSError, RuntimeError)   # raised on every rank
+
+
+@dataclass(frozen=True)
+class ShardLoad:
+    """What `load_hf_shards` did on this rank."""
+
+    tensors: int            # tensors written (a parameter held under several names: once)
+    bytes_read: int         # bytes read from the files, in the files' dtypes
+    files: tuple[str, ...]  # the weight files this rank read from
+
+
+@dataclass
+class _Entry:
+    """One tensor to load: where it comes from and which part of it this rank holds."""
+
+    key: str                         # Sequential name
+    tensor: Tensor                   # the parameter (or buffer) itself
+    hf: str                          # its name in the file
+    file: Path
+    where: ShardRanges | None        # None: the whole tensor
+    expected: tuple[int, ...]        # the full shape the model wants
+
+
+@torch.no_grad()
+def init_for_loading(module: nn.Module) -> None:
+    """``HybridPipe(..., init_fn=init_for_loading)`` for a `meta`-built `to_sequential` model
+    that `load_hf_shards` fills next: every parameter zero (no random draws, and none of the
+    full-layer temporaries `init_fn` draws a tp layer's slice from), the rotary buffers of
+    each `DecoderBlock` computed (``inv_freq``: not in the files). `load_hf_shards` refuses a
+    checkpoint that lacks any parameter, so no zero is left."""
+    from hybridpar.hf.blocks import DecoderBlock
+
+    if isinstance(module, DecoderBlock):
+        module.reset_parameters()
+    for param in module.parameters(recurse=False):
+        param.zero_()
+
+
+def _safe_open(path: Path) -> Any:
+    """``safe_open(path)`` (the tests wrap it to count the bytes read)."""
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt")
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """A weights file opened (its header read; the data mapped, not read); a `ValueError`
+    naming the file when it is not a whole safetensors file."""
+    from safetensors import SafetensorError
+
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} is missing")
+    try:
+        handle = _safe_open(path)
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a whole safetensors file ({e}): a truncated download, "
+                         "or another format (pickled .bin / .pt checkpoints are not read: save "
+                         "with save_pretrained(..., safe_serialization=True))") from None
+    with handle as f:
+        try:
+            yield f
+        except SafetensorError as e:
+            raise ValueError(f"reading {path}: {e}") from None
+
+
+def _weight_map(directory: Path) -> tuple[dict[str, Path], str]:
+    """``{HF name: file}`` of every tensor of the checkpoint, and where that was looked up."""
+    index = directory / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {str(k): directory / str(v) for k, v in weight_map.items()}, str(index)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index} is not a safetensors index (a JSON object whose "
+                             "'weight_map' maps tensor names to files)") from None
+    files = _files(directory)
+    out: dict[str, Path] = {}
+    for path in files:
+        with _opened(path) as f:
+            for name in f.keys():
+                out.setdefault(name, path)
+    return out, ", ".join(str(p) for p in files)
+
+
+def _tp_groups(module: nn.Module) -> dict[int, ProcessGroup | None]:
+    """The tp group of every parameter (its layer's ``group``; else the pipe topology's)."""
+    topology = getattr(module, "topology", None)
+    fallback = topology.tp_group if topology is not None and topology.tp > 1 else None
+    groups: dict[int, ProcessGroup | None] = {}
+    for sub in module.modules():
+        group = module_group(sub)
+        for param in sub.parameters(recurse=False):
+            groups.setdefault(id(param), fallback if group is None else group)
+    return groups
+
+
+def _names_of_ties(module: nn.Module, state: Mapping[str, Tensor]) -> dict[str, list[str]]:
+    """``{name: the other names of the same tensor}``: held twice on this rank, or tied across
+    stages (`HybridPipe.tied_aliases`)."""
+    by_tensor: dict[int, list[str]] = {}
+    for key, value in state.items():
+        by_tensor.setdefault(id(value), []).append(key)
+    groups = [names for names in by_tensor.values() if len(names) > 1]
+    aliases: Mapping[str, str] = getattr(module, "tied_aliases", None) or {}
+    canonical: dict[str, list[str]] = {}
+    for alias, name in aliases.items():
+        canonical.setdefault(name, [name]).append(alias)
+    groups += list(canonical.values())
+    out: dict[str, dict[str, None]] = {}
+    for names in groups:
+        for name in names:
+            out.setdefault(name, {}).update(dict.fromkeys(n for n in names if n != name))
+    return {name: list(others) for name, others in out.items()}
+
+
+def _candidates(key: str, names: KeyMap, ties: Mapping[str, list[str]]) -> list[str]:
+    """The HF names `key`'s tensor may be stored under, in order of preference."""
+    hf = [names.to_hf(key)]
+    if names.tied is not None and hf[0] == names.tied[0]:
+        hf.append(names.tied[1])                  # the head: save_pretrained omits it
+    hf += [names.to_hf(other) for other in ties.get(key, [])]
+    hf += [h.removeprefix(names.base) for h in hf if h.startswith(names.base)]   # bare decoder
+    return list(dict.fromkeys(hf))
+
+
+def _plan(module: nn.Module, directory: Path, config: Any) -> list[_Entry]:
+    """Every tensor this rank loads, checked against the files' headers (nothing read)."""
+    names = key_map(config)
+    files, looked_in = _weight_map(directory)
+    state = module.state_dict(keep_vars=True)
+    params = {id(p) for p in module.parameters()}
+    groups = _tp_groups(module)
+    ties = _names_of_ties(module, state)
+
+    # every stage's keys (a HybridPipe notes the whole model's), to refuse a file's extra keys
+    model_keys = list(getattr(module, "_state_keys", None) or state)
+    try:
+        wanted = {names.to_hf(k) for k in model_keys}
+        unexpected = [k for k in files if not names.is_ignored(k) and k not in wanted
+                      and names.base + k not in wanted]
+    except KeyError as error:
+        raise ValueError(f"the model's names do not map to {_config_desc(config)}'s: {error}; "
+                         "load into a Sequential that hybridpar.hf.to_sequential made") from None
+    if unexpected:
+        raise ValueError(f"{looked_in} holds {len(unexpected)} tensor(s) the model built from "
+                         f"{_config_desc(config)} does not have, e.g. "
+                         f"{', '.join(unexpected[:3])}: the checkpoint and its config.json "
+                         "disagree (layer count, biases, tied embeddings)")
+
+    entries: list[_Entry] = []
+    missing: list[str] = []
+    seen: set[int] = set()
+    for key, tensor in state.items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        hf = next((h for h in _candidates(key, names, ties) if h in files), None)
+        if hf is None:
+            if id(tensor) in params:      # a buffer not in the files keeps its init (inv_freq)
+                missing.append(f"{names.to_hf(key)} (the model's {key})")
+            continue
+        group = groups.get(id(tensor))
+        where = shard_ranges(tensor, group)
+        expected = tuple(full_shape(tensor, group) if where is not None else tensor.shape)
+        entries.append(_Entry(key, tensor, hf, files[hf], where, expected))
+    if missing:
+        raise ValueError(f"{len(missing)} tensor(s) this rank needs are not in the checkpoint: "
+                         f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; looked "
+                         f"in {looked_in}")
+
+    for path, mine in _by_file(entries).items():          # the headers: names, shapes
+        with _opened(path) as f:
+            held = set(f.keys())
+            for e in mine:
+                if e.hf not in held:
+                    raise ValueError(f"{path} does not hold {e.hf} (the model's {e.key}), "
+                                     f"though {looked_in} names it there")
+                shape = tuple(f.get_slice(e.hf).get_shape())
+                if shape != e.expected:
+                    raise ValueError(
+                        f"{e.hf} in {path} has shape {shape} but the model built from "
+                        f"{_config_desc(config)} expects {e.expected} for {e.key}: the weights "
+                        "and config.json disagree (hidden size, head counts, head_dim, vocab)")
+    return entries
+
+
+def _config_desc(config: Any) -> str:
+    """How an error names the config: its file when it came from one."""
+    return "config.json" if isinstance(config, dict) else type(config).__name__
+
+
+def _by_file(entries: list[_Entry]) -> dict[Path, list[_Entry]]:
+    out: dict[Path, list[_Entry]] = {}
+    for e in entries:
+        out.setdefault(e.file, []).append(e)
+    return out
+
+
+@torch.no_grad()
+def _read(f: Any, e: _Entry) -> int:
+    """Copy entry `e` from open file `f` into its tensor's storage; the bytes read."""
+    if e.where is None:
+        value = f.get_tensor(e.hf)
+        e.tensor.copy_(value.to(e.tensor.device))
+        return value.numel() * value.element_size()
+    dim, ranges = e.where
+    if sum(b - a for a, b in ranges) != e.tensor.shape[dim]:
+        raise RuntimeError(f"{e.key}: ranges {ranges} of dim {dim} do not cover its shard of "
+                           f"shape {tuple(e.tensor.shape)}")
+    tensor_slice, offset, read = f.get_slice(e.hf), 0, 0
+    for a, b in ranges:
+        piece = tensor_slice[(slice(None),) * dim + (slice(a, b),)]   # only [a, b) of dim
+        e.tensor.narrow(dim, offset, b - a).copy_(piece.to(e.tensor.device))
+        offset += b - a
+        read += piece.numel() * piece.element_size()
+    return read
+
+
+def load_hf_shards(module: nn.Module, directory: str | Path, *, config: Any = None
+                   ) -> ShardLoad:
+    """Load a local Hugging Face checkpoint directory into `module`, reading only its part.
+
+    `module`: a `HybridPipe` over a `to_sequential` model (built on `meta` and materialized
+    with `init_fn`, or built whole), or such a Sequential itself. Every rank reads the keys of
+    its own stages, and of a tp-sharded parameter only its slice (`shard_ranges`: the same
+    slice `shard_of` cuts from the full tensor), straight into the parameter's storage and
+    dtype. Buffers the files lack (rotary ``inv_freq``) keep their values. `directory` holds
+    ``model.safetensors``, or shards and ``model.safetensors.index.json``; `config` defaults
+    to its ``config.json``.
+
+    A collective when torch.distributed is initialized: every rank calls it, and a problem
+    on any rank (a missing key, a shape that does not fit, a file that is not a whole
+    safetensors file) is raised on all of them, before anything is read.
+    """
+    directory = Path(directory)
+    with fail_together(_ERRORS):
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{directory} is not a directory (a local checkpoint saved "
+                                    "by save_pretrained)")
+        if config is None:
+            config_file = directory / "config.json"
+            if not config_file.is_file():
+                raise FileNotFoundError(f"{config_file} is missing; pass config=")
+            config = json.loads(config_file.read_text())
+        entries = _plan(module, directory, config)
+    read = 0
+    with fail_together(_ERRORS):
+        for e in entries:
+            with _opened(e.file) as f:   # one tensor a time: its pages unmapped after it
+                read += _read(f, e)
+    return ShardLoad(tensors=len(entries), bytes_read=read,
+                     files=tuple(str(p) for p in _by_file(entries)))
