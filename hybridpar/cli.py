@@ -56,17 +56,25 @@ def _add_run(commands: Any) -> None:
 
 
 def _add_export(commands: Any) -> None:
-    p = commands.add_parser("export", help="write a checkpoint as a plain state dict",
-                            description="Gather a checkpoint folder (any layout) into the plain "
-                            "single-device state dict of the unsharded nn.Sequential.")
+    p = commands.add_parser("export", help="write a checkpoint as a plain state dict or a "
+                            "Hugging Face checkpoint",
+                            description="Write a checkpoint folder (any layout) as the plain "
+                            "single-device state dict of the unsharded nn.Sequential, or as a "
+                            "Hugging Face checkpoint: safetensors files written one tensor at a "
+                            "time, assembled beside OUT and renamed into place.")
     p.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/quickstart/checkpoints/"
                    "step-200")
-    p.add_argument("out", help="the .pt file to write (torch.load(..., weights_only=True)), "
-                   "or with --format hf the directory to create")
-    p.add_argument("--format", choices=("pt", "hf"), default="pt",
-                   help="pt: one state-dict file; hf: a Hugging Face checkpoint directory "
-                   "(config.json + model.safetensors) of an hf:<family> run, for "
-                   "from_pretrained")
+    p.add_argument("out", help="the folder to create: safetensors files of at most "
+                   "--max-shard-size bytes (model.safetensors, or model-00001-of-0000N."
+                   "safetensors ... and model.safetensors.index.json); a path ending in .pt: "
+                   "one torch.save file instead (the whole model in this process)")
+    p.add_argument("--format", choices=("plain", "hf", "pt"), default="plain",
+                   help="plain: the nn.Sequential's names (--init-from reads it); hf: a "
+                   "Hugging Face checkpoint (config.json + weights) of an hf:<family> run, for "
+                   "from_pretrained; pt: the old name of plain")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="the most bytes in one safetensors file: 5GB (the default), 200MB, "
+                   "20KB, 1.5GiB or a number of bytes; a larger tensor gets a file of its own")
     p.add_argument("--config", default=None, help="with --format hf: the run's config.json "
                    "(default: RUN_DIR/config.json next to RUN_DIR/checkpoints)")
 
@@ -101,14 +109,34 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hybridpar.train.export import export_checkpoint, export_hf
+    from hybridpar.train.export import export_checkpoint, export_hf, export_plain
+    from hybridpar.weight_files import DEFAULT_MAX_SHARD_SIZE, parse_size
 
-    if args.format == "hf":
-        state = export_hf(args.checkpoint, args.out, config=args.config)
-    else:
+    size = DEFAULT_MAX_SHARD_SIZE
+    if args.max_shard_size is not None:
+        try:
+            size = parse_size(args.max_shard_size)
+        except ValueError as e:
+            raise ValueError(f"--max-shard-size: {e}") from None
+    if args.format != "hf" and str(args.out).endswith(".pt"):
+        if args.max_shard_size is not None:
+            raise ValueError(f"--max-shard-size sizes safetensors files, and {args.out} is one "
+                             ".pt file: drop the option, or give a folder (no .pt) to write")
         state = export_checkpoint(args.checkpoint, args.out)
-    count = sum(t.numel() for t in state.values())
-    print(f"wrote {args.out}: {len(state)} tensors, {count:,} values")
+        count = sum(t.numel() for t in state.values())
+        print(f"wrote {args.out}: {len(state)} tensors, {count:,} values")
+        return 0
+    try:
+        if args.format == "hf":
+            written = export_hf(args.checkpoint, args.out, config=args.config,
+                                max_shard_size=size)
+        else:
+            written = export_plain(args.checkpoint, args.out, max_shard_size=size)
+    except ImportError as e:   # safetensors is missing: one line, as every user error
+        raise ValueError(str(e)) from None
+    files = len(written.files)
+    print(f"wrote {args.out}: {written.tensors} tensors, {written.values:,} values in {files} "
+          f"file{'s' if files > 1 else ''}")
     return 0
 
 

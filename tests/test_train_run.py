@@ -33,7 +33,7 @@ from hybridpar.train.checkpoint import (
     save_checkpoint,
 )
 from hybridpar.train.data import decode, make_batches
-from hybridpar.train.export import export_checkpoint, load_exported
+from hybridpar.train.export import export_checkpoint, export_plain, load_exported
 from hybridpar.train.lr import lr_at
 from hybridpar.train.metrics import read_metrics
 from hybridpar.train.shards import ShardLoadPlanner, check_unique, model_entries
@@ -442,6 +442,30 @@ def test_exported_model_matches_the_pipeline_and_init_from_starts_there(
     assert result["losses"][0] == pytest.approx(gpt_loss_of(model, x0, y0), abs=1e-5)
     assert abs(result["losses"][0] - results[0]["losses"][0]) > 0.1   # not the seed's weights
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_a_folder_of_shards_starts_a_run_as_the_pt_file_does(ref_run, exported, tmp_path):
+    """`hybridpar export CHECKPOINT OUT` (no .pt): safetensors files written one tensor at a
+    time; --init-from takes the index (a file, as the trainer asks) and starts from the same
+    weights as the .pt file."""
+    from hybridpar.weight_files import INDEX
+
+    cfg, run_dir, _ = ref_run
+    _, plain = exported
+    total = sum(t.numel() * t.element_size() for t in plain.values())
+    written = export_plain(run_dir / "checkpoints" / "step-8", tmp_path / "shards",
+                           max_shard_size=total // 3)
+    assert len(written.files) >= 3 and written.total_size == total
+    assert written.peak_bytes <= total // 3
+    state = load_exported(tmp_path / "shards")
+    assert state.keys() == plain.keys() and all(torch.equal(state[k], plain[k]) for k in plain)
+    model = plain_model(cfg, plain)
+    x, _ = make_batches(cfg, split="val").next_batch()                 # (8, 16)
+    index = str(tmp_path / "shards" / INDEX)
+    got = hybridpar.spawn(_pipe_from_export, 4, args=(cfg, index, x, str(tmp_path / "run")),
+                          timeout=TIMEOUT)
+    x0, y0 = make_batches(cfg, split="train").next_batch()
+    assert got[0]["result"]["losses"][0] == pytest.approx(gpt_loss_of(model, x0, y0), abs=1e-5)
 
 
 def test_bad_init_from_raises_checkpoint_error_on_every_rank(tmp_path):

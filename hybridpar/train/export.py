@@ -1,5 +1,19 @@
-"""`hybridpar export`: a checkpoint folder as the plain single-device state dict (one file),
-or, for ``model.name = "hf:<family>"`` runs, as a Hugging Face checkpoint directory."""
+"""`hybridpar export`: a checkpoint folder (any layout), or a live pipe, as the plain
+single-device state dict or as a Hugging Face checkpoint, written one tensor at a time.
+
+    export_plain       checkpoint -> OUT/: safetensors files of at most `max_shard_size` bytes
+                       (+ index), the unsharded nn.Sequential's names (`hybridpar.weight_files`)
+    export_hf          checkpoint of an ``hf:<family>`` run -> OUT/: the same files under
+                       Hugging Face's names, without a tied head, and config.json
+    export_pipe        a HybridPipe, on every rank -> OUT/ of either kind: each tensor gathered
+                       to rank 0 alone (`consolidate.stream_state_dict`) and written
+    export_checkpoint  checkpoint -> OUT.pt: one ``torch.save`` file (the whole model in this
+                       process: for models that fit it)
+    load_exported      any plain export (a folder, its index, a .safetensors or .pt file)
+
+A folder export holds at most one file being filled and one tensor; it is assembled beside
+OUT and renamed into place, so OUT is whole or absent (an existing OUT is refused).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +21,19 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from hybridpar.agreement import fail_together
 from hybridpar.files import atomic_write
 from hybridpar.train.checkpoint import (
     CheckpointError,
@@ -24,40 +43,90 @@ from hybridpar.train.checkpoint import (
     read_metadata,
 )
 from hybridpar.train.shards import ShardLoadPlanner, read_ties
+from hybridpar.weight_files import (
+    DEFAULT_MAX_SHARD_SIZE,
+    Written,
+    parse_size,
+    read_weights,
+    write_shards,
+)
 
-__all__ = ["export_checkpoint", "export_hf", "load_exported", "read_state"]
+if TYPE_CHECKING:
+    from hybridpar.pipe import HybridPipe
 
+__all__ = ["Written", "export_checkpoint", "export_hf", "export_pipe", "export_plain",
+           "load_exported", "read_state"]
 
 def _layer_order(key: str) -> tuple[int, str]:
     head = re.match(r"(\d+)\.", key)
     return (int(head.group(1)) if head else -1, key)
 
 
+class _CachedReader(FileSystemReader):
+    """DCP's file reader with the index read once (a load per tensor would reread it)."""
+
+    def __init__(self, path: str, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._index = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._index
+
+
+class _Checkpoint:
+    """A checkpoint's model tensors, read whole one at a time (or all at once), in one
+    process: `names` in layer order, every name of a tie included."""
+
+    def __init__(self, checkpoint: str | os.PathLike[str]) -> None:
+        self.path = str(checkpoint)
+        self.metadata = read_metadata(checkpoint)
+        entries = self.metadata.state_dict_metadata
+        keys = [k.removeprefix("model/") for k in entries if k.startswith("model/")]
+        if not keys:
+            raise CheckpointError(f"{checkpoint} holds no model tensors; is it a hybridpar "
+                                  "checkpoint (RUN_DIR/checkpoints/step-N)?")
+        check_files(checkpoint, self.metadata)
+        ties = [k for k in entries if k.startswith("tied/")]
+        #: ``{name: canonical name}``: a tie is saved once, under its canonical name
+        self.aliases = read_ties(self.load(ties)) if ties else {}
+        self.names = sorted([*keys, *self.aliases], key=_layer_order)
+
+    def nbytes(self, name: str) -> int:
+        meta = self.metadata.state_dict_metadata["model/" + self.aliases.get(name, name)]
+        assert isinstance(meta, TensorStorageMetadata)
+        return meta.size.numel() * meta.properties.dtype.itemsize
+
+    def tensor(self, name: str) -> Tensor:
+        key = "model/" + self.aliases.get(name, name)
+        return self.load([key])[key]
+
+    def load(self, keys: list[str]) -> dict[str, Tensor]:
+        state = allocate_like(self.metadata, keys)
+        try:
+            with warnings.catch_warnings():   # DCP warns that it runs without a process group
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(state, storage_reader=_CachedReader(self.path, self.metadata),
+                         planner=ShardLoadPlanner(), no_dist=True)
+        except CheckpointException as e:
+            raise CheckpointError(f"{self.path} cannot be read ({dcp_failure(e)}); its files "
+                                  "are damaged: restore them or export an earlier "
+                                  "step-N") from None
+        return state
+
+
 def read_state(checkpoint: str | os.PathLike[str]) -> dict[str, Tensor]:
     """A checkpoint's model tensors (any layout) as the plain model's ``{name: tensor}``.
 
-    Every name of a tied parameter gets its tensor. Runs in one process (no process group).
+    Every name of a tied parameter gets its tensor. Runs in one process (no process group)
+    and holds the whole model: `export_plain` writes it one tensor at a time.
     """
-    metadata = read_metadata(checkpoint)
-    keys = [k for k in metadata.state_dict_metadata if k.startswith("model/")]
-    ties = [k for k in metadata.state_dict_metadata if k.startswith("tied/")]
-    if not keys:
-        raise CheckpointError(f"{checkpoint} holds no model tensors; is it a hybridpar "
-                              "checkpoint (RUN_DIR/checkpoints/step-N)?")
-    check_files(checkpoint, metadata)
-    state = allocate_like(metadata, keys + ties)
-    try:
-        with warnings.catch_warnings():  # DCP warns that it runs without a process group: asked
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=str(checkpoint), planner=ShardLoadPlanner(),
-                     no_dist=True)
-    except CheckpointException as e:
-        raise CheckpointError(f"{checkpoint} cannot be read ({dcp_failure(e)}); its files are "
-                              "damaged: restore them or export an earlier step-N") from None
-    plain = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
-    for alias, canonical in read_ties(state).items():   # saved once: every name gets it
-        plain[alias] = plain[canonical]
-    return dict(sorted(plain.items(), key=lambda kv: _layer_order(kv[0])))
+    source = _Checkpoint(checkpoint)
+    canonical = [n for n in source.names if n not in source.aliases]
+    state = source.load(["model/" + n for n in canonical])
+    plain = {n: state["model/" + n] for n in canonical}
+    for alias, name in source.aliases.items():   # saved once: every name gets it
+        plain[alias] = plain[name]
+    return {n: plain[n] for n in source.names}
 
 
 def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]
@@ -92,37 +161,167 @@ def _run_model(checkpoint: Path, config: str | os.PathLike[str] | None) -> dict[
     if not isinstance(model, dict) or not str(model.get("name", "")).startswith("hf:"):
         raise ValueError(f"--format hf exports Hugging Face models (model.name = 'hf:...'); "
                          f"the run in {file} trained model {model.get('name')!r}: export it "
-                         "as a .pt state dict (without --format hf)")
+                         "as the plain state dict (without --format hf)")
     return model
 
 
-def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
-              config: str | os.PathLike[str] | None = None) -> dict[str, Tensor]:
-    """Write an ``hf:<family>`` run's checkpoint as a Hugging Face checkpoint directory.
-
-    ``config.json`` + ``model.safetensors`` (`hybridpar.hf.save_hf_checkpoint`), which
-    ``AutoModelForCausalLM.from_pretrained(out)`` loads. The directory is written next to
-    `out` and renamed into place: `out` is whole or absent (an existing `out` is refused).
-    """
-    from hybridpar.hf import save_hf_checkpoint
-    from hybridpar.models.hf import hf_config
-
+def _new_folder(out: str | os.PathLike[str]) -> Path:
+    """`out` as the folder to create; refused if anything is there (nothing is replaced)."""
     target = Path(out)
+    if target.is_dir():
+        raise ValueError(f"{out} is a folder that exists; give a new folder for the "
+                         "safetensors files (nothing is replaced), or give the path of the .pt "
+                         "file to write")
     if target.exists():
-        raise ValueError(f"{out} exists; give a new directory for the Hugging Face checkpoint")
-    model = _run_model(Path(checkpoint), config)
-    options = {k: v for k, v in model.items() if k != "name"}
-    plain = read_state(checkpoint)
-    hf = hf_config(str(model["name"]).removeprefix("hf:"), options)
+        raise ValueError(f"{out} exists; give a new folder for the safetensors files")
+    return target
+
+
+def _need_safetensors() -> None:
     try:
-        atomic_write(target, lambda tmp: save_hf_checkpoint(plain, hf, tmp))
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        raise ImportError("a folder export writes safetensors files: pip install safetensors "
+                          "(or hybridpar[hf]), or export to one OUT.pt file") from None
+
+
+def _named(error: BaseException | None, target: Path | None) -> BaseException | None:
+    """A failed write (an `OSError`) as the `ValueError` ``cannot write OUT: ...`` (exit 2)."""
+    if isinstance(error, OSError) and target is not None:
+        return ValueError(f"cannot write {target}: {error.strerror or error}")
+    return error
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _write(target: Path | None, sizes: list[tuple[str, int]],
+           tensors: Iterator[Tensor | None], *, max_shard_size: int,
+           extra: Callable[[Path], object] | None = None,
+           agree: Callable[[BaseException | None], None] = _raise) -> Written:
+    """`write_shards`, a failed write named as `_named` says."""
+    return write_shards(target, sizes, tensors, max_shard_size=max_shard_size, extra=extra,
+                        agree=lambda error: agree(_named(error, target)))
+
+
+def export_plain(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Written:
+    """Write a checkpoint's model tensors (any layout) into the new folder `out`, one at a time.
+
+    Safetensors files of at most `max_shard_size` bytes (`hybridpar.weight_files`: one is
+    ``model.safetensors``, more come with ``model.safetensors.index.json``) holding the names
+    and full shapes of the unsharded `nn.Sequential`'s ``state_dict()``, every name of a tie
+    included: ``model.load_state_dict(load_exported(out))`` loads it, and ``--init-from
+    OUT/model.safetensors`` (or ``OUT/model.safetensors.index.json``) starts a run from it.
+    Runs in one process (no process group); holds one file's tensors at most.
+    """
+    size = parse_size(max_shard_size)
+    target = _new_folder(out)
+    source = _Checkpoint(checkpoint)
+    _need_safetensors()
+    sizes = [(n, source.nbytes(n)) for n in source.names]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)   # only once the checkpoint read
     except OSError as e:
         raise ValueError(f"cannot write {out}: {e.strerror or e}") from None
-    return plain
+    return _write(target, sizes, (source.tensor(n) for n in source.names),
+                  max_shard_size=size)
+
+
+def _hf_names(names: list[str], config: Any) -> list[tuple[str, str]]:
+    """``(Hugging Face name, Sequential name)`` of each tensor a Hugging Face checkpoint holds:
+    all but a tied head (``save_pretrained`` leaves it out)."""
+    from hybridpar.hf import key_map
+
+    keys = key_map(config)
+    head = keys.tied[0] if keys.tied is not None else None
+    return [(keys.to_hf(n), n) for n in names if keys.to_hf(n) != head]
+
+
+def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
+              config: str | os.PathLike[str] | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Written:
+    """Write an ``hf:<family>`` run's checkpoint as a Hugging Face checkpoint folder.
+
+    ``config.json`` and the weights under Hugging Face's names as `export_plain` writes them
+    (at most `max_shard_size` bytes a file, the index when there are several, no tied head),
+    which ``AutoModelForCausalLM.from_pretrained(out)`` loads. `config`: the run's
+    config.json (default RUN_DIR/config.json). Holds one file's tensors at most.
+    """
+    from hybridpar.models.hf import hf_config
+
+    size = parse_size(max_shard_size)
+    target = _new_folder(out)
+    model = _run_model(Path(checkpoint), config)
+    options = {k: v for k, v in model.items() if k != "name"}
+    source = _Checkpoint(checkpoint)
+    hf = hf_config(str(model["name"]).removeprefix("hf:"), options)
+    entries = _hf_names(source.names, hf)
+    _need_safetensors()
+    return _write(target, [(name, source.nbytes(n)) for name, n in entries],
+                  (source.tensor(n) for _, n in entries), max_shard_size=size,
+                  extra=hf.save_pretrained)
+
+
+_SHARED = (OSError, ValueError, RuntimeError, TypeError, ImportError)
+
+
+def _agree(error: BaseException | None) -> None:
+    """Raise `error` (or a `RuntimeError` naming it) on every rank if any rank had one."""
+    with fail_together(_SHARED):
+        if error is not None:
+            raise error if isinstance(error, _SHARED) else \
+                RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def export_pipe(pipe: HybridPipe, out: str | os.PathLike[str], *, config: Any = None,
+                max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Written:
+    """Write a pipe's weights (any layout) into the new folder `out`; call it on every rank.
+
+    Plain names as `export_plain` writes them, or with `config` (the model's Hugging Face
+    `PretrainedConfig`) a Hugging Face checkpoint as `export_hf` writes it. Global rank 0
+    writes; each tensor comes to it alone (`consolidate.stream_state_dict`: its stage's tp
+    ranks gather it, the stage sends it), so rank 0 holds one file being filled and one
+    tensor, and no other rank more than one full tensor. A failure (a refused `out`, a full
+    disk) is raised on every rank, and nothing is left behind. Returns what was written
+    (counts and `peak_bytes` on rank 0; elsewhere the file names and zeros).
+    """
+    from hybridpar.pipeline import consolidate
+
+    size = parse_size(max_shard_size)   # (the same on every rank: fails on all alike)
+    topo = pipe.topology
+    writer = dist.get_rank() == topo.global_rank(0, 0, 0)
+    with fail_together((ValueError, ImportError)):
+        target = _new_folder(out) if writer else None
+        if target is not None:
+            _need_safetensors()
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"cannot write {out}: {e.strerror or e}") from None
+    keys = list(pipe._state_keys)
+    entries = _hf_names(keys, config) if config is not None else [(k, k) for k in keys]
+    stage_keys, aliases = pipe._stage_keys, pipe.tied_aliases
+    with pipe._communicating("export_pipe"):
+        layout = consolidate.state_layout(pipe, topo, stage_keys=stage_keys)
+        sizes = [(name, layout[aliases.get(k, k)].nbytes) for name, k in entries]
+        stream = consolidate.stream_state_dict(pipe, topo, keys=[k for _, k in entries],
+                                               stage_keys=stage_keys, aliases=aliases,
+                                               layout=layout)
+        return _write(target, sizes, stream, max_shard_size=size,
+                      extra=config.save_pretrained if config is not None else None,
+                      agree=_agree)
 
 
 def load_exported(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """Read an exported state dict (``weights_only=True``: tensors only, no code)."""
+    """Read a plain export: a folder `export_plain` wrote, its index ``.json`` or one of its
+    ``.safetensors`` files (`read_weights`), or a ``.pt`` file ``torch.load`` reads with
+    ``weights_only=True`` (tensors only, no code)."""
+    file = Path(path)
+    if file.is_dir() or file.suffix in (".safetensors", ".json"):
+        return read_weights(file)
     value = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(value, dict) or not all(isinstance(v, Tensor) for v in value.values()):
         raise ValueError(f"{path} is not a state dict of tensors")

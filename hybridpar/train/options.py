@@ -15,8 +15,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         "go (default: runs/<config name>); an existing one is resumed")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         dest="overrides", help="override a config value (repeatable)")
-    parser.add_argument("--init-from", metavar="FILE.pt", help="start from a plain state dict "
-                        "(hybridpar export's output) when the run dir has no checkpoint")
+    parser.add_argument("--init-from", metavar="FILE", help="start from a plain state dict "
+                        "(hybridpar export's output: OUT/model.safetensors.index.json, "
+                        "OUT/model.safetensors or OUT.pt) when the run dir has no checkpoint")
     parser.add_argument("--trace", action="store_true", help="trace one training step (the "
                         "last, or --trace-step) into RUN_DIR/trace: trace.json (Perfetto), "
                         "gantt.png, table.txt (bubble per stage, also printed)")
