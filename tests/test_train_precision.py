@@ -11,7 +11,8 @@ from hybridpar.train import load_config
 from hybridpar.train.trainer import train
 
 SETS = ["model.n_layer=2", "model.n_embd=32", "model.block_size=16", "train.batch_size=8",
-        "train.steps=4", "train.sample_tokens=0", "checkpoint.every=0", "parallel.chunks=2"]
+        "train.steps=6", "train.warmup_steps=0", "train.sample_tokens=0", "checkpoint.every=0",
+        "parallel.chunks=2"]
 
 
 def _losses(run_dir: str, precision: str) -> list[float]:

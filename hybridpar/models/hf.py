@@ -23,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from hybridpar.keyed import keyed_reset_
 from hybridpar.models.gpt import gpt_loss
 
 __all__ = ["FAMILIES", "gpt2", "hf_config", "llama", "mistral", "next_token_loss", "qwen2",
@@ -75,8 +77,13 @@ def _family_of_type(model_type: str) -> str:
 
 
 def _build(family: str, options: dict[str, Any]) -> Built:
-    """The family's model from `options`, as an nn.Sequential, with `next_token_loss`."""
-    from hybridpar.hf import load_hf_shards, to_sequential
+    """The family's model from `options`, as an nn.Sequential, with `next_token_loss`.
+
+    Random-init (no ``pretrained``), every module is drawn again as Hugging Face draws it,
+    under a seed keyed by its name (`hybridpar.keyed`): ``torch.manual_seed(s)`` then this
+    gives the values a meta build draws for seed s in any layout (`train.trainer.build_pipe`).
+    """
+    from hybridpar.hf import init_fn, load_hf_shards, to_sequential
 
     transformers = _transformers()
     config = hf_config(family, options)
@@ -86,6 +93,8 @@ def _build(family: str, options: dict[str, Any]) -> Built:
     on_meta = any(p.is_meta for p in sequential.parameters())
     if pretrained is not None and not on_meta:   # on meta: the caller loads (`build_pipe`)
         load_hf_shards(sequential, pretrained, config=config)
+    elif pretrained is None and not on_meta:
+        keyed_reset_(sequential, torch.initial_seed(), init=init_fn(model))
     return sequential, next_token_loss
 
 

@@ -33,7 +33,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hybridpar.agreement import fail_together
 from hybridpar.device import pinned
-from hybridpar.models import generate
+from hybridpar.keyed import KeyedInit
+from hybridpar.models import MODELS, generate
 from hybridpar.models.registry import build, takes_tokens
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.replicas import ReplicaMismatchError
@@ -95,11 +96,14 @@ def loss_rank(topo: Topology) -> int:
 def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridPipe:
     """The config's model built from its seed on every rank, as this rank's HybridPipe stage.
 
-    With ``model.pretrained`` (an ``hf:`` family) the model is built on ``meta``, the pipe
-    gives storage to this rank's stages and tp slices only (zeros and the rotary buffers:
-    `hybridpar.hf.init_for_loading`), and the rank reads just those from the checkpoint
-    (`hybridpar.hf.load_hf_shards`); then the random streams are seeded again, so what the
-    build drew (balance profiling) does not move dropout.
+    The zoo's models and ``hf:`` families are built on ``meta``: the pipe gives storage to
+    this rank's stages and tp slices only, drawn module by module under seeds keyed by
+    ``train.seed`` and their names (`hybridpar.keyed.KeyedInit`; the same values as the
+    one-device model and every other layout). With ``model.pretrained`` they are zeros and
+    the rotary buffers (`hybridpar.hf.init_for_loading`), and the rank reads just its tensors
+    from the checkpoint (`hybridpar.hf.load_hf_shards`). A user's builder builds the whole
+    model, as before. Then the random streams are seeded again, so what the build drew
+    (balance profiling) does not move dropout.
     """
     par, name = config.parallel, config.model.name
     args = dict(config.model.args)
@@ -108,13 +112,20 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     pretrained = args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
-    with torch.device("meta") if pretrained is not None else contextlib.nullcontext():
+    on_meta = pretrained is not None or name in MODELS or name.startswith("hf:")
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
         model, loss = build(name, **args)
     init: Callable[[nn.Module], None] | None = None
     if pretrained is not None:
         from hybridpar.hf import init_for_loading
 
         init = init_for_loading
+    elif name.startswith("hf:"):
+        from hybridpar.hf import config_of, init_fn
+
+        init = KeyedInit(config.train.seed, init=init_fn(config_of(model)))
+    elif on_meta:
+        init = KeyedInit(config.train.seed)
     # balance = "time" profiles under the precision the run trains in
     bf16 = config.train.precision == "bf16"
     with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -129,8 +140,8 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
         loaded = load_hf_shards(pipe, pretrained)
         log.info("model.pretrained %s: read %d tensors (%.1f MiB) on this rank", pretrained,
                  loaded.tensors, loaded.bytes_read / 2**20)
-        torch.manual_seed(config.train.seed)
-        model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
+    torch.manual_seed(config.train.seed)
+    model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
     return pipe
 
 
