@@ -263,7 +263,7 @@ def _dropout_twice(replay: RNGReplay) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("make", [
     lambda: RNGReplay(functools.partial(get_rng_state_all, torch.device("cuda", 1)),
                       set_rng_state_all),   # the pipe's, given its device
-    lambda: RNGReplay(get_rng_state_all, set_rng_state_all),   # as pipe.py builds it today
+    lambda: RNGReplay(get_rng_state_all, set_rng_state_all),   # no device: the current one
     lambda: RNGReplay(device=torch.device("cuda", 1)),         # the default streams
     lambda: RNGReplay(),
 ])
@@ -288,7 +288,9 @@ def _checkpointed_step_on_a_fake_gpu():
     return cuda.calls
 
 
-def test_a_checkpointed_pipe_step_reads_one_gpu_generator_per_state():
+def test_a_checkpointed_pipe_step_on_the_cpu_reads_no_gpu_generator():
+    # the pipe gives its replay its own device (pipe.py: functools.partial(get_rng_state_all,
+    # self.device)): a CPU rank on a machine with GPUs reads none of their generators; a GPU
+    # rank reads its own alone (the RNGReplay cases above, with the device given)
     calls = hybridpar.spawn(_checkpointed_step_on_a_fake_gpu, 1, timeout=60)[0]
-    # two checkpointed micro-batches: a capture each, and each recomputation's read and writes
-    assert Counter(calls) == {("get", 1): 4, ("set", 1): 4}, calls
+    assert calls == [], calls

@@ -229,7 +229,7 @@ def test_a_plain_export_holds_every_name_and_loads_back(exported, kind):
     assert set(state) == set(expected)       # every name of a tie among them
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
-    # the index (or a single file) is what --init-from takes: a file
+    # the folder, its index or a single file: what --init-from takes
     assert load_exported(folder / f"{kind}-plain" / INDEX).keys() == state.keys()
 
 

@@ -3,7 +3,7 @@
 Each case builds a tiny model on `meta` at pp=2 x tp=2 (balance [2, 3]: embedding + block |
 block + norm + head, so a tie crosses the stages), materializes the rank's stage with
 ``hybridpar.hf.init_fn`` and loads a ``save_pretrained`` checkpoint with
-``hybridpar.hf.load_hf_shards``, counting the bytes each rank reads (`_Counting` wraps
+``hybridpar.hf.load_hf_shards``, counting the bytes each rank reads (`counting_reads` wraps
 ``safe_open``). Every local tensor must equal, bit for bit, the slice `shard_of` cuts from the
 whole file's tensor, and a rank must read exactly those slices' bytes (+ its replicated
 tensors), never a whole sharded tensor. Bad checkpoints are refused on every rank.
@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import tiny, token_batches
+from safetensors_counting import counting_reads
 from spawn_cases import spawn_cases
 
 import hybridpar
 from hybridpar.hf import init_fn, load_hf_checkpoint, load_hf_shards, to_sequential
-from hybridpar.hf import shard_load as shard_load_module
 from hybridpar.hf import tp_plan as hf_tp_plan
 from hybridpar.tensor_parallel.state import shard_of
 
@@ -36,47 +36,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # in the ranks ---------------------------------------------------------------------------------
-
-class _Counting:
-    """A ``safe_open`` handle that adds the bytes of every tensor read to `counter[0]`."""
-
-    def __init__(self, handle, counter):
-        self.handle, self.counter = handle, counter
-
-    def __enter__(self):
-        self.f = self.handle.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.handle.__exit__(*exc)
-
-    def keys(self):
-        return self.f.keys()
-
-    def get_tensor(self, name):
-        return self._count(self.f.get_tensor(name))
-
-    def get_slice(self, name):
-        return _CountingSlice(self.f.get_slice(name), self)
-
-    def _count(self, t):
-        self.counter[0] += t.numel() * t.element_size()
-        return t
-
-
-class _CountingSlice:
-    def __init__(self, inner, owner):
-        self.inner, self.owner = inner, owner
-
-    def get_shape(self):
-        return self.inner.get_shape()
-
-    def get_dtype(self):
-        return self.inner.get_dtype()
-
-    def __getitem__(self, index):
-        return self.owner._count(self.inner[index])
-
 
 def _meta_pipe(topo, directory, plan, dtype):
     config = transformers.AutoConfig.from_pretrained(directory)
@@ -94,13 +53,8 @@ def _load_case(directory, plan="auto", dtype=torch.float64):
     whole file's tensors, and the bytes read."""
     topo = hybridpar.init(pp=2, tp=2, timeout=60)
     pipe = _meta_pipe(topo, directory, plan, dtype)
-    counter = [0]
-    opener = shard_load_module._safe_open
-    shard_load_module._safe_open = lambda path: _Counting(opener(path), counter)
-    try:
+    with counting_reads() as counter:
         report = load_hf_shards(pipe, directory)
-    finally:
-        shard_load_module._safe_open = opener
     full = load_hf_checkpoint(directory)
     group = topo.tp_group
     params = dict(pipe.named_parameters(remove_duplicate=False))

@@ -84,6 +84,7 @@ def test_a_bad_config_fails_in_one_line_before_any_worker(tiny: Path, tmp_path: 
                                                          capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
     cases = {
         ("--set", "parallel.tp=3"): "parallel.tp=3 does not fit model 'gpt'",
         ("--set", "train.stepz=3"): "did you mean train.steps?",
@@ -93,6 +94,8 @@ def test_a_bad_config_fails_in_one_line_before_any_worker(tiny: Path, tmp_path: 
         ("--node-rank", "1"): "--node-rank 1 is not in 0..0",
         ("--max-restarts", "-1"): "--max-restarts must be >= 0",
         ("--init-from", "missing.pt"): "--init-from missing.pt: no such file",
+        ("--init-from", "empty"): "--init-from empty: the folder holds neither "
+                                  "model.safetensors.index.json nor model.safetensors",
     }
     for extra, message in cases.items():
         assert main(["run", str(tiny), *extra]) == 2, extra

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from safetensors_counting import counting_reads
 from spawn_cases import spawn_cases
 from torch import nn
 
@@ -105,6 +106,21 @@ def _pipe_from_export(cfg, exported, x, run_dir):
     state = pipe.consolidated_state_dict()
     result = train(cfg, run_dir, init_from=exported, stop_at=1, progress=False)
     return {"out": out, "state": state, "result": result}
+
+
+def _init_from_each(cfg, paths, run_root):
+    """A one-step run --init-from each of `paths`: its first loss and the bytes this rank read
+    from safetensors files; and the bytes of this rank's tensors (its stage, its tp slices)."""
+    topo = hybridpar.init(pp=cfg.parallel.pp, tp=cfg.parallel.tp)
+    state = build_pipe(cfg, topo).state_dict(keep_vars=True)
+    own = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+    out = []
+    for i, path in enumerate(paths):
+        with counting_reads() as counter:
+            result = train(cfg, Path(run_root) / f"run{i}", init_from=path, stop_at=1,
+                           progress=False)
+        out.append((result["losses"][0], counter[0]))
+    return {"own": own, "runs": out}
 
 
 W_ROWS = torch.arange(11 * 4, dtype=torch.float32).view(11, 4)    # 11 rows: uneven over 2, 3
@@ -446,26 +462,33 @@ def test_exported_model_matches_the_pipeline_and_init_from_starts_there(
 
 def test_a_folder_of_shards_starts_a_run_as_the_pt_file_does(ref_run, exported, tmp_path):
     """`hybridpar export CHECKPOINT OUT` (no .pt): safetensors files written one tensor at a
-    time; --init-from takes the index (a file, as the trainer asks) and starts from the same
-    weights as the .pt file."""
+    time; --init-from takes the folder, its index or a single file and starts from the same
+    weights as the .pt file, each rank reading only its stage's tensors and tp slices."""
     from hybridpar.weight_files import INDEX
 
     cfg, run_dir, _ = ref_run
-    _, plain = exported
+    pt, plain = exported
     total = sum(t.numel() * t.element_size() for t in plain.values())
     written = export_plain(run_dir / "checkpoints" / "step-8", tmp_path / "shards",
                            max_shard_size=total // 3)
     assert len(written.files) >= 3 and written.total_size == total
     assert written.peak_bytes <= total // 3
+    export_plain(run_dir / "checkpoints" / "step-8", tmp_path / "one")   # model.safetensors
     state = load_exported(tmp_path / "shards")
     assert state.keys() == plain.keys() and all(torch.equal(state[k], plain[k]) for k in plain)
     model = plain_model(cfg, plain)
-    x, _ = make_batches(cfg, split="val").next_batch()                 # (8, 16)
-    index = str(tmp_path / "shards" / INDEX)
-    got = hybridpar.spawn(_pipe_from_export, 4, args=(cfg, index, x, str(tmp_path / "run")),
+    paths = [str(pt), str(tmp_path / "shards"), str(tmp_path / "shards" / INDEX),
+             str(tmp_path / "one" / "model.safetensors")]
+    got = hybridpar.spawn(_init_from_each, 4, args=(cfg, paths, str(tmp_path / "runs")),
                           timeout=TIMEOUT)
     x0, y0 = make_batches(cfg, split="train").next_batch()
-    assert got[0]["result"]["losses"][0] == pytest.approx(gpt_loss_of(model, x0, y0), abs=1e-5)
+    first = [loss for loss, _ in got[0]["runs"]]
+    assert first[0] == pytest.approx(gpt_loss_of(model, x0, y0), abs=1e-5)
+    assert first[1:] == [first[0]] * 3                     # bit for bit the .pt file's start
+    for rank in got:                                       # pp2 x tp2: a quarter, about
+        read = [nbytes for _, nbytes in rank["runs"]]
+        assert read == [0, rank["own"], rank["own"], rank["own"]], (read, rank["own"])
+        assert rank["own"] < total / 2
 
 
 def test_bad_init_from_raises_checkpoint_error_on_every_rank(tmp_path):
@@ -502,6 +525,35 @@ def test_init_from_mismatch_in_one_stage_fails_on_every_rank(ref_run, exported, 
                                                                   str(bad))]), timeout=60)
     messages = [m for (m,) in results]
     assert all(m is not None and m.startswith("CheckpointError: ") for m in messages), messages
+
+
+def test_a_safetensors_export_that_does_not_fit_fails_on_every_rank_naming_the_file(
+        exported, tmp_path):
+    """Checked before anything is read, on the rank that holds the key; raised on both."""
+    from safetensors.torch import save_file
+
+    cfg = config("parallel.pp=2", "parallel.tp=1", "parallel.timeout=20")
+    state = load_exported(exported[0])
+    cases = {"missing": {k: v for k, v in state.items() if k != "3.mlp.fc.weight"},
+             "shape": {**state, "4.attn.q.weight": torch.zeros(32, 31)},
+             "extra": {**state, "7.weight": torch.zeros(2)}}
+    for name, tensors in cases.items():
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+    (tmp_path / "empty").mkdir()
+    runs = [(str(tmp_path / f"run-{name}"), str(tmp_path / name))
+            for name in [*cases, "empty"]]
+    results = hybridpar.spawn(_checkpoint_errors, 2, args=(cfg, runs), timeout=60)
+    for messages in results:                                # every rank: the same errors
+        assert all(m is not None and m.startswith("CheckpointError: --init-from ")
+                   for m in messages), messages
+        missing, shape, extra, empty = messages
+        assert "3.mlp.fc.weight" in missing and "not in the checkpoint" in missing
+        assert str(tmp_path / "missing" / "model.safetensors") in missing
+        assert "4.attn.q.weight" in shape and "has shape (32, 31)" in shape
+        assert "expects (32, 32)" in shape and str(tmp_path / "shape") in shape
+        assert "7.weight" in extra and "does not have" in extra
+        assert "holds neither" in empty
 
 
 # 6. a crash in the middle of a save ----------------------------------------------------------

@@ -1,8 +1,13 @@
-"""Per-rank loading of a Hugging Face checkpoint: this rank's tensors, of a tp shard its slice.
+"""Per-rank loading of safetensors weights: this rank's tensors, of a tp shard its slice.
+
+Two sources, one reader (`load_slices`, which takes how names are found: `FileNames`):
+`load_hf_shards` (a Hugging Face checkpoint, its names mapped) and `load_plain_shards`
+(`hybridpar export`'s plain names, every name of a tie written).
 
     for every tensor of the rank's state dict (layout-free Sequential names)
-      name     `key_map(config).to_hf(name)`; else a tie's other names (a tied head left out
-               of the files is the embedding's tensor); else a bare decoder's name
+      name     HF: `key_map(config).to_hf(name)`; else a tie's other names (a tied head left
+               out of the files is the embedding's tensor); else a bare decoder's name
+               plain: the name itself; else a tie's other names
       file     ``model.safetensors.index.json``'s ``weight_map``, else the ``*.safetensors``
                (each file's header) that holds it
       read     replicated:  ``get_tensor(name)``                            the whole tensor
@@ -24,7 +29,7 @@ and the file(s).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +44,8 @@ from hybridpar.hf.checkpoint import _INDEX, _files
 from hybridpar.hf.keys import KeyMap, key_map
 from hybridpar.tensor_parallel.state import ShardRanges, full_shape, module_group, shard_ranges
 
-__all__ = ["ShardLoad", "init_for_loading", "load_hf_shards"]
+__all__ = ["FileNames", "ShardLoad", "init_for_loading", "load_hf_shards",
+           "load_plain_shards", "load_slices"]
 
 _ERRORS = (FileNotFoundError, ValueError, OSError, RuntimeError)   # raised on every rank
 
@@ -108,23 +114,32 @@ def _opened(path: Path) -> Iterator[Any]:
             raise ValueError(f"reading {path}: {e}") from None
 
 
-def _weight_map(directory: Path) -> tuple[dict[str, Path], str]:
-    """``{HF name: file}`` of every tensor of the checkpoint, and where that was looked up."""
-    index = directory / _INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {str(k): directory / str(v) for k, v in weight_map.items()}, str(index)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{index} is not a safetensors index (a JSON object whose "
-                             "'weight_map' maps tensor names to files)") from None
-    files = _files(directory)
+def _index_map(index: Path) -> tuple[dict[str, Path], str]:
+    """``{name: file}`` from a ``model.safetensors.index.json`` (files beside it)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {str(k): index.parent / str(v) for k, v in weight_map.items()}, str(index)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{index} is not a safetensors index (a JSON object whose "
+                         "'weight_map' maps tensor names to files)") from None
+
+
+def _header_map(files: list[Path]) -> tuple[dict[str, Path], str]:
+    """``{name: file}`` from the files' headers (the first file that holds a name)."""
     out: dict[str, Path] = {}
     for path in files:
         with _opened(path) as f:
             for name in f.keys():
                 out.setdefault(name, path)
     return out, ", ".join(str(p) for p in files)
+
+
+def _weight_map(directory: Path) -> tuple[dict[str, Path], str]:
+    """``{file name: file}`` of every tensor of the checkpoint, and where that was looked up."""
+    index = directory / _INDEX
+    if index.is_file():
+        return _index_map(index)
+    return _header_map(_files(directory))
 
 
 def _tp_groups(module: nn.Module) -> dict[int, ProcessGroup | None]:
@@ -158,20 +173,71 @@ def _names_of_ties(module: nn.Module, state: Mapping[str, Tensor]) -> dict[str, 
     return {name: list(others) for name, others in out.items()}
 
 
-def _candidates(key: str, names: KeyMap, ties: Mapping[str, list[str]]) -> list[str]:
+def _candidates(key: str, names: KeyMap, others: list[str]) -> list[str]:
     """The HF names `key`'s tensor may be stored under, in order of preference."""
     hf = [names.to_hf(key)]
     if names.tied is not None and hf[0] == names.tied[0]:
         hf.append(names.tied[1])                  # the head: save_pretrained omits it
-    hf += [names.to_hf(other) for other in ties.get(key, [])]
+    hf += [names.to_hf(other) for other in others]
     hf += [h.removeprefix(names.base) for h in hf if h.startswith(names.base)]   # bare decoder
     return list(dict.fromkeys(hf))
 
 
-def _plan(module: nn.Module, directory: Path, config: Any) -> list[_Entry]:
-    """Every tensor this rank loads, checked against the files' headers (nothing read)."""
+@dataclass(frozen=True)
+class FileNames:
+    """How the model's (Sequential) names are found in the files: all a source decides."""
+
+    #: ``(name, its tie's other names)`` -> the names it may be stored under, preferred first
+    candidates: Callable[[str, list[str]], list[str]]
+    #: a model name as an error gives it (with its name in the files)
+    describe: Callable[[str], str]
+    #: ``(every key of the model, the files' names)`` -> the files' names the model lacks
+    unexpected: Callable[[list[str], Iterable[str]], list[str]]
+    #: what the model was built from, as errors name it ("config.json", "model 'gpt'")
+    model: str
+    #: what a file's extra tensor or a shape mismatch means (the end of those errors)
+    extra_hint: str
+    shape_hint: str
+
+
+def _hf_names(config: Any) -> FileNames:
+    """A Hugging Face checkpoint's names: `key_map(config)`, ties, bare decoders."""
     names = key_map(config)
-    files, looked_in = _weight_map(directory)
+    desc = _config_desc(config)
+
+    def unexpected(model_keys: list[str], held: Iterable[str]) -> list[str]:
+        try:
+            wanted = {names.to_hf(k) for k in model_keys}
+        except KeyError as error:
+            raise ValueError(f"the model's names do not map to {desc}'s: {error}; load into a "
+                             "Sequential that hybridpar.hf.to_sequential made") from None
+        return [k for k in held if not names.is_ignored(k) and k not in wanted
+                and names.base + k not in wanted]
+
+    return FileNames(
+        candidates=lambda key, others: _candidates(key, names, others),
+        describe=lambda key: f"{names.to_hf(key)} (the model's {key})",
+        unexpected=unexpected, model=desc,
+        extra_hint="the checkpoint and its config.json disagree (layer count, biases, tied "
+                   "embeddings)",
+        shape_hint="the weights and config.json disagree (hidden size, head counts, "
+                   "head_dim, vocab)")
+
+
+def _plain_names(model: str) -> FileNames:
+    """`hybridpar export`'s names: the Sequential's own, every name of a tie written."""
+    return FileNames(
+        candidates=lambda key, others: [key, *others],
+        describe=lambda key: key,
+        unexpected=lambda model_keys, held: [k for k in held if k not in set(model_keys)],
+        model=model,
+        extra_hint="the export is of another model (layer count, sizes, biases)",
+        shape_hint="the export is of another model size (width, heads, vocab)")
+
+
+def _plan(module: nn.Module, files: Mapping[str, Path], looked_in: str, names: FileNames
+          ) -> list[_Entry]:
+    """Every tensor this rank loads, checked against the files' headers (nothing read)."""
     state = module.state_dict(keep_vars=True)
     params = {id(p) for p in module.parameters()}
     groups = _tp_groups(module)
@@ -179,18 +245,11 @@ def _plan(module: nn.Module, directory: Path, config: Any) -> list[_Entry]:
 
     # every stage's keys (a HybridPipe notes the whole model's), to refuse a file's extra keys
     model_keys = list(getattr(module, "_state_keys", None) or state)
-    try:
-        wanted = {names.to_hf(k) for k in model_keys}
-        unexpected = [k for k in files if not names.is_ignored(k) and k not in wanted
-                      and names.base + k not in wanted]
-    except KeyError as error:
-        raise ValueError(f"the model's names do not map to {_config_desc(config)}'s: {error}; "
-                         "load into a Sequential that hybridpar.hf.to_sequential made") from None
+    unexpected = names.unexpected(model_keys, files)
     if unexpected:
         raise ValueError(f"{looked_in} holds {len(unexpected)} tensor(s) the model built from "
-                         f"{_config_desc(config)} does not have, e.g. "
-                         f"{', '.join(unexpected[:3])}: the checkpoint and its config.json "
-                         "disagree (layer count, biases, tied embeddings)")
+                         f"{names.model} does not have, e.g. {', '.join(unexpected[:3])}: "
+                         f"{names.extra_hint}")
 
     entries: list[_Entry] = []
     missing: list[str] = []
@@ -199,15 +258,15 @@ def _plan(module: nn.Module, directory: Path, config: Any) -> list[_Entry]:
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        hf = next((h for h in _candidates(key, names, ties) if h in files), None)
-        if hf is None:
+        name = next((h for h in names.candidates(key, ties.get(key, [])) if h in files), None)
+        if name is None:
             if id(tensor) in params:      # a buffer not in the files keeps its init (inv_freq)
-                missing.append(f"{names.to_hf(key)} (the model's {key})")
+                missing.append(names.describe(key))
             continue
         group = groups.get(id(tensor))
         where = shard_ranges(tensor, group)
         expected = tuple(full_shape(tensor, group) if where is not None else tensor.shape)
-        entries.append(_Entry(key, tensor, hf, files[hf], where, expected))
+        entries.append(_Entry(key, tensor, name, files[name], where, expected))
     if missing:
         raise ValueError(f"{len(missing)} tensor(s) this rank needs are not in the checkpoint: "
                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; looked "
@@ -224,8 +283,7 @@ def _plan(module: nn.Module, directory: Path, config: Any) -> list[_Entry]:
                 if shape != e.expected:
                     raise ValueError(
                         f"{e.hf} in {path} has shape {shape} but the model built from "
-                        f"{_config_desc(config)} expects {e.expected} for {e.key}: the weights "
-                        "and config.json disagree (hidden size, head counts, head_dim, vocab)")
+                        f"{names.model} expects {e.expected} for {e.key}: {names.shape_hint}")
     return entries
 
 
@@ -287,7 +345,51 @@ def load_hf_shards(module: nn.Module, directory: str | Path, *, config: Any = No
             if not config_file.is_file():
                 raise FileNotFoundError(f"{config_file} is missing; pass config=")
             config = json.loads(config_file.read_text())
-        entries = _plan(module, directory, config)
+        files, looked_in = _weight_map(directory)
+    return load_slices(module, files, looked_in, _hf_names(config))
+
+
+def _export_map(path: Path) -> tuple[dict[str, Path], str]:
+    """``{name: file}`` of a plain export: a folder, its index, or one ``.safetensors`` file."""
+    if path.is_dir():
+        index = path / _INDEX
+        if index.is_file():
+            return _index_map(index)
+        single = path / "model.safetensors"
+        if not single.is_file():
+            raise FileNotFoundError(f"{path} holds neither {_INDEX} nor model.safetensors; "
+                                    "give the folder `hybridpar export` wrote")
+        return _header_map([single])
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing")
+        return _index_map(path)
+    return _header_map([path])
+
+
+def load_plain_shards(module: nn.Module, path: str | Path, *, model: str = "the config"
+                      ) -> ShardLoad:
+    """Load a plain export (`hybridpar export`'s safetensors: its folder, its index ``.json``
+    or one ``.safetensors`` file) into `module`, reading only its part.
+
+    The files hold the unsharded Sequential's names (every name of a tie), as `module`'s
+    state dict does; otherwise as `load_hf_shards`: this rank's keys, of a tp-sharded tensor
+    its slice, into the parameters' storage and dtype; a problem on any rank raised on all,
+    before anything is read. `model` names the model in errors ("model 'gpt'").
+    """
+    with fail_together(_ERRORS):
+        files, looked_in = _export_map(Path(path))
+    return load_slices(module, files, looked_in, _plain_names(model))
+
+
+def load_slices(module: nn.Module, files: Mapping[str, Path], looked_in: str,
+                names: FileNames) -> ShardLoad:
+    """Fill `module`'s tensors (this rank's: a `HybridPipe` stage's, tp slices) from the
+    safetensors `files` (``{name in the files: file}``; `looked_in` says where that map came
+    from), finding names as `names` says. Every check first, on every rank together
+    (`fail_together`), then one tensor (or slice) read at a time."""
+    with fail_together(_ERRORS):
+        entries = _plan(module, files, looked_in, names)
     read = 0
     with fail_together(_ERRORS):
         for e in entries:

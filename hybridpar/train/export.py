@@ -213,8 +213,8 @@ def export_plain(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]
     Safetensors files of at most `max_shard_size` bytes (`hybridpar.weight_files`: one is
     ``model.safetensors``, more come with ``model.safetensors.index.json``) holding the names
     and full shapes of the unsharded `nn.Sequential`'s ``state_dict()``, every name of a tie
-    included: ``model.load_state_dict(load_exported(out))`` loads it, and ``--init-from
-    OUT/model.safetensors`` (or ``OUT/model.safetensors.index.json``) starts a run from it.
+    included: ``model.load_state_dict(load_exported(out))`` loads it, and ``--init-from OUT``
+    starts a run from it (each rank reading its stages' keys and tp slices alone).
     Runs in one process (no process group); holds one file's tensors at most.
     """
     size = parse_size(max_shard_size)

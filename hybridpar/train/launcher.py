@@ -98,15 +98,16 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hybridpar.train.options import check_trace_step, default_run_dir
+    from hybridpar.train.options import check_init_from, check_trace_step, default_run_dir
 
     config = load_config(config_path, overrides)
     world = _world_size(config)
     _check_nodes(world, nnodes, node_rank, rdzv_endpoint)
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
-    if init_from is not None and not Path(init_from).is_file():
-        raise ConfigError(f"--init-from {init_from}: no such file")
+    problem = check_init_from(init_from)
+    if problem:
+        raise ConfigError(problem)
     problem = check_trace_step(trace_step, config.train.steps)
     if problem:
         raise ConfigError(problem)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["add_run_options", "add_worker_options", "check_trace_step", "default_run_dir"]
+__all__ = ["add_run_options", "add_worker_options", "check_init_from", "check_trace_step",
+           "default_run_dir", "init_from_format"]
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -15,9 +16,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         "go (default: runs/<config name>); an existing one is resumed")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         dest="overrides", help="override a config value (repeatable)")
-    parser.add_argument("--init-from", metavar="FILE", help="start from a plain state dict "
-                        "(hybridpar export's output: OUT/model.safetensors.index.json, "
-                        "OUT/model.safetensors or OUT.pt) when the run dir has no checkpoint")
+    parser.add_argument("--init-from", metavar="PATH", help="start from a plain state dict "
+                        "(hybridpar export's output: the folder OUT, its "
+                        "model.safetensors.index.json or model.safetensors, or OUT.pt) when "
+                        "the run dir has no checkpoint; safetensors are read by each rank for "
+                        "its stages and tp slices only, a .pt file whole")
     parser.add_argument("--trace", action="store_true", help="trace one training step (the "
                         "last, or --trace-step) into RUN_DIR/trace: trace.json (Perfetto), "
                         "gantt.png, table.txt (bubble per stage, also printed)")
@@ -29,6 +32,34 @@ def add_worker_options(parser: argparse.ArgumentParser) -> None:
     """A worker's own: ``--resolved`` (CONFIG is the RUN_DIR/config.json `hybridpar run`
     wrote after checking it; read as it is, not checked again)."""
     parser.add_argument("--resolved", action="store_true", help=argparse.SUPPRESS)
+
+
+def init_from_format(path: str) -> str:
+    """``"safetensors"`` (an export folder, its index ``.json``, a ``.safetensors`` file) or
+    ``"pt"`` (any other file: ``torch.load``); a `ValueError` saying what to give else."""
+    target = Path(path)
+    what = ("give hybridpar export's output: the folder OUT (or its "
+            "model.safetensors.index.json or model.safetensors) or the file OUT.pt")
+    if target.is_dir():
+        if not (target / "model.safetensors.index.json").is_file() and \
+                not (target / "model.safetensors").is_file():
+            raise ValueError(f"--init-from {path}: the folder holds neither "
+                             f"model.safetensors.index.json nor model.safetensors; {what}")
+        return "safetensors"
+    if not target.is_file():
+        raise ValueError(f"--init-from {path}: no such file or folder; {what}")
+    return "safetensors" if target.suffix in (".json", ".safetensors") else "pt"
+
+
+def check_init_from(path: str | None) -> str | None:
+    """What is wrong with ``--init-from`` `path` (None: nothing, or no path)."""
+    if path is None:
+        return None
+    try:
+        init_from_format(path)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def check_trace_step(step: int | None, steps: int) -> str | None:

@@ -1,6 +1,7 @@
 """The training loop of `hybridpar run`: one call of `train` per worker process.
 
-    resume (latest complete checkpoint) | init-from (a plain state dict) | fresh (the seed)
+    resume (latest complete checkpoint) | init-from (a plain export: safetensors read
+    by keys and slices, or a .pt file) | fresh (the seed)
     per step:  lr_at(step) -> data -> HybridPipe.train_step -> [replica check] -> global
                grad clip -> AdamW (a NaN / inf loss or gradient norm: stop, or skip the
                update: train.nonfinite; the replica check every parallel.check_replicas steps)
@@ -234,24 +235,49 @@ class _Run:
                      "from train.seed + step; dropout masks differ from an unchanged run")
         log.info("resumed from %s at step %d", path, self.step)
 
-    def init_from(self, file: str) -> None:
-        """Start from a plain single-device state dict (`hybridpar export`'s output)."""
-        if not Path(file).is_file():
-            raise CheckpointError(f"--init-from {file}: no such file")
+    def init_from(self, path: str) -> None:
+        """Start from a plain single-device state dict (`hybridpar export`'s output).
+
+        Safetensors (the export folder, its index, a ``.safetensors`` file): each rank reads
+        its stages' keys and, of a tp-sharded tensor, its slice, straight into the
+        parameters (`hybridpar.hf.shard_load.load_plain_shards`). A ``.pt`` file: read whole
+        on every rank, then each stage keeps its part.
+        """
+        from hybridpar.train.options import init_from_format
+
+        with fail_together(CheckpointError):   # (the same answer on every rank, unless a
+            try:                               # file system differs between hosts)
+                kind = init_from_format(path)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+        if kind == "safetensors":
+            self._init_from_safetensors(path)
+            return
         try:
-            full = load_exported(file)
+            full = load_exported(path)
         except Exception as e:
             raise CheckpointError(
-                f"--init-from {file} cannot be read as a state dict of tensors with "
+                f"--init-from {path} cannot be read as a state dict of tensors with "
                 f"torch.load(weights_only=True) ({type(e).__name__}); give a .pt file written "
                 "by `hybridpar export`") from None
         with fail_together(CheckpointError):   # each stage checks its own keys: agree
             try:
                 self.pipe.load_consolidated_state_dict(full)
             except (KeyError, ValueError, RuntimeError) as e:
-                raise CheckpointError(f"--init-from {file} does not fit model "
+                raise CheckpointError(f"--init-from {path} does not fit model "
                                       f"{self.config.model.name!r}: {e}") from None
-        log.info("initialized the weights from %s", file)
+        log.info("initialized the weights from %s", path)
+
+    def _init_from_safetensors(self, path: str) -> None:
+        from hybridpar.hf.shard_load import load_plain_shards
+
+        try:   # (load_plain_shards raises on every rank alike)
+            loaded = load_plain_shards(self.pipe, path,
+                                       model=f"model {self.config.model.name!r}")
+        except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"--init-from {path}: {e}") from None
+        log.info("initialized the weights from %s: read %d tensors (%.1f MiB) on this rank",
+                 path, loaded.tensors, loaded.bytes_read / 2**20)
 
 
 def _resume_step(root: Path) -> int:
