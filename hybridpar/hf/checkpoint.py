@@ -11,7 +11,7 @@ from torch import Tensor
 
 from hybridpar.hf.keys import key_map, sequential_state_dict
 
-__all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = ["checkpoint_config", "load_hf_checkpoint", "save_hf_checkpoint"]
 
 _INDEX = "model.safetensors.index.json"
 
@@ -32,6 +32,20 @@ def _files(directory: Path) -> list[Path]:
     return files
 
 
+def checkpoint_config(directory: Path, config: Any = None) -> Any:
+    """`config`, or the checkpoint directory's ``config.json``; FileNotFoundError when
+    `directory` is not a directory or has no config to read."""
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory (a local checkpoint saved by "
+                                "save_pretrained)")
+    if config is None:
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} is missing; pass config=")
+        config = json.loads(config_file.read_text())
+    return config
+
+
 def load_hf_checkpoint(directory: str | Path, *, config: Any = None) -> dict[str, Tensor]:
     """The weights of a local Hugging Face checkpoint directory, under the Sequential's names.
 
@@ -44,14 +58,7 @@ def load_hf_checkpoint(directory: str | Path, *, config: Any = None) -> dict[str
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{directory} is not a directory (a local checkpoint saved by "
-                                "save_pretrained)")
-    if config is None:
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{config_file} is missing; pass config=")
-        config = json.loads(config_file.read_text())
+    config = checkpoint_config(directory, config)
     state: dict[str, Tensor] = {}
     for path in _files(directory):
         state.update(load_file(str(path), device="cpu"))

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.agreement import fail_together
-from hybridpar.hf.checkpoint import _INDEX, _files
+from hybridpar.hf.checkpoint import _INDEX, _files, checkpoint_config
 from hybridpar.hf.keys import KeyMap, key_map
 from hybridpar.tensor_parallel.state import ShardRanges, full_shape, module_group, shard_ranges
 
@@ -337,14 +337,7 @@ def load_hf_shards(module: nn.Module, directory: str | Path, *, config: Any = No
     """
     directory = Path(directory)
     with fail_together(_ERRORS):
-        if not directory.is_dir():
-            raise FileNotFoundError(f"{directory} is not a directory (a local checkpoint saved "
-                                    "by save_pretrained)")
-        if config is None:
-            config_file = directory / "config.json"
-            if not config_file.is_file():
-                raise FileNotFoundError(f"{config_file} is missing; pass config=")
-            config = json.loads(config_file.read_text())
+        config = checkpoint_config(directory, config)
         files, looked_in = _weight_map(directory)
     return load_slices(module, files, looked_in, _hf_names(config))
 
