@@ -18,10 +18,10 @@ from hybridpar.balance import (
     stage_table,
 )
 from hybridpar.files import atomic_write_text
-from hybridpar.models.registry import build
 from hybridpar.pipeline.layout import Layout
 from hybridpar.train.config import load_config
 from hybridpar.train.data import make_batches
+from hybridpar.train.model_build import build_model
 
 __all__ = ["add_parser", "run", "write_balance"]
 
@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--write stores a balance for the config's {stages} stages; drop "
                          f"--partitions {partitions}, or also --set parallel.pp={partitions}")
     torch.manual_seed(cfg.train.seed)
-    model, _ = build(cfg.model.name, **cfg.model.args)
+    # on meta as a worker builds it; each layer is materialized alone while it is profiled
+    model, _, init_fn = build_model(cfg)
     if not 1 <= partitions <= len(model):
         raise ValueError(f"cannot split {len(model)} layers into {partitions} stages; "
                          f"choose --partitions between 1 and {len(model)}")
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     rows = max(1, cfg.train.batch_size // (cfg.parallel.dp or 1) // cfg.parallel.chunks)
     sample = make_batches(cfg).next_batch()[0][:rows]
     profiles = profile_layers(model, sample, timeout=args.timeout, chunks=1, tp=tp,
-                              progress=True)
+                              progress=True, init_fn=init_fn)
     bandwidth = DEFAULT_BANDWIDTH["cpu"]
     if args.by == "params":
         balance = balance_by_params(partitions, model)

@@ -22,21 +22,19 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hybridpar.agreement import fail_together
 from hybridpar.device import pinned
-from hybridpar.keyed import KeyedInit
-from hybridpar.models import MODELS, generate
-from hybridpar.models.registry import build, takes_tokens
+from hybridpar.models import generate
+from hybridpar.models.registry import takes_tokens
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.replicas import ReplicaMismatchError
 from hybridpar.pipeline.trace_report import TraceRequest, traced_step
@@ -60,6 +58,7 @@ from hybridpar.train.data import SyntheticBatches, TokenBatches, decode, make_ba
 from hybridpar.train.export import load_exported
 from hybridpar.train.lr import lr_at
 from hybridpar.train.metrics import MetricsLog
+from hybridpar.train.model_build import build_model
 from hybridpar.train.nccl_env import nccl_env
 from hybridpar.train.shards import (
     Entry,
@@ -107,26 +106,11 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     (balance profiling) does not move dropout.
     """
     par, name = config.parallel, config.model.name
-    args = dict(config.model.args)
-    if par.tp > 1 and par.tp_plan is None:
-        args.update(tp=par.tp, group=topo.tp_group)
-    pretrained = args.get("pretrained") if name.startswith("hf:") else None
+    extra = dict(tp=par.tp, group=topo.tp_group) if par.tp > 1 and par.tp_plan is None else {}
+    pretrained = config.model.args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
-    on_meta = pretrained is not None or name in MODELS or name.startswith("hf:")
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
-        model, loss = build(name, **args)
-    init: Callable[[nn.Module], None] | None = None
-    if pretrained is not None:
-        from hybridpar.hf import init_for_loading
-
-        init = init_for_loading
-    elif name.startswith("hf:"):
-        from hybridpar.hf import config_of, init_fn
-
-        init = KeyedInit(config.train.seed, init=init_fn(config_of(model)))
-    elif on_meta:
-        init = KeyedInit(config.train.seed)
+    model, loss, init = build_model(config, **extra)   # `train.model_build`: meta, keyed
     # balance = "time" profiles under the precision the run trains in
     bf16 = config.train.precision == "bf16"
     with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=bf16):
