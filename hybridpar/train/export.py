@@ -318,11 +318,15 @@ def export_pipe(pipe: HybridPipe, out: str | os.PathLike[str], *, config: Any = 
 def load_exported(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """Read a plain export: a folder `export_plain` wrote, its index ``.json`` or one of its
     ``.safetensors`` files (`read_weights`), or a ``.pt`` file ``torch.load`` reads with
-    ``weights_only=True`` (tensors only, no code)."""
+    ``weights_only=True`` (tensors only, no code), memory-mapped: a tensor's bytes are read
+    when it is used, so a stage that keeps a part of the model reads that part."""
     file = Path(path)
     if file.is_dir() or file.suffix in (".safetensors", ".json"):
         return read_weights(file)
-    value = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:   # a file of torch's legacy format cannot be mapped: read it whole
+        value = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(value, dict) or not all(isinstance(v, Tensor) for v in value.values()):
         raise ValueError(f"{path} is not a state dict of tensors")
     return value
