@@ -167,12 +167,11 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
         for t in [*stage.parameters(), *stage.buffers()]:
             if t.is_floating_point() or t.is_complex():
                 t.fill_(float("nan"))
-        initialize = getattr(init_fn, "initialize", None)   # `keyed.KeyedInit`: by name
-        if callable(initialize):
-            initialize(stage)
-            _reset_untouched_tp_layers(stage)
-        elif init_fn is not None:
-            stage.apply(init_fn)
+        if init_fn is not None:
+            if isinstance(init_fn, KeyedInit):   # it needs the modules' names
+                init_fn.initialize(stage)
+            else:
+                stage.apply(init_fn)
             _reset_untouched_tp_layers(stage)
         else:
             for sub in stage.modules():
