@@ -8,6 +8,9 @@ name where torch has it and the old one otherwise:
     function here           new name (came in)                 fallback (came in)
     all_gather_single       dist.all_gather_single (2.13)      dist.all_gather_into_tensor (1.13)
     reduce_scatter_single   dist.reduce_scatter_single (2.13)  dist.reduce_scatter_tensor (1.13)
+    is_fake_device_mismatch fake_tensor.FakeTensorDeviceMismatchError (after 2.11: absent
+                            there, found by running the suite on a GPU machine's 2.11)
+                                                               the RuntimeError's message
 
 torch 2.13 deprecates both fallbacks (a FutureWarning on each call), so the new name must win
 where it exists. Each name is looked up when called, not at import: `hybridpar.spawn`'s ranks
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["all_gather_single", "reduce_scatter_single"]
+__all__ = ["all_gather_single", "is_fake_device_mismatch", "reduce_scatter_single"]
 
 
 def _newest(new: str, old: str) -> Any:
@@ -40,3 +43,13 @@ def all_gather_single(output: Tensor, input: Tensor, group: ProcessGroup | None)
 def reduce_scatter_single(output: Tensor, input: Tensor, group: ProcessGroup | None) -> None:
     """Sum `input` over the group; this rank's 1/n of it (the rank-th block) into `output`."""
     _newest("reduce_scatter_single", "reduce_scatter_tensor")(output, input, group=group)
+
+
+def is_fake_device_mismatch(error: BaseException) -> bool:
+    """Whether `error` is a fake tensor's "two different devices meet" error (`hybridpar
+    check`): its own class where torch has one, else the RuntimeError's message."""
+    from torch._subclasses import fake_tensor
+
+    mismatch = getattr(fake_tensor, "FakeTensorDeviceMismatchError", None)
+    return (mismatch is not None and isinstance(error, mismatch)) \
+        or "found two different devices" in str(error)

@@ -128,8 +128,10 @@ def test_1to3(balance, checkpoint):
         assert torch.allclose(r["out"], output, atol=1e-6)
     got = {k: g for r in results for k, g in r["grads"].items()}
     assert set(got) == set(expected)
-    for k, g in expected.items():
-        assert torch.allclose(got[k], g, atol=1e-6), k
+    for k, g in expected.items():   # the bias sums 1920 terms, in 3 micro-batches or one:
+        # float32 rounding that depends on the CPU's kernels (over 1e-5 relative on the
+        # 16-core host of an H100 machine, torch 2.11)
+        assert torch.allclose(got[k], g, rtol=1e-4, atol=1e-6), k
 
 
 @skippable(stash=["none"])

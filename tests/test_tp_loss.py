@@ -103,7 +103,9 @@ def _worker(tp):
     counts = {"all_reduce": 0, "all_gather": 0}
     for name in ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
                  "all_reduce"):   # all_gather_single: hybridpar.compat's, on torch >= 2.13
-        original = getattr(dist, name)
+        original = getattr(dist, name, None)
+        if original is None:   # a torch before 2.13 (GPU machines): compat takes the old name
+            continue
 
         def counted(*args, _original=original, _key=name, **kwargs):
             key = "all_reduce" if _key == "all_reduce" else "all_gather"

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hybridpar.compat import is_fake_device_mismatch
 from hybridpar.p2p_spec import NCCLDtypeError
 from hybridpar.train.check_fake_gpu import STANDIN
 from hybridpar.train.check_memory import CheckReport
@@ -74,7 +75,6 @@ def failure(error: BaseException, where: str, layers: LayerStack | None, during:
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
-        FakeTensorDeviceMismatchError,
     )
 
     rank = int(where.split()[1])
@@ -88,8 +88,7 @@ def failure(error: BaseException, where: str, layers: LayerStack | None, during:
     for e in reversed(chain):   # the root cause first
         if isinstance(e, NCCLDtypeError):   # names the layer and the tensor itself
             return CheckError(f"{where}: {e}", rank=rank)
-        if isinstance(e, FakeTensorDeviceMismatchError) or "found two different devices" \
-                in str(e):
+        if is_fake_device_mismatch(e):
             return CheckError(f"{where}: tensors on the GPU and the CPU meet {place}{_site(e)}"
                               "; create tensors on the input's device (torch.zeros(..., "
                               "device=x.device)) or register them as buffers", rank=rank)
