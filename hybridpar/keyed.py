@@ -28,7 +28,7 @@ from torch import nn
 
 _M = TypeVar("_M", bound=nn.Module)
 
-__all__ = ["KeyedInit", "keyed", "keyed_reset_", "module_seed"]
+__all__ = ["KeyedInit", "keyed", "keyed_reset_", "module_seed", "reset_of", "reset_order"]
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -37,17 +37,34 @@ def module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def reset_of(module: nn.Module) -> Callable[[], None] | None:
+    """`module`'s own initializer: ``reset_parameters``, else ``_reset_parameters`` (the name
+    `nn.MultiheadAttention` gives its own); None if it has neither."""
+    for attr in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, attr, None)
+        if callable(reset):
+            return reset
+    return None
+
+
 def _default_reset(module: nn.Module) -> None:
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
+    reset = reset_of(module)
+    if reset is not None:
         reset()
+
+
+def reset_order(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules of `module` that own tensors, in the order `keyed_reset_` resets them:
+    children before their parents (``module.apply``'s order)."""
+    return [(name, sub) for name, sub in reversed(list(module.named_modules()))
+            if [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]]
 
 
 def keyed_reset_(module: nn.Module, seed: int, *,
                  init: Callable[[nn.Module], None] | None = None) -> None:
-    """Reset every submodule of `module` that owns tensors (``init(m)``, default its
-    ``reset_parameters()``), each under the seed keyed by its name. A `meta` module is left
-    alone (nothing to draw).
+    """Reset every submodule of `module` that owns tensors (``init(m)``, default its own
+    reset: `reset_of`), each under the seed keyed by its name. A `meta` module is left alone
+    (nothing to draw).
 
     Children come before their parents, as ``module.apply`` has them: a parent's rule over
     its children (GPT-2's scaled projections, `nn.MultiheadAttention`'s reset) has the last
@@ -55,9 +72,9 @@ def keyed_reset_(module: nn.Module, seed: int, *,
     in ``named_modules`` order, the tie's canonical owner (`pipeline.tied`).
     """
     reset = init if init is not None else _default_reset
-    for name, sub in reversed(list(module.named_modules())):
+    for name, sub in reset_order(module):
         tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
-        if not tensors or all(t.is_meta for t in tensors):
+        if all(t.is_meta for t in tensors):
             continue
         devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -76,7 +93,7 @@ class KeyedInit:
     """An ``init_fn`` for `HybridPipe` / `materialize` that resets keyed by (seed, name).
 
     `materialize` calls `initialize(stage)` (it needs the names, not one module at a time);
-    `init`: the per-module initializer (default ``reset_parameters()``), e.g. a Hugging Face
+    `init`: the per-module initializer (default its own reset, `reset_of`), e.g. a Hugging Face
     model's ``_init_weights`` (`hybridpar.hf.init_fn`).
     """
 

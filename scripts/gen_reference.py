@@ -78,9 +78,16 @@ def _config_tables() -> list[str]:
 def _model_tables() -> list[str]:
     from hybridpar.models import MODELS
     from hybridpar.models.hf import FAMILIES
+    from hybridpar.train import config as cfg
 
     lines = ["### `[model]`", "", "`name` picks the builder; its keyword-only options are the "
-             "other keys (`tp` and `group` come from `[parallel]`).", ""]
+             "other keys (`tp` and `group` come from `[parallel]`).", "",
+             "`init` (one of " + ", ".join(f"`{c!r}`" for c in cfg.INITS) + "; default "
+             f"`{cfg.ModelConfig.init!r}`): `'keyed'` builds the model on `meta` and draws each "
+             "rank's shard keyed by `train.seed` and the module names (a "
+             "`package.module:function` builder is checked first: "
+             "`hybridpar/train/builder_check.py`); `'full'` builds the whole model on every "
+             "rank on the CPU, with the builder's own values.", ""]
     builders = {**MODELS, **{f"hf:{k}": v for k, v in FAMILIES.items()}}
     for name, fn in builders.items():
         params = [p for p in inspect.signature(fn).parameters.values()

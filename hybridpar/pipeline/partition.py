@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from hybridpar.keyed import KeyedInit
+from hybridpar.keyed import KeyedInit, reset_of
 from hybridpar.tensor_parallel.base import ParallelLayer
 
 __all__ = ["balance_problem", "check_balance", "check_sequential", "free_layers", "layer_spans",
@@ -124,15 +124,17 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
 
     ``init_fn(module)`` is applied to every module, children first (as ``model.apply``),
     e.g. a Hugging Face model's ``model._init_weights``; without it each module's
-    ``reset_parameters()``. The tp layers a ``tp_plan`` put in (`ParallelLayer`:
+    ``reset_parameters()`` (or ``_reset_parameters()``: `hybridpar.keyed.reset_of`). The tp
+    layers a ``tp_plan`` put in (`ParallelLayer`:
     `ParallelLinear`, `ParallelEmbedding`, ...) are not the layers a model's own initializer
     knows: one that `init_fn` left wholly untouched (every tensor of its own still all NaN)
     is drawn by its own ``reset_parameters()`` (the full plain layer's init, sliced);
     `hybridpar.hf.init_fn` draws them as Hugging Face would. Nothing may stay
     uninitialized:
 
-    * without `init_fn`, a module holding parameters or buffers of its own and no
-      ``reset_parameters`` is a `ValueError` before anything changes;
+    * without `init_fn`, a module holding parameters or buffers of its own and neither
+      ``reset_parameters`` nor ``_reset_parameters`` is a `ValueError` before anything
+      changes;
     * the new storage is filled with NaN first, and a floating tensor still holding a NaN
       after the initialization is a `ValueError` naming it (a buffer computed in
       ``__init__``, such as a rotary embedding's ``inv_freq``, that the initializer did not
@@ -143,7 +145,7 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
         return
     if init_fn is None or (isinstance(init_fn, KeyedInit) and init_fn.init is None):
         bare = [(name, sub) for name, sub in stage.named_modules() if _holds_tensors(sub)
-                and not callable(getattr(sub, "reset_parameters", None))]
+                and reset_of(sub) is None]
         if bare:
             name, sub = bare[0]
             raise ValueError(
@@ -175,8 +177,8 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
             _reset_untouched_tp_layers(stage)
         else:
             for sub in stage.modules():
-                reset = getattr(sub, "reset_parameters", None)
-                if callable(reset):
+                reset = reset_of(sub)
+                if reset is not None:
                     reset()  # nn.BatchNorm's covers its running statistics too
     for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
         if is_fake(t):   # a dry run (`hybridpar check`): no values to look at

@@ -1,6 +1,7 @@
 """Run configuration: TOML sections as typed dataclasses, read from a file and `--set` overrides.
 
-    [model]       name = "gpt" and the model's keyword options as flat keys (n_layer = 4, ...)
+    [model]       name = "gpt", init = "keyed" | "full", and the model's keyword options as
+                  flat keys (n_layer = 4, ...)
     [data]        source, path, seq_len, val_fraction, seed
     [parallel]    pp, tp, dp, chunks, schedule, virtual_stages, checkpoint, balance, tp_plan,
                   deferred_batch_norm, timeout, check_replicas, replica_atol
@@ -37,12 +38,14 @@ from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
 from hybridpar.pipeline.layout import NAMES as SCHEDULES
 from hybridpar.train.config_check import check_layout
 
-__all__ = ["SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig",
-           "ParallelConfig", "TrainConfig", "Where", "load_config", "load_resolved",
-           "write_resolved"]
+__all__ = ["INITS", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+           "ModelConfig", "ParallelConfig", "TrainConfig", "Where", "load_config",
+           "load_resolved", "write_resolved"]
 
 SECTIONS = ("model", "data", "parallel", "train", "checkpoint")
 _SET_BY_PARALLEL = ("tp", "group")   # model options the trainer fills from [parallel]
+_RUN_KEYS = ("name", "init")         # [model] keys of the run, not options of the builder
+INITS = ("keyed", "full")
 
 
 class ConfigError(ValueError):
@@ -51,10 +54,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """[model]: ``name`` (`hybridpar.models.registry`); every other key is a keyword option."""
+    """[model]: ``name`` (`hybridpar.models.registry`), ``init``; every other key is a
+    keyword option of the builder."""
 
     name: str = "gpt"
     args: dict[str, Any] = field(default_factory=dict)  # resolved: all options, defaults filled
+    init: str = "keyed"   # "keyed": built on meta, each rank draws its shard keyed by name
+    # (a "package.module:function" builder is checked first: `train.builder_check`); "full":
+    # every rank builds the whole model on the CPU from train.seed, the builder's own values
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "data.source": ("synthetic", "text", "corpus"), "parallel.schedule": tuple(SCHEDULES),
     "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
     "parallel.tp_plan": ("auto", "hf"), "train.precision": ("fp32", "bf16"),
-    "train.nonfinite": ("stop", "skip")}
+    "train.nonfinite": ("stop", "skip"), "model.init": INITS}
 _POSITIVE = {"data.seq_len", "parallel.pp", "parallel.tp", "parallel.dp", "parallel.chunks",
              "parallel.virtual_stages",
              "parallel.timeout", "train.steps", "train.batch_size", "train.lr", "train.log_every",
@@ -151,8 +158,8 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, shaped like the TOML file (model options flat)."""
         sections = {s: dataclasses.asdict(getattr(self, s)) for s in _CLASSES}
-        return {"name": self.name, "model": {"name": self.model.name, **self.model.args},
-                **sections}
+        return {"name": self.name, "model": {"name": self.model.name, "init": self.model.init,
+                                             **self.model.args}, **sections}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Config:
@@ -276,25 +283,28 @@ def _model_section(table: Mapping[str, Any], where: Where) -> ModelConfig:
             if message.startswith("unknown model ") else f"model.name: {message}"
         raise where.error(message, "model.name") from None
     options = {n: p for n, p in inspect.signature(fn).parameters.items()
-               if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in _SET_BY_PARALLEL}
+               if p.kind is inspect.Parameter.KEYWORD_ONLY
+               and n not in (*_SET_BY_PARALLEL, *_RUN_KEYS)}
     try:
         hints = typing.get_type_hints(fn)
     except Exception:  # an annotation that does not resolve: fall back to the defaults' types
         hints = {}
     args = {n: p.default for n, p in options.items() if p.default is not inspect.Parameter.empty}
+    init = _typed(table.get("init", "keyed"), str, "model.init", where)
+    _check_value(init, "model.init", where)
     for key, raw in table.items():
         full = f"model.{key}"
-        if key == "name":
+        if key in _RUN_KEYS:
             continue
         if key in _SET_BY_PARALLEL:
             raise where.error(f"{full} is set from [parallel]: use parallel.tp", full)
         if key not in options:
-            raise where.unknown(f"option of model {name!r}:", key, list(options),
+            raise where.unknown(f"option of model {name!r}:", key, [*_RUN_KEYS, *options],
                                 prefix="model.")
         default = options[key].default
         tp = hints.get(key, Any if default in (None, inspect.Parameter.empty) else type(default))
         args[key] = _typed(raw, tp, full, where)
-    return ModelConfig(name=name, args=args)
+    return ModelConfig(name=name, args=args, init=init)
 
 def _build(raw: Mapping[str, Any], *, name: str, where: Where, check: bool = True) -> Config:
     for section, table in raw.items():

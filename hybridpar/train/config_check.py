@@ -1,10 +1,11 @@
 """Checks of a config across its fields, against the model it names, before any worker starts.
 
-The model is built on the meta device with tp=None (no memory, no init cost): tp must divide
-what the model shards, a tp plan must name known styles, pp must not exceed its layers, a
-list balance must cover them; then the batch against dp, the learning rates, and the data
-against the model (`data.seq_len` defaults to a gpt's block_size here). Every failure is one
-`ConfigError` line (made by `Where`, which names the file and the ``--set`` of a key).
+The model is built on the meta device with tp=None (no memory, no init cost; a user's builder
+checked as every rank will check it, `builder_check`): tp must divide what the model shards,
+a tp plan must name known styles, pp must not exceed its layers, a list balance must cover
+them; then the batch against dp, the learning rates, and the data against the model
+(`data.seq_len` defaults to a gpt's block_size here). Every failure is one `ConfigError` line
+(made by `Where`, which names the file and the ``--set`` of a key).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridpar.models.gpt import check_gpt_config
-from hybridpar.models.registry import build, builder, has_synthetic_data, takes_tokens
+from hybridpar.models.registry import build, builder, has_synthetic_data, is_zoo, takes_tokens
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.partition import balance_problem
 from hybridpar.tensor_parallel.hf_plan import HF_STYLES
 from hybridpar.tensor_parallel.plan import DENSE_STYLES, STYLES
 from hybridpar.tensor_parallel.strategy import strategy_problem
+from hybridpar.train.builder_check import MetaBuildError, build_checked
 
 if TYPE_CHECKING:   # config.py calls check_layout: the types only, not a cycle at run time
     from hybridpar.train.config import Config, DataConfig, ModelConfig, Where
@@ -31,10 +33,26 @@ __all__ = ["check_layout"]
 
 
 def _count_layers(model: ModelConfig, where: Where) -> int:
-    """The model's nn.Sequential length, built on the meta device (no memory, no init cost)."""
+    """The model's nn.Sequential length, built on the meta device (no memory, no init cost).
+
+    A user's builder with ``model.init = "keyed"`` is checked there as every rank will check
+    it (`builder_check`); with ``"full"``, one that cannot build on meta is built on the CPU,
+    as every rank will build it."""
+    user = not (is_zoo(model.name) or model.name.startswith("hf:"))
     try:
-        with torch.device("meta"):
-            return len(build(model.name, **model.args)[0])
+        if user and model.init == "keyed":
+            return len(build_checked(model.name, lambda: build(model.name, **model.args))[0])
+        try:
+            with torch.device("meta"):
+                return len(build(model.name, **model.args)[0])
+        except (ValueError, OSError):
+            raise
+        except Exception:
+            if not (user and model.init == "full"):
+                raise
+        return len(build(model.name, **model.args)[0])
+    except MetaBuildError as e:
+        raise where.error(str(e), "model.init", "model.name") from None
     except (ValueError, TypeError, OSError) as e:
         message = str(e).removeprefix(f"{model.name}: ")
         raise where.error(f"model {model.name!r}: {message}",

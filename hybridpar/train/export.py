@@ -255,7 +255,7 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
     size = parse_size(max_shard_size)
     target = _new_folder(out)
     model = _run_model(Path(checkpoint), config)
-    options = {k: v for k, v in model.items() if k != "name"}
+    options = {k: v for k, v in model.items() if k not in ("name", "init")}   # the run's keys
     source = _Checkpoint(checkpoint)
     hf = hf_config(str(model["name"]).removeprefix("hf:"), options)
     entries = _hf_names(source.names, hf)
