@@ -70,11 +70,14 @@ from hybridpar.train.shards import (
     unflatten,
 )
 
-__all__ = ["build_pipe", "loss_rank", "train"]
+__all__ = ["HOST_MEMORY_BUDGET", "build_pipe", "cap_host_memory", "loss_rank", "train"]
 
 log = logging.getLogger(__name__)
 
 Batches = TokenBatches | SyntheticBatches
+
+#: the environment variable `cap_host_memory` reads: a size ("300MiB") or bytes
+HOST_MEMORY_BUDGET = "HYBRIDPAR_HOST_MEMORY_BUDGET"
 
 
 def _topology(config: Config) -> Topology:
@@ -86,6 +89,43 @@ def _topology(config: Config) -> Topology:
             if (topo.pp, topo.tp) == (par.pp, par.tp) and par.dp in (None, topo.dp):
                 return topo
     return init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=par.timeout)
+
+
+def cap_host_memory() -> int | None:
+    """With ``HYBRIDPAR_HOST_MEMORY_BUDGET=SIZE`` set (``"300MiB"``, bytes), cap this process's
+    address space at its size now + SIZE (``setrlimit(RLIMIT_AS)``); the cap in bytes, or None.
+
+    `build_pipe` calls it once the model is built on ``meta`` (its libraries imported, no
+    weights yet; a model its builder makes whole is counted in "now"): the rank's shard,
+    what it reads of a checkpoint, gradients, optimizer state, activations and checkpoint
+    saves must then fit in SIZE, or the rank fails at the allocation that went past it
+    (torch: "DefaultCPUAllocator: can't allocate memory"; Python: `MemoryError`), and the
+    run with it, instead of the kernel's OOM killer ending some process of the machine.
+    It caps address space, not resident memory, so it is for CPU ranks: CUDA maps far more
+    than it uses, glibc reserves 64 MiB per malloc arena (set ``MALLOC_ARENA_MAX=2`` with
+    it), and a safetensors file being read is mapped whole (keep checkpoint files smaller
+    than SIZE). Linux only (tests/test_run_memory_limit.py trains a model larger than SIZE).
+    """
+    from hybridpar.weight_files import parse_size
+
+    text = os.environ.get(HOST_MEMORY_BUDGET, "").strip()
+    if not text:
+        return None
+    try:
+        budget = parse_size(text)
+    except ValueError:
+        raise ValueError(f"{HOST_MEMORY_BUDGET}={text!r} is not a size: give bytes or a size "
+                         "such as '300MiB'") from None
+    import resource
+
+    status = Path("/proc/self/status").read_text().splitlines()
+    size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = size + budget if hard == resource.RLIM_INFINITY else min(size + budget, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    log.info("%s=%s: address space capped at %.0f MiB (%.0f MiB now)", HOST_MEMORY_BUDGET,
+             text, cap / 2**20, size / 2**20)
+    return cap
 
 
 def loss_rank(topo: Topology) -> int:
@@ -101,8 +141,9 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     ``train.seed`` and their names (`hybridpar.keyed.KeyedInit`; the same values as the
     one-device model and every other layout). With ``model.pretrained`` they are zeros and
     the rotary buffers (`hybridpar.hf.init_for_loading`), and the rank reads just its tensors
-    from the checkpoint (`hybridpar.hf.load_hf_shards`). A user's builder builds the whole
-    model, as before. Then the random streams are seeded again, so what the build drew
+    from the checkpoint (`hybridpar.hf.load_hf_shards`). A user's builder is built on
+    ``meta`` too once `train.builder_check` accepts it; ``model.init = "full"`` builds any
+    model whole. Then the random streams are seeded again, so what the build drew
     (balance profiling) does not move dropout.
     """
     par, name = config.parallel, config.model.name
@@ -111,6 +152,7 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
     model, loss, init = build_model(config, **extra)   # `train.model_build`: meta, keyed
+    cap_host_memory()   # HYBRIDPAR_HOST_MEMORY_BUDGET: what the shard and the steps may add
     # balance = "time" profiles under the precision the run trains in
     bf16 = config.train.precision == "bf16"
     with torch.autocast(topo.device.type, dtype=torch.bfloat16, enabled=bf16):
