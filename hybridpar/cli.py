@@ -1,4 +1,5 @@
-"""The `hybridpar` command line: `run`, `export`, `balance`, `check`, `schedule`, `env`.
+"""The `hybridpar` command line: `run`, `export`, `balance`, `check`, `schedule`, `tokenize`,
+`env`.
 
 Errors in what the user gave (config, paths, options) print one line and exit with 2.
 """
@@ -91,6 +92,12 @@ def _check(args: argparse.Namespace) -> int:
     return check_main(args)
 
 
+def _tokenize(args: argparse.Namespace) -> int:
+    from hybridpar.data.command import run as tokenize_run
+
+    return tokenize_run(args)
+
+
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -143,6 +150,7 @@ def _export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `hybridpar` command line: every command and option (docs/reference.md shows it)."""
     from hybridpar import __version__
+    from hybridpar.data.command import add_parser as add_tokenize
     from hybridpar.train.balance import add_parser as add_balance
     from hybridpar.train.check import add_parser as add_check
     from hybridpar.train.schedule import add_parser as add_schedule
@@ -156,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_balance(commands)
     add_check(commands)
     add_schedule(commands)
+    add_tokenize(commands)
     commands.add_parser("env", help="print the versions and devices hybridpar sees")
     return parser
 
@@ -169,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "env":
         return _env()
     handlers = {"run": _run, "export": _export, "balance": balance, "check": _check,
-                "schedule": _schedule}
+                "schedule": _schedule, "tokenize": _tokenize}
     if args.command not in handlers:
         parser.print_help()
         return 0

@@ -1,0 +1,309 @@
+"""Corpus to token folder: documents read in order, encoded by worker processes, written whole.
+
+    main process                          workers (--workers, forked)
+    read documents, file by file  ----->  encode a batch: ids + EOS after each document
+    (UTF-8 policy, jsonl / parquet)  ids  (tokenizers' encode_batch_fast, one thread each)
+    split train / val, write shards <----
+    meta.json last, rename into place
+
+Batches go out in order and come back in order, at most 2 per worker in flight (memory
+stays bounded): any number of workers writes the same bytes. Before reading anything, the
+request (the inputs' fingerprint, the tokenizer's hash, every option that changes the
+tokens) is compared with an existing OUT/meta.json: the same request is a no-op.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hybridpar.data.shards import (
+    FORMAT,
+    SPLITS,
+    VERSION,
+    ShardWriter,
+    TokenFolderError,
+    open_tokens,
+    staged_folder,
+    write_meta,
+)
+from hybridpar.data.sources import (
+    ERRORS,
+    CorpusError,
+    Counts,
+    Source,
+    find_sources,
+    fingerprint,
+    read_documents,
+)
+from hybridpar.data.split import ValSplit
+from hybridpar.data.tokenizer import Encoder, TokenizerSpec, load_tokenizer
+
+__all__ = ["DEFAULT_SHARD_TOKENS", "Tokenized", "default_workers", "tokenize_corpus"]
+
+DEFAULT_SHARD_TOKENS = 100_000_000
+_BATCH_BYTES = 1 << 18          # text per batch sent to a worker
+_BATCH_DOCS = 4096
+
+
+class Tokenized(NamedTuple):
+    """What `tokenize_corpus` did: the folder, its meta.json, and whether it was up to date."""
+
+    folder: Path
+    meta: dict[str, Any]
+    up_to_date: bool
+    seconds: float
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
+def _batches(documents: Iterable[str], *, batch_bytes: int) -> Iterator[list[str]]:
+    """Documents grouped into lists of about `batch_bytes` characters."""
+    batch: list[str] = []
+    size = 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if size >= batch_bytes or len(batch) >= _BATCH_DOCS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+_ENCODER: Encoder | None = None
+
+
+def _die_with(parent: int) -> None:
+    """End this worker when `parent` ends, even by SIGKILL (Linux; elsewhere, nothing)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)                  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:                         # it ended before the prctl
+        os._exit(1)
+
+
+def _init_worker(spec: TokenizerSpec, parent: int) -> None:
+    global _ENCODER
+    _die_with(parent)            # a killed tokenize leaves no idle workers behind
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one thread a worker
+    _ENCODER = Encoder(spec)
+
+
+def _encode(batch: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _ENCODER is not None
+    return _ENCODER.encode(batch)
+
+
+def _encoded(batches: Iterator[list[str]], spec: TokenizerSpec, workers: int
+             ) -> Generator[tuple[int, np.ndarray, np.ndarray], None, None]:
+    """(documents, ids, lengths) of each batch, in order: here, or on `workers` processes."""
+    if workers <= 1:
+        encoder = Encoder(spec)
+        for batch in batches:
+            yield len(batch), *encoder.encode(batch)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    # a worker that dies (killed, out of memory) fails its batch with BrokenProcessPool,
+    # where multiprocessing.Pool would wait for it forever
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                               initargs=(spec, os.getpid()))
+    try:
+        pending: collections.deque[tuple[int, Future[Any]]] = collections.deque()
+        for batch in batches:
+            pending.append((len(batch), pool.submit(_encode, batch)))
+            if len(pending) >= 2 * workers:
+                n, result = pending.popleft()
+                yield n, *result.result()
+        while pending:
+            n, result = pending.popleft()
+            yield n, *result.result()
+    except BrokenProcessPool:
+        raise ChildProcessError(f"a tokenize worker process died (killed, or out of memory?); "
+                                f"nothing was written: run again, with fewer than {workers} "
+                                "--workers if memory is short") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _request(sources: Sequence[Source], spec: TokenizerSpec, options: dict[str, Any]
+             ) -> dict[str, Any]:
+    """Everything that decides the tokens: the version, the sources' and tokenizer's hashes,
+    the EOS and the options."""
+    return {"version": VERSION, "sources": fingerprint(sources)["sha256"],
+            "tokenizer": spec.sha256, "eos_id": spec.eos_id, **options}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _up_to_date(out: Path, request: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+    """OUT's meta when it holds this request's tokens; None when OUT is to be written."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise CorpusError(f"{out} is a file; give a folder for the tokens")
+    if not any(out.iterdir()):
+        return None
+    if not (out / "meta.json").is_file() and not any(out.glob("*.bin")):
+        raise CorpusError(f"{out} is a folder of other files, not a token folder; give a new "
+                          "or empty folder for the tokens")
+    try:
+        folder = open_tokens(out)
+    except TokenFolderError as e:
+        if overwrite:
+            return None
+        raise CorpusError(f"{out} exists and is not a complete token folder ({e}); give a new "
+                          "folder, or --overwrite to replace it") from None
+    if folder.meta["request"] == _digest(request):
+        return folder.meta
+    if overwrite:
+        return None
+    before = folder.meta.get("options", {})
+    changed = [k for k in request if not isinstance(before, dict) or before.get(k) != request[k]]
+    raise CorpusError(f"{out} holds the tokens of other inputs or options (changed: "
+                      f"{', '.join(changed) or 'unknown'}); give a new folder, or --overwrite "
+                      "to replace it")
+
+
+def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *,
+                    tokenizer: str | os.PathLike[str] = "bytes", eos: str | int | None = None,
+                    format: str = "auto", field: str = "text", separator: str | None = None,
+                    errors: str = "strict", val_fraction: float = 0.05, seed: int = 0,
+                    workers: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                    overwrite: bool = False, progress: bool = False,
+                    batch_bytes: int = _BATCH_BYTES) -> Tokenized:
+    """Tokenize the documents of `inputs` into the token folder `out` (see `shards`).
+
+    `tokenizer` and `eos`: `load_tokenizer`; `format`, `field`, `separator`, `errors`: how the
+    files are read (`sources`); `val_fraction`, `seed`: the split (`ValSplit`). A no-op when
+    `out` already holds the same request; `overwrite` replaces an `out` of another one.
+    Errors in the inputs raise `CorpusError` naming the file and line; `out` is then untouched.
+    """
+    start = time.perf_counter()
+    if errors not in ERRORS:
+        raise CorpusError(f"unknown errors policy {errors!r}; choose one of {', '.join(ERRORS)}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    if separator == "":
+        raise CorpusError("the separator is empty; give the text between documents, e.g. "
+                          "'\\n\\n', or leave it out for a document per file")
+    split = ValSplit(val_fraction, seed=seed)
+    sources = find_sources(inputs, format=format)
+    spec = load_tokenizer(tokenizer, eos=eos)
+    options = {"format": format, "field": field, "separator": separator, "errors": errors,
+               "val_fraction": float(val_fraction), "seed": seed, "shard_tokens": shard_tokens}
+    request, prints = _request(sources, spec, options), fingerprint(sources)
+    target = Path(out)
+    done = _up_to_date(target, request, overwrite)
+    if done is not None:
+        return Tokenized(target, done, True, time.perf_counter() - start)
+    if workers is None:   # a small corpus is not worth starting processes for
+        workers = default_workers() if prints["bytes"] > 8 * batch_bytes else 1
+
+    counts = Counts()
+    documents = (doc for source in sources for doc in read_documents(
+        source, field=field, separator=separator, errors=errors, counts=counts))
+    batches = _encoded(_batches(documents, batch_bytes=batch_bytes), spec, workers)
+    with staged_folder(target, replace=True) as tmp, contextlib.closing(batches):
+        records = _write(tmp, batches, spec=spec, split=split, shard_tokens=shard_tokens,
+                         progress=progress, start=start)
+        if sum(r["documents"] for r in records.values()) == 0:
+            raise CorpusError(f"the corpus has no documents: {len(sources)} file(s) read, "
+                              f"{counts.empty} empty, {counts.skipped} skipped as not UTF-8"
+                              + (f" (--field {field!r})" if format != "txt" else "")
+                              + "; give files that hold text")
+        if spec.kind == "tokenizers":
+            (tmp / "tokenizer.json").write_text(spec.json, encoding="utf-8")
+        meta = _meta(spec, records, request, prints, counts)
+        write_meta(tmp, meta)
+    return Tokenized(target, meta, False, time.perf_counter() - start)
+
+
+def _write(folder: Path, batches: Iterator[tuple[int, np.ndarray, np.ndarray]], *,
+           spec: TokenizerSpec, split: ValSplit, shard_tokens: int, progress: bool,
+           start: float) -> dict[str, dict[str, Any]]:
+    """Each encoded batch into the shards of its documents' splits; the splits' records."""
+    writers = {s: ShardWriter(folder, s, dtype=spec.dtype, shard_tokens=shard_tokens)
+               for s in SPLITS}
+    bar: Any = None
+    total = 0
+    try:
+        for n, ids, lengths in batches:
+            val = split.take(n)                                               # (n,) bool
+            if not val.any():
+                writers["train"].write(ids, lengths)
+            else:
+                mask = np.repeat(val, lengths)                                # (tokens,)
+                writers["train"].write(ids[~mask], lengths[~val])
+                writers["val"].write(ids[mask], lengths[val])
+            total += len(ids)
+            if progress and bar is None:   # after the workers' fork: tqdm starts a thread
+                from tqdm import tqdm
+
+                bar = tqdm(desc="tokenize", unit=" docs", file=sys.stderr, dynamic_ncols=True)
+            if bar is not None:
+                bar.update(n)
+                rate = total / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{total:,} tokens, {rate:,.0f} tokens/s", refresh=False)
+        return {s: w.close() for s, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _meta(spec: TokenizerSpec, records: dict[str, dict[str, Any]], request: dict[str, Any],
+          prints: dict[str, Any], counts: Counts) -> dict[str, Any]:
+    """meta.json of a finished folder (docs/data.md lists the fields)."""
+    what = {"tokenizer": spec.sha256, "eos_id": spec.eos_id, "dtype": spec.dtype,
+            "shards": {s: [(x["sha256"], x["tokens"], x["documents"]) for x in r["shards"]]
+                       for s, r in records.items()}}
+    return {
+        "format": FORMAT, "version": VERSION,
+        "tokenizer": spec.record(), "dtype": spec.dtype,
+        "documents": sum(r["documents"] for r in records.values()),
+        "tokens": sum(r["tokens"] for r in records.values()),
+        "splits": records,
+        "split": {"rule": "stratified", "val_fraction": request["val_fraction"],
+                  "seed": request["seed"]},
+        "errors": {"policy": request["errors"], "replaced_documents": counts.replaced,
+                   "skipped_documents": counts.skipped, "files": counts.files},
+        "empty_documents_dropped": counts.empty,
+        "sources": {**prints, "read": {k: request[k] for k in ("format", "field", "separator")}},
+        "shard_tokens": request["shard_tokens"],
+        "options": request,
+        "request": _digest(request),
+        "fingerprint": _digest(what),
+    }
