@@ -269,7 +269,7 @@ def _check_meta(folder: Path, meta: Any) -> None:
 
 
 def _open_shard(folder: Path, shard: Mapping[str, Any], dtype: np.dtype, verify: bool,
-                vocab_size: int) -> Shard:
+                vocab_size: int, mmap: bool = True) -> Shard | None:
     path, index = folder / shard["file"], folder / shard["index"]
     fix = "the file was truncated or changed; tokenize the corpus again (--overwrite)"
     for file, n, item, what in ((path, shard["tokens"], dtype.itemsize, f"tokens of {dtype}"),
@@ -281,6 +281,8 @@ def _open_shard(folder: Path, shard: Mapping[str, Any], dtype: np.dtype, verify:
         if size != n * item:
             raise TokenFolderError(f"{file} holds {size} bytes, but meta.json says {n} {what} "
                                    f"({n * item} bytes); {fix}")
+    if not mmap:
+        return None
     tokens = np.memmap(path, dtype=dtype, mode="r")
     ends = np.memmap(index, dtype=np.uint64, mode="r")
     if int(ends[-1]) != shard["tokens"] or (len(ends) > 1 and bool(np.any(ends[1:] < ends[:-1]))):
@@ -297,12 +299,15 @@ def _open_shard(folder: Path, shard: Mapping[str, Any], dtype: np.dtype, verify:
     return Shard(path, tokens, ends, shard["sha256"])
 
 
-def open_tokens(folder: str | os.PathLike[str], *, verify: bool = False) -> TokenFolder:
+def open_tokens(folder: str | os.PathLike[str], *, verify: bool = False,
+                mmap: bool = True) -> TokenFolder:
     """The token folder of `hybridpar tokenize`, checked, its shards memory-mapped.
 
     Checks meta.json (format, version, every field) and each file's size against it, and the
     document ends; `verify` also reads every token: the shards' sha256 and their ids against
-    the vocabulary size. Raises `TokenFolderError` naming the file and the fix.
+    the vocabulary size. ``mmap=False`` checks meta.json and the file sizes only and maps
+    nothing (``splits`` is empty): what a rank that reads no tokens checks. Raises
+    `TokenFolderError` naming the file and the fix.
     """
     path = Path(folder)
     if not path.is_dir():
@@ -320,6 +325,9 @@ def open_tokens(folder: str | os.PathLike[str], *, verify: bool = False) -> Toke
     if meta["tokenizer"]["kind"] == "tokenizers" and not (path / "tokenizer.json").is_file():
         raise TokenFolderError(f"{path / 'tokenizer.json'} is missing, and meta.json names a "
                                "tokenizers tokenizer; tokenize the corpus again (--overwrite)")
-    splits = {split: [_open_shard(path, s, dtype, verify, meta["tokenizer"]["vocab_size"])
+    opened = {split: [_open_shard(path, s, dtype, verify and mmap,
+                                  meta["tokenizer"]["vocab_size"], mmap)
                       for s in meta["splits"][split]["shards"]] for split in SPLITS}
+    splits = {split: [s for s in shards if s is not None] for split, shards in opened.items()
+              } if mmap else {}
     return TokenFolder(path, meta, splits)

@@ -2,7 +2,7 @@
 
     [model]       name = "gpt", init = "keyed" | "full", and the model's keyword options as
                   flat keys (n_layer = 4, ...)
-    [data]        source, path, seq_len, val_fraction, seed
+    [data]        source, path, seq_len, val_fraction, seed, restart
     [parallel]    pp, tp, dp, chunks, schedule, virtual_stages, checkpoint, balance, tp_plan,
                   deferred_batch_norm, timeout, check_replicas, replica_atol
     [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
@@ -66,13 +66,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """[data]: where the batches come from (text and corpus: byte tokens for gpt)."""
+    """[data]: where the batches come from (text, corpus: byte tokens; tokens: a token folder)."""
 
     source: str = "synthetic"     # "synthetic" | "text" (bytes of `path`) | "corpus" (embedded)
-    path: str | None = None       # the text file of source = "text", relative to the cwd
+    #                               | "tokens" (the token folder `path`)
+    path: str | None = None       # the text file of "text", the token folder of "tokens"
     seq_len: int | None = None    # tokens per sample (gpt); default and maximum: block_size
     val_fraction: float = 0.05    # share of the text held out for the eval loss
     seed: int = 0                 # data order and synthetic batches
+    restart: bool = False         # "tokens": a resume whose data changed starts its order over
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class CheckpointConfig:
 _CLASSES: dict[str, type] = {"data": DataConfig, "parallel": ParallelConfig,
                              "train": TrainConfig, "checkpoint": CheckpointConfig}
 _CHOICES: dict[str, Sequence[str]] = {
-    "data.source": ("synthetic", "text", "corpus"), "parallel.schedule": tuple(SCHEDULES),
+    "data.source": ("synthetic", "text", "corpus", "tokens"), "parallel.schedule": tuple(SCHEDULES),
     "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
     "parallel.tp_plan": ("auto", "hf"), "train.precision": ("fp32", "bf16"),
     "train.nonfinite": ("stop", "skip"), "model.init": INITS}

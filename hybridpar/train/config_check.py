@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -130,6 +131,42 @@ def check_layout(cfg: Config, where: Where) -> Config:
     return dataclasses.replace(cfg, data=_check_data(model, data, where))
 
 
+def _model_vocab(model: ModelConfig) -> int | None:
+    """The model's vocabulary size: its ``vocab_size`` option, else a ``model.pretrained``
+    folder's config.json; None when neither says."""
+    if isinstance(model.args.get("vocab_size"), int):
+        return int(model.args["vocab_size"])
+    pretrained = model.args.get("pretrained")
+    if isinstance(pretrained, str) and (Path(pretrained) / "config.json").is_file():
+        try:
+            value = json.loads((Path(pretrained) / "config.json").read_text()).get("vocab_size")
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, int) else None
+    return None
+
+
+def _check_tokens(model: ModelConfig, data: DataConfig, where: Where) -> None:
+    """data.path is a token folder (meta.json and file sizes) whose ids fit the model."""
+    from hybridpar.data.shards import TokenFolderError
+    from hybridpar.data.windows import check_folder
+
+    if data.path is None:
+        raise where.error("data.path is required with data.source = 'tokens': a folder written "
+                          "by hybridpar tokenize", "data.source")
+    try:
+        folder = check_folder(data.path)
+    except TokenFolderError as e:
+        raise where.error(f"data.path {data.path!r}: {e}", "data.path") from None
+    vocab = _model_vocab(model)
+    if vocab is not None and folder.vocab_size > vocab:
+        raise where.error(f"data.path {data.path!r} holds ids of a {folder.vocab_size}-token "
+                          f"vocabulary ({folder.meta['tokenizer']['name']}, meta.json) but model "
+                          f"{model.name!r} has vocab_size={vocab}: ids >= {vocab} have no "
+                          f"embedding; set model.vocab_size >= {folder.vocab_size}, or tokenize "
+                          "with the model's own tokenizer", "data.path", "model.vocab_size")
+
+
 def _check_data(model: ModelConfig, data: DataConfig, where: Where) -> DataConfig:
     if data.source == "synthetic" and not has_synthetic_data(model.name):
         raise where.error(f"data.source = 'synthetic' has batches for the zoo's models only; "
@@ -137,10 +174,12 @@ def _check_data(model: ModelConfig, data: DataConfig, where: Where) -> DataConfi
                           "(or 'text' with data.path)", "data.source", "model.name")
     if data.source != "synthetic":
         if not takes_tokens(model.name):
-            raise where.error(f"data.source={data.source!r} gives byte tokens; model "
+            raise where.error(f"data.source={data.source!r} gives token ids; model "
                               f"{model.name!r} takes data.source = 'synthetic'",
                               "data.source", "model.name")
-        if model.args.get("vocab_size", 256) < 256:
+        if data.source == "tokens":
+            _check_tokens(model, data, where)
+        elif model.args.get("vocab_size", 256) < 256:
             raise where.error(f"data.source={data.source!r} gives bytes (256 values) but "
                               f"model.vocab_size={model.args['vocab_size']}; use at least 256",
                               "data.source", "model.vocab_size")

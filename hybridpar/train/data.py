@@ -1,4 +1,5 @@
-"""The batches of a run: byte tokens of a text or the stdlib corpus, or synthetic; resumable."""
+"""The batches of a run: byte tokens of a text or the stdlib corpus, a token folder's windows
+(`hybridpar.data.windows`), or synthetic; resumable."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hybridpar.data.shards import TokenFolder, TokenFolderError
+from hybridpar.data.windows import TokenWindows, check_folder
 from hybridpar.models import example_batch
 from hybridpar.train.config import Config
 
 __all__ = ["SyntheticBatches", "TokenBatches", "byte_tokens", "decode", "default_corpus",
-           "make_batches", "read_text", "split_tokens"]
+           "make_batches", "read_text", "split_tokens", "token_folder"]
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
                         "__pycache__"})
@@ -225,19 +228,41 @@ class SyntheticBatches:
         return self.next_batch()
 
 
-def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0,
-                 dp: int = 1) -> TokenBatches | SyntheticBatches:
+def token_folder(config: Config) -> TokenFolder:
+    """The checked token folder of ``data.source = "tokens"`` (meta.json and file sizes; no
+    shard mapped); a ValueError naming ``data.path`` and the fix."""
+    if config.data.path is None:
+        raise ValueError("data.path is required with data.source = 'tokens': a folder "
+                         "written by hybridpar tokenize")
+    try:
+        return check_folder(config.data.path)
+    except TokenFolderError as e:
+        raise ValueError(f"data.path {config.data.path!r}: {e}") from None
+
+
+def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: int = 1,
+                 inputs: bool = True, targets: bool = True
+                 ) -> TokenBatches | SyntheticBatches | TokenWindows:
     """The batches of `config` for replica `dp_rank` of `dp`: ``train.batch_size`` is global.
 
     synthetic: `SyntheticBatches` of ``model.name`` (gpt: sequences of ``data.seq_len``);
     split="val" draws from seeds no training step uses. text / corpus: `TokenBatches` of the
-    train head or the val tail (``data.val_fraction``) of the bytes.
+    train head or the val tail (``data.val_fraction``) of the bytes. tokens: `TokenWindows`
+    of the folder's split, which read x only with `inputs` and y only with `targets` (a rank
+    with neither maps no shard and gets zeros of the batch's shape).
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     data, batch_size = config.data, config.train.batch_size
     _check_shard(batch_size, dp_rank, dp)
     seq_len = data.seq_len or config.model.args.get("block_size")
+    if data.source == "tokens":
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"data.seq_len is not set and model {config.model.name!r} has no "
+                             "block_size; set data.seq_len")
+        return TokenWindows(token_folder(config), split, seq_len=seq_len, batch_size=batch_size,
+                            seed=data.seed, dp_rank=dp_rank, dp=dp, inputs=inputs,
+                            targets=targets)
     if data.source == "synthetic":
         args = dict(config.model.args)
         if config.model.name == "gpt" and data.seq_len is not None:
@@ -253,7 +278,7 @@ def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0,
         raw, what = default_corpus(), "the embedded corpus"
     else:
         raise ValueError(f"unknown data.source {data.source!r}; choose one of "
-                         "'synthetic', 'text', 'corpus'")
+                         "'synthetic', 'text', 'corpus', 'tokens'")
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"data.seq_len is not set and model {config.model.name!r} has no "
                          "block_size; set data.seq_len")

@@ -32,10 +32,12 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hybridpar.agreement import fail_together
+from hybridpar.data.windows import TokenWindows
 from hybridpar.device import pinned
 from hybridpar.models import generate
 from hybridpar.models.registry import takes_tokens
 from hybridpar.pipe import HybridPipe
+from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.replicas import ReplicaMismatchError
 from hybridpar.pipeline.trace_report import TraceRequest, traced_step
 from hybridpar.tensor_parallel.random import (
@@ -74,7 +76,10 @@ __all__ = ["HOST_MEMORY_BUDGET", "build_pipe", "cap_host_memory", "loss_rank", "
 
 log = logging.getLogger(__name__)
 
-Batches = TokenBatches | SyntheticBatches
+Batches = TokenBatches | SyntheticBatches | TokenWindows
+
+#: checkpoint keys of what a token folder's windows are (`TokenWindows.identity`)
+_DATA_ID = "data_id/"
 
 #: the environment variable `cap_host_memory` reads: a size ("300MiB") or bytes
 HOST_MEMORY_BUDGET = "HYBRIDPAR_HOST_MEMORY_BUDGET"
@@ -188,7 +193,13 @@ class _Run:
     def __init__(self, config: Config, run_dir: Path, topo: Topology) -> None:
         self.config, self.run_dir, self.topo = config, run_dir, topo
         self.reporter = topo.rank == loss_rank(topo)
-        self.batches = make_batches(config, split="train", dp_rank=topo.dp_rank, dp=topo.dp)
+        # token windows are read by the first stage's ranks (x) and the last stage's (y) only
+        par = config.parallel
+        stages = Layout.of(par.schedule, par.pp, par.virtual_stages)
+        held = stages.stages_of(topo.pp_rank)
+        self.reads = {"inputs": 0 in held, "targets": stages.stages - 1 in held}
+        self.batches = make_batches(config, split="train", dp_rank=topo.dp_rank, dp=topo.dp,
+                                    **self.reads)
         sample = None
         if isinstance(config.parallel.balance, str) and config.parallel.balance in (
                 "time", "size"):
@@ -221,6 +232,9 @@ class _Run:
         state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
         state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)
                                       for k, v in self.batches.state_dict().items()}))
+        if isinstance(self.batches, TokenWindows):
+            state.update({_DATA_ID + k: _encode_id(v)
+                          for k, v in self.batches.identity().items()})
         state["layout"] = self._layout()
         state.update(flatten(self._coordinate(), get_rng_state_all()))
         return state
@@ -238,16 +252,23 @@ class _Run:
         metadata = read_metadata(path)
         state = self.state()
         rng_keys = [k for k in state if k.startswith("rng/")]
-        for key in rng_keys:
+        for key in [*rng_keys, *(k for k in state if k.startswith(_DATA_ID))]:
             del state[key]
         saved_rng = [k for k in rng_keys if k in metadata.state_dict_metadata]
-        state.update(allocate_like(metadata, ["layout", *saved_rng]))
+        saved_id = [k for k in metadata.state_dict_metadata if k.startswith(_DATA_ID)] \
+            if isinstance(self.batches, TokenWindows) else []
+        state.update(allocate_like(metadata, ["layout", *saved_rng, *saved_id]))
         load_checkpoint(path, state)
         step = state["train/step"]
         assert isinstance(step, Tensor)
         self.step = int(step)
-        self.batches.load_state_dict({k.removeprefix("data/"): int(v) for k, v in state.items()
-                                      if k.startswith("data/") and isinstance(v, Tensor)})
+        position = {k.removeprefix("data/"): int(v) for k, v in state.items()
+                    if k.startswith("data/") and isinstance(v, Tensor)}
+        if isinstance(self.batches, TokenWindows) and self._data_changed(path, {
+                k.removeprefix(_DATA_ID): _decode_id(v) for k, v in state.items()
+                if k.startswith(_DATA_ID) and isinstance(v, Tensor)}):
+            position = {"epoch": 0, "index": 0}
+        self.batches.load_state_dict(position)
         same_layout = torch.equal(state["layout"], self._layout()) \
             if isinstance(state["layout"], Tensor) else False
         if same_layout and len(saved_rng) == len(rng_keys):
@@ -260,6 +281,35 @@ class _Run:
             log.info("checkpoint layout differs (dp, pp, tp, balance): random streams re-seeded "
                      "from train.seed + step; dropout masks differ from an unchanged run")
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _data_changed(self, path: Path, saved: dict[str, Any]) -> bool:
+        """Whether the token windows differ from those checkpoint `path` was trained on: a
+        `CheckpointError` naming what changed, or True (start the data order over) with
+        ``data.restart``; False when they are the same."""
+        assert isinstance(self.batches, TokenWindows)
+        now = self.batches.identity()
+        what = {"tokenizer": "the tokenizer (meta.json tokenizer.sha256)",
+                "fingerprint": "the corpus (meta.json fingerprint: its tokens)",
+                "seq_len": "data.seq_len", "seed": "data.seed"}
+        if not saved:
+            changed = ["the data: the checkpoint was not trained on a token folder"]
+        elif saved.get("tokenizer") != now["tokenizer"]:
+            changed = [what["tokenizer"]]   # (a new tokenizer changes the tokens too)
+        else:
+            changed = [f"{what[k]}: {saved.get(k)!r} -> {now[k]!r}" if k in ("seq_len", "seed")
+                       else what[k] for k in ("fingerprint", "seq_len", "seed")
+                       if saved.get(k) != now[k]]
+        if not changed:
+            return False
+        message = (f"checkpoint {path} was trained on other data windows than "
+                   f"data.path {self.config.data.path!r} gives; changed: {'; '.join(changed)}")
+        if not self.config.data.restart:
+            raise CheckpointError(f"{message}. Resume with the data it was trained on, or set "
+                                  "data.restart = true (--set data.restart=true) to keep the "
+                                  "weights and start the new data's order from its beginning")
+        if self.reporter:
+            log.warning("%s; data.restart = true: the data order starts over", message)
+        return True
 
     def init_from(self, path: str) -> None:
         """Start from a plain single-device state dict (`hybridpar export`'s output).
@@ -306,6 +356,17 @@ class _Run:
                  path, loaded.tensors, loaded.bytes_read / 2**20)
 
 
+def _encode_id(value: str | int) -> Tensor:
+    """A data identity value as a checkpoint tensor: an int as int64, a str as its bytes."""
+    if isinstance(value, int):
+        return torch.tensor(value, dtype=torch.int64)
+    return torch.tensor(list(value.encode()), dtype=torch.uint8)
+
+
+def _decode_id(t: Tensor) -> str | int:
+    return bytes(t.tolist()).decode() if t.dtype == torch.uint8 else int(t)
+
+
 def _resume_step(root: Path) -> int:
     """The latest complete checkpoint's step as global rank 0 sees it (-1: none), on all."""
     found = latest_checkpoint(root) if dist.get_rank() == 0 else None
@@ -321,7 +382,7 @@ def _tokens_per_sample(config: Config) -> int:
 def _evaluate(run: _Run) -> float:
     """Mean loss over the first `eval_batches` validation batches (the same ones every time)."""
     cfg, topo = run.config, run.topo
-    batches = make_batches(cfg, split="val", dp_rank=topo.dp_rank, dp=topo.dp)
+    batches = make_batches(cfg, split="val", dp_rank=topo.dp_rank, dp=topo.dp, **run.reads)
     run.pipe.eval()
     total = 0.0
     for _ in range(cfg.train.eval_batches):
@@ -337,15 +398,21 @@ def _sample(run: _Run) -> str | None:
     if not takes_tokens(cfg.model.name) or cfg.train.sample_tokens == 0 \
             or cfg.data.source == "synthetic":
         return None
-    val = make_batches(cfg, split="val")
-    assert isinstance(val, TokenBatches)
-    prompt = val.tokens[:8].view(1, -1)                                    # (1, 8)
+    val = make_batches(cfg, split="val", **run.reads)
+    if isinstance(val, TokenWindows):   # the prompt matters on the first stage only
+        prompt = torch.from_numpy(val.window(0)[:8].astype("int64")).view(1, -1) \
+            if val.reads else torch.zeros(1, 8, dtype=torch.int64)        # (1, 8)
+    else:
+        assert isinstance(val, TokenBatches)
+        prompt = val.tokens[:8].view(1, -1)                                # (1, 8)
     run.pipe.eval()
     with torch.no_grad():
         out = generate(run.pipe, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=32,
                        generator=torch.Generator().manual_seed(cfg.train.seed),
                        block_size=cfg.data.seq_len)                       # (1, 8 + n)
     run.pipe.train()
+    if isinstance(val, TokenWindows):   # the folder's own tokenizer (bytes: UTF-8 bytes)
+        return val.folder.decode(out[0].numpy()) if val.reads else None
     return decode(out[0])
 
 

@@ -1,0 +1,150 @@
+"""Training windows of a token folder: seq_len + 1 tokens read through its memmaps, resumable.
+
+A split's shards are cut into windows shard by shard: window j of a shard of n tokens starts
+at token j * T (T = seq_len) and holds T + 1 tokens (x = its first T, y = its last T), for
+j < (n - 1) // T; the tail of a shard too short for a window is not trained on. Windows do
+not cross shards, and may cross documents (each ends with the EOS id, as in GPT-2 training).
+The windows are numbered over the shards in order; epoch e visits them in the order
+``randperm(windows, generator seeded with seed + e)``, a global batch is the next
+`batch_size` of that endless stream, and replica r of dp keeps rows [r * B / dp, (r+1) * B / dp).
+
+    shards of 9 and 7 tokens, T = 4:   shard 0 | w0 = t[0:5]  w1 = t[4:9]
+                                       shard 1 | w2 = t[0:5]  (t[4:7] too short: skipped)
+
+The position (epoch, index into its order) is the same on every replica and independent of
+dp, so a resume under another dp continues the same sequence. Only a rank that reads opens
+the shards (`open_tokens`, on its first batch): inputs on the first pipeline stage, targets
+on the last; another rank moves the position alone and gets zeros of the batch's shape.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hybridpar.data.shards import SPLITS, Shard, TokenFolder, open_tokens
+
+__all__ = ["TokenWindows", "check_folder"]
+
+
+def check_folder(path: str | os.PathLike[str]) -> TokenFolder:
+    """The folder's meta.json and file sizes checked, nothing mapped (``splits`` is empty)."""
+    return open_tokens(path, mmap=False)
+
+
+class TokenWindows:
+    """This replica's batches of the windows of one split of a token folder (see the module).
+
+    `folder`: a `check_folder` or `open_tokens` result; `inputs` / `targets`: whether this
+    rank reads x / y (a rank with neither opens no shard). `opened` counts shard openings.
+    """
+
+    def __init__(self, folder: TokenFolder, split: str = "train", *, seq_len: int,
+                 batch_size: int, seed: int = 0, dp_rank: int = 0, dp: int = 1,
+                 inputs: bool = True, targets: bool = True) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if dp < 1 or not 0 <= dp_rank < dp or batch_size < 1 or batch_size % dp:
+            raise ValueError(f"batch_size={batch_size} over dp={dp} (dp_rank={dp_rank}): use a "
+                             f"positive multiple of dp and 0 <= dp_rank < dp")
+        self.folder, self.split, self.seq_len, self.seed = folder, split, seq_len, seed
+        self.global_batch, self.batch_size = batch_size, batch_size // dp
+        self.dp_rank, self.dp = dp_rank, dp
+        self.inputs, self.targets = inputs, targets
+        counts = [int(s["tokens"]) for s in folder.meta["splits"][split]["shards"]]
+        per = np.array([max(n - 1, 0) // seq_len for n in counts], dtype=np.int64)  # (shards,)
+        self.ends = np.cumsum(per)   # shard s holds window ids [ends[s - 1], ends[s])
+        self.windows = int(self.ends[-1]) if len(per) else 0
+        if self.windows == 0:
+            longest = max(counts, default=0)
+            raise ValueError(f"the {split} split of {folder.path} has no window of seq_len + 1 "
+                             f"= {seq_len + 1} tokens (its longest shard holds {longest}); use "
+                             "a shorter data.seq_len or a larger corpus"
+                             + (" (or more --val-fraction)" if split == "val" else ""))
+        self.epoch, self.index, self.opened = 0, 0, 0
+        self._shards: list[Shard] | None = None
+        self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
+
+    @property
+    def reads(self) -> bool:
+        return self.inputs or self.targets
+
+    def identity(self) -> dict[str, Any]:
+        """What the windows are: the tokens' fingerprint, the tokenizer's hash, seq_len, seed."""
+        return {"fingerprint": self.folder.fingerprint,
+                "tokenizer": str(self.folder.meta["tokenizer"]["sha256"]),
+                "seq_len": self.seq_len, "seed": self.seed}
+
+    def order(self, epoch: int) -> Tensor:
+        """The window ids of `epoch` in visiting order: ``(windows,)``."""
+        if epoch != self._order_epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._order, self._order_epoch = torch.randperm(self.windows, generator=g), epoch
+        return self._order
+
+    def _take(self, count: int) -> Tensor:
+        """The next `count` window ids of the stream, advancing the position."""
+        parts = []
+        while count:
+            n = min(count, self.windows - self.index)
+            parts.append(self.order(self.epoch)[self.index:self.index + n])
+            self.index, count = self.index + n, count - n
+            if self.index == self.windows:
+                self.epoch, self.index = self.epoch + 1, 0
+        return torch.cat(parts)
+
+    def shards(self) -> list[Shard]:
+        """The split's shards, memory-mapped on the first call."""
+        if self._shards is None:
+            self._shards = open_tokens(self.folder.path).splits[self.split]
+            self.opened += 1
+        return self._shards
+
+    def window(self, i: int) -> np.ndarray:
+        """Window `i`: ``(seq_len + 1,)`` of the shard's dtype, read through its memmap."""
+        s = int(np.searchsorted(self.ends, i, side="right"))
+        start = (i - (int(self.ends[s - 1]) if s else 0)) * self.seq_len
+        return np.asarray(self.shards()[s].tokens[start:start + self.seq_len + 1])
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """This replica's (x, y), each ``(batch_size / dp, seq_len)`` int64; y is x shifted.
+
+        On a rank that reads neither, zeros of that shape (the pipe needs the shapes only)."""
+        ids = self._take(self.global_batch)                              # (B,)
+        b, r = self.batch_size, self.dp_rank
+        if not self.reads:
+            zeros = torch.zeros(b, self.seq_len, dtype=torch.int64)
+            return zeros, zeros.clone()
+        rows = np.stack([self.window(int(i)) for i in ids[r * b:(r + 1) * b]])
+        chunk = torch.from_numpy(rows.astype(np.int64))                  # (B / dp, T + 1)
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()     # (B / dp, T) twice
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch", "index"}`` (plain ints, the same on every replica)."""
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict`: the next batch is the one that followed it."""
+        epoch, index = state.get("epoch"), state.get("index")
+        for key, value in (("epoch", epoch), ("index", index)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"data state {dict(state)!r} has no valid {key!r} (an integer "
+                                 ">= 0); was it saved by a different kind of batches?")
+        assert isinstance(epoch, int) and isinstance(index, int)
+        if index >= self.windows:
+            raise ValueError(f"data state index={index} is past the {self.windows} windows of "
+                             f"{self.folder.path}; did the corpus or seq_len change?")
+        self.epoch, self.index = epoch, index
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
+        return self.next_batch()
