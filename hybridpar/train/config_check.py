@@ -132,10 +132,9 @@ def check_layout(cfg: Config, where: Where) -> Config:
 
 
 def _model_vocab(model: ModelConfig) -> int | None:
-    """The model's vocabulary size: its ``vocab_size`` option, else a ``model.pretrained``
-    folder's config.json; None when neither says."""
-    if isinstance(model.args.get("vocab_size"), int):
-        return int(model.args["vocab_size"])
+    """The model's vocabulary size: a ``model.pretrained`` folder's config.json (the model is
+    built from it, whatever the other keys say), else its ``vocab_size`` option; None when
+    neither says."""
     pretrained = model.args.get("pretrained")
     if isinstance(pretrained, str) and (Path(pretrained) / "config.json").is_file():
         try:
@@ -143,6 +142,8 @@ def _model_vocab(model: ModelConfig) -> int | None:
         except (OSError, ValueError):
             return None
         return value if isinstance(value, int) else None
+    if isinstance(model.args.get("vocab_size"), int):
+        return int(model.args["vocab_size"])
     return None
 
 

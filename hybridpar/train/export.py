@@ -4,7 +4,8 @@ single-device state dict or as a Hugging Face checkpoint, written one tensor at 
     export_plain       checkpoint -> OUT/: safetensors files of at most `max_shard_size` bytes
                        (+ index), the unsharded nn.Sequential's names (`hybridpar.weight_files`)
     export_hf          checkpoint of an ``hf:<family>`` run -> OUT/: the same files under
-                       Hugging Face's names, without a tied head, and config.json
+                       Hugging Face's names, without a tied head, config.json and the
+                       tokenizer of a run from model.pretrained
     export_pipe        a HybridPipe, on every rank -> OUT/ of either kind: each tensor gathered
                        to rank 0 alone (`consolidate.stream_state_dict`) and written
     export_checkpoint  checkpoint -> OUT.pt: one ``torch.save`` file (the whole model in this
@@ -247,8 +248,10 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
 
     ``config.json`` and the weights under Hugging Face's names as `export_plain` writes them
     (at most `max_shard_size` bytes a file, the index when there are several, no tied head),
-    which ``AutoModelForCausalLM.from_pretrained(out)`` loads. `config`: the run's
-    config.json (default RUN_DIR/config.json). Holds one file's tensors at most.
+    which ``AutoModelForCausalLM.from_pretrained(out)`` loads. A run from ``model.pretrained``
+    also gets that folder's tokenizer files and ``generation_config.json`` (those it has), so
+    ``AutoTokenizer.from_pretrained(out)`` loads too. `config`: the run's config.json (default
+    RUN_DIR/config.json). Holds one file's tensors at most.
     """
     from hybridpar.models.hf import hf_config
 
@@ -260,9 +263,35 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
     hf = hf_config(str(model["name"]).removeprefix("hf:"), options)
     entries = _hf_names(source.names, hf)
     _need_safetensors()
+    pretrained = model.get("pretrained")
+
+    def extra(folder: Path) -> None:
+        hf.save_pretrained(folder)
+        if isinstance(pretrained, str):
+            _copy_tokenizer(Path(pretrained), folder)
+
     return _write(target, [(name, source.nbytes(n)) for name, n in entries],
-                  (source.tensor(n) for _, n in entries), max_shard_size=size,
-                  extra=hf.save_pretrained)
+                  (source.tensor(n) for _, n in entries), max_shard_size=size, extra=extra)
+
+
+# what a save_pretrained folder holds besides the model: its tokenizer and generation defaults
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                    "chat_template.jinja", "generation_config.json")
+
+
+def _copy_tokenizer(pretrained: Path, folder: Path) -> None:
+    """Copy the tokenizer files of the run's ``model.pretrained`` folder (those it has) into
+    the export, so that ``AutoTokenizer.from_pretrained(out)`` loads it beside the model; a
+    folder no longer there is skipped with a warning (the weights do not need it)."""
+    if not pretrained.is_dir():
+        warnings.warn(f"model.pretrained {str(pretrained)!r} is not a folder from here, so the "
+                      "export has no tokenizer; copy its tokenizer files into the export, or "
+                      "export from the folder the run was started in", stacklevel=3)
+        return
+    for name in _TOKENIZER_FILES:
+        if (pretrained / name).is_file():
+            (folder / name).write_bytes((pretrained / name).read_bytes())
 
 
 _SHARED = (OSError, ValueError, RuntimeError, TypeError, ImportError)

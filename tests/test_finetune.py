@@ -1,0 +1,162 @@
+"""Fine-tune a pretrained Hugging Face model from a config (issue 27 section 3), offline.
+
+`scripts/make_pretrained.py` makes the "pretrained" model (a BPE trained by `tokenizers` on the
+embedded corpus, a tiny model saved with `save_pretrained`), `hybridpar tokenize --config`
+tokenizes this repository's docs with its tokenizer, and `configs/finetune_llama.toml` (as it
+is, shrunk by --set) fine-tunes it through the real `hybridpar run` at pp2 x tp2; the export
+loads with `from_pretrained`, tokenizer included, and generates text. gpt2, qwen2 and mistral
+take one step each from a token folder (pp2, in-process ranks) and export the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+import hybridpar
+from hybridpar.cli import main
+from hybridpar.train import load_config
+from hybridpar.train.trainer import train
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "finetune_llama.toml"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+TINY = ["--vocab", "384", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        "--intermediate", "64", "--corpus-bytes", "200000", "--steps", "20", "--seq-len", "32"]
+SMALL = ["data.seq_len=32", "train.batch_size=8", "train.warmup_steps=1", "train.log_every=1",
+         "train.eval_batches=1", "train.sample_tokens=8", "parallel.timeout=60"]
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_pretrained",
+                                                  ROOT / "scripts" / "make_pretrained.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_pretrained(family: str, out: Path) -> Path:
+    script = _script()
+    return Path(script.make(script.parse(["--family", family, "--out", str(out), *TINY])))
+
+
+def tokenize(out: Path, *how: str) -> Path:
+    """This repository's docs, one document per `## ` section, as a token folder."""
+    assert main(["tokenize", *map(str, DOCS), "-o", str(out), "--format", "txt",
+                 "--separator", "\\n## ", "--workers", "1", "--quiet", *how]) == 0
+    return out
+
+
+def load_export(folder: Path) -> tuple[torch.nn.Module, object]:
+    """The export through transformers alone: (model, tokenizer); no weight missing or extra."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def assert_trained(exported: torch.nn.Module, pretrained: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(pretrained).state_dict()
+    after = exported.state_dict()
+    assert before.keys() == after.keys()
+    changed = [k for k in after if not torch.equal(after[k], before[k])]
+    assert changed, "the exported weights are the pretrained ones: nothing trained"
+
+
+def test_make_pretrained_is_deterministic_and_loads_with_auto_classes(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    a = make_pretrained("llama", tmp_path / "a")
+    b = make_pretrained("llama", tmp_path / "b")
+    names = sorted(p.name for p in a.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors",
+                     "tokenizer.json", "tokenizer_config.json"]
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+    model, tok = load_export(a)
+    bpe = Tokenizer.from_file(str(a / "tokenizer.json"))
+    assert model.config.vocab_size == bpe.get_vocab_size()
+    assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == model.config.eos_token_id == 0
+    text = "def f(x):\n    return x\n"
+    raw = bpe.encode(text, add_special_tokens=False)
+    assert tok(text, add_special_tokens=False).input_ids == raw.ids   # the BPE, not a rebuild
+    assert tok.decode(raw.ids) == text
+
+
+def test_finetune_llama_config_trains_at_pp2_tp2_and_exports_a_generating_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config's own commands, in a folder of their own (its paths are relative to it)."""
+    monkeypatch.chdir(tmp_path)
+    pretrained = make_pretrained("llama", tmp_path / "runs" / "pretrained" / "llama")
+    config = tmp_path / CONFIG.name
+    config.write_text(CONFIG.read_text())
+    tokens = tokenize(tmp_path / "runs" / "tokens" / "docs", "--config", str(config))
+    assert json.loads((tokens / "meta.json").read_text())["tokenizer"]["eos_id"] == 0
+
+    steps = 8
+    sets = [f"train.steps={steps}", "train.eval_every=4", "checkpoint.every=8", *SMALL]
+    done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "run", str(config),
+                           *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "finetune_llama"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert losses[steps] < losses[1], losses                         # the loss falls
+    resolved = json.loads((run_dir / "config.json").read_text())
+    assert resolved["parallel"]["pp"] == 2 and resolved["parallel"]["tp"] == 2
+
+    out = tmp_path / "llama-docs"
+    assert main(["export", str(run_dir / "checkpoints" / f"step-{steps}"), str(out),
+                 "--format", "hf"]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
+    model, tok = load_export(out)
+    assert_trained(model, pretrained)
+    prompt = tok("## Fine-tune", return_tensors="pt")
+    torch.manual_seed(0)
+    ids = model.generate(**prompt, max_new_tokens=12, do_sample=False)   # (1, prompt + 12)
+    assert ids.shape[1] > prompt.input_ids.shape[1]
+    text = tok.decode(ids[0], skip_special_tokens=True)
+    assert isinstance(text, str) and text.startswith("## Fine-tune")
+
+
+def _one_step(cfg, run_dir: str) -> dict:
+    return train(cfg, run_dir, progress=False)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2", "mistral"])
+def test_other_families_take_a_step_from_a_token_folder_and_export(family: str,
+                                                                   tmp_path: Path) -> None:
+    pretrained = make_pretrained(family, tmp_path / family)
+    tokens = tokenize(tmp_path / "tokens", "--tokenizer", str(pretrained))
+    cfg = load_config(CONFIG, [f"model.name=hf:{family}", f"model.pretrained={pretrained}",
+                               f"data.path={tokens}", "parallel.pp=2", "parallel.tp=1",
+                               "parallel.chunks=2", "train.steps=1", "train.eval_every=0",
+                               "checkpoint.every=1", *SMALL])
+    run_dir = tmp_path / "run"
+    results = hybridpar.spawn(_one_step, 2, args=(cfg, str(run_dir)), timeout=120)
+    losses = results[0]["losses"]
+    assert len(losses) == 1 and 0 < losses[0] < 10, losses       # ln(384) = 5.95 at random
+
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir / "checkpoints" / "step-1"), str(out),
+                 "--format", "hf"]) == 0
+    model, tok = load_export(out)
+    assert model.config.model_type == family
+    assert_trained(model, pretrained)
+    ids = model.generate(**tok("def ", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert isinstance(tok.decode(ids[0]), str)
