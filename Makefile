@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/python -m pip install -q -e '.[dev,plot,hf,data]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/python -m pip install -q -e '.[dev,plot,hf,data,log]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -98,6 +98,12 @@ def _tokenize(args: argparse.Namespace) -> int:
     return tokenize_run(args)
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from hybridpar.train.plot import run as plot_run
+
+    return plot_run(args)
+
+
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -153,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridpar.data.command import add_parser as add_tokenize
     from hybridpar.train.balance import add_parser as add_balance
     from hybridpar.train.check import add_parser as add_check
+    from hybridpar.train.plot import add_parser as add_plot
     from hybridpar.train.schedule import add_parser as add_schedule
 
     parser = argparse.ArgumentParser(prog="hybridpar", description=(
@@ -165,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check(commands)
     add_schedule(commands)
     add_tokenize(commands)
+    add_plot(commands)
     commands.add_parser("env", help="print the versions and devices hybridpar sees")
     return parser
 
@@ -178,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "env":
         return _env()
     handlers = {"run": _run, "export": _export, "balance": balance, "check": _check,
-                "schedule": _schedule, "tokenize": _tokenize}
+                "schedule": _schedule, "tokenize": _tokenize,
+                "plot": _plot}
     if args.command not in handlers:
         parser.print_help()
         return 0

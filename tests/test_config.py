@@ -47,8 +47,24 @@ def error_of(path, *overrides):
     return message
 
 
+@pytest.fixture
+def made_inputs(tmp_path, monkeypatch):
+    """A folder with what configs/finetune_llama.toml reads, made as its header says (tiny):
+    the pretrained model (scripts/make_pretrained.py) and the token folder (tokenize)."""
+    pytest.importorskip("transformers")
+    from test_finetune import make_pretrained, tokenize
+
+    monkeypatch.chdir(tmp_path)
+    pretrained = make_pretrained("llama", tmp_path / "runs" / "pretrained" / "llama")
+    tokenize(tmp_path / "runs" / "tokens" / "docs", "--tokenizer", str(pretrained))
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_every_shipped_config_loads_and_says_what_it_runs(path):
+def test_every_shipped_config_loads_and_says_what_it_runs(path, request):
+    if path.name == "finetune_llama.toml":   # reads files its header's commands make
+        with pytest.raises(ConfigError, match="runs/pretrained/llama|runs/tokens/docs"):
+            load_config(path)
+        request.getfixturevalue("made_inputs")
     config = load_config(path)
     assert config.name == path.stem
     assert path.read_text().startswith("# ")

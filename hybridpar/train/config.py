@@ -8,6 +8,7 @@
     [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
                   nonfinite
     [checkpoint]  every, keep
+    [logging]     tensorboard, wandb, wandb_mode, wandb_project (metrics.jsonl is always written)
 
 Every key has a default. A value is checked against its field's type (``--set`` values are
 parsed as TOML values, a bare word is a string), its choices and its range; then the whole
@@ -39,10 +40,10 @@ from hybridpar.pipeline.layout import NAMES as SCHEDULES
 from hybridpar.train.config_check import check_layout
 
 __all__ = ["INITS", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-           "ModelConfig", "ParallelConfig", "TrainConfig", "Where", "load_config",
+           "LoggingConfig", "ModelConfig", "ParallelConfig", "TrainConfig", "Where", "load_config",
            "load_resolved", "write_resolved"]
 
-SECTIONS = ("model", "data", "parallel", "train", "checkpoint")
+SECTIONS = ("model", "data", "parallel", "train", "checkpoint", "logging")
 _SET_BY_PARALLEL = ("tp", "group")   # model options the trainer fills from [parallel]
 _RUN_KEYS = ("name", "init")         # [model] keys of the run, not options of the builder
 INITS = ("keyed", "full")
@@ -132,13 +133,26 @@ class CheckpointConfig:
     keep: int = 2                 # the newest complete checkpoints kept
 
 
+@dataclass(frozen=True)
+class LoggingConfig:
+    """[logging]: copies of the metrics records, written by the reporting rank (metrics.jsonl
+    stays the record)."""
+
+    tensorboard: bool = False     # RUN_DIR/tensorboard/ event files (the `log` extra)
+    wandb: bool = False           # Weights & Biases, files under RUN_DIR/wandb/ (pip install wandb)
+    wandb_mode: str = "offline"   # "offline" (sync later: wandb sync) | "online" | "disabled"
+    wandb_project: str = "hybridpar"   # the W&B project; the run is named after the config
+
+
 _CLASSES: dict[str, type] = {"data": DataConfig, "parallel": ParallelConfig,
-                             "train": TrainConfig, "checkpoint": CheckpointConfig}
+                             "train": TrainConfig, "checkpoint": CheckpointConfig,
+                             "logging": LoggingConfig}
 _CHOICES: dict[str, Sequence[str]] = {
     "data.source": ("synthetic", "text", "corpus", "tokens"), "parallel.schedule": tuple(SCHEDULES),
     "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
     "parallel.tp_plan": ("auto", "hf"), "train.precision": ("fp32", "bf16"),
-    "train.nonfinite": ("stop", "skip"), "model.init": INITS}
+    "train.nonfinite": ("stop", "skip"), "model.init": INITS,
+    "logging.wandb_mode": ("offline", "online", "disabled")}
 _POSITIVE = {"data.seq_len", "parallel.pp", "parallel.tp", "parallel.dp", "parallel.chunks",
              "parallel.virtual_stages",
              "parallel.timeout", "train.steps", "train.batch_size", "train.lr", "train.log_every",
@@ -156,6 +170,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, shaped like the TOML file (model options flat)."""
@@ -318,7 +333,21 @@ def _build(raw: Mapping[str, Any], *, name: str, where: Where, check: bool = Tru
     model = _model_section(raw.get("model", {}), where)
     parts = {s: _section(cls, s, raw.get(s, {}), where) for s, cls in _CLASSES.items()}
     config = Config(name=name, model=model, **parts)
+    if check:
+        _check_logging(config, where)
     return check_layout(config, where) if check else config
+
+
+def _check_logging(config: Config, where: Where) -> None:
+    """[logging] outputs whose package is missing: one error before any worker starts."""
+    import importlib.util
+
+    wanted = [("logging.tensorboard", "tensorboard", "pip install -e '.[log]' (tensorboard)"),
+              ("logging.wandb", "wandb", "pip install wandb")]
+    for key, module, fix in wanted:
+        if getattr(config.logging, key.split(".")[1]) and importlib.util.find_spec(module) is None:
+            raise where.error(f"{key} = true but the {module} package is not installed: "
+                              f"{fix}, or set {key} = false", key)
 
 
 def _parse_override(text: str, source: str) -> tuple[str, str, Any]:

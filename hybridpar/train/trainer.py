@@ -59,7 +59,13 @@ from hybridpar.train.config import Config, write_resolved
 from hybridpar.train.data import SyntheticBatches, TokenBatches, decode, make_batches
 from hybridpar.train.export import load_exported
 from hybridpar.train.lr import lr_at
-from hybridpar.train.metrics import MetricsLog
+from hybridpar.train.metrics import (
+    MetricsLog,
+    ScalarSinks,
+    gather_peak_memory,
+    job_peak_flops,
+    model_flops,
+)
 from hybridpar.train.model_build import build_model
 from hybridpar.train.nccl_env import nccl_env
 from hybridpar.train.shards import (
@@ -417,7 +423,9 @@ def _sample(run: _Run) -> str | None:
 
 
 class _Reporter:
-    """Progress bar, metrics.jsonl and throughput over the log window (rank `loss_rank` only)."""
+    """Progress bar, metrics.jsonl and throughput over the log window (rank `loss_rank` only);
+    MFU and every rank's peak memory (`train.metrics`: the gather runs on every rank, at log
+    steps only); TensorBoard / W&B copies as [logging] asks."""
 
     def __init__(self, run: _Run, *, start: int, progress: bool) -> None:
         cfg = run.config
@@ -430,6 +438,15 @@ class _Reporter:
         self.items = cfg.train.batch_size * _tokens_per_sample(cfg)    # per step, global
         self.unit = "tokens_per_s" if takes_tokens(cfg.model.name) else "samples_per_s"
         self.window_time, self.window_steps = 0.0, 0
+        self.device, self.dst = run.pipe.device, loss_rank(run.topo)
+        self.peak, source = job_peak_flops(self.device, run.topo.world_size)   # every rank
+        self.flops, how = model_flops(cfg) if self.active else (None, "")
+        if self.active:
+            log.info("MFU: %s model FLOPs per %s over a peak of %s FLOP/s (%s)",
+                     "unknown" if self.flops is None else f"{self.flops:.4g} ({how})",
+                     self.unit.split("_")[0][:-1], "unknown" if self.peak is None
+                     else f"{self.peak:.4g}", source)
+        self.sinks = ScalarSinks(cfg, run.run_dir) if self.active else None
 
     def step(self, record: dict[str, Any], elapsed: float, *, log: bool) -> None:
         """Count a step; when `log`, write its record with the window's throughput."""
@@ -437,9 +454,14 @@ class _Reporter:
         if log:
             step_time = self.window_time / self.window_steps
             rate = self.items / step_time
-            record = {**record, self.unit: rate, "step_time": step_time}
+            mfu = None if self.flops is None or not self.peak else self.flops * rate / self.peak
+            memory = gather_peak_memory(self.device, self.dst)   # a collective: every rank
+            record = {**record, self.unit: rate, "step_time": step_time, "mfu": mfu,
+                      **(memory or {})}
             if self.metrics is not None:
                 self.metrics.write(record)
+            if self.sinks is not None:
+                self.sinks.write(record)
             self.bar.set_postfix({"loss": f"{record['loss']:.4f}",
                                   self.unit.split("_")[0] + "/s": f"{rate:,.0f}"})
             self.window_time, self.window_steps = 0.0, 0
@@ -449,6 +471,8 @@ class _Reporter:
         self.bar.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.sinks is not None:
+            self.sinks.close()
 
 
 def _check_replicas(run: _Run, step: int) -> float:

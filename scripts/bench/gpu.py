@@ -7,15 +7,8 @@ dicts (numbers, strings, lists: what spawn's weights_only loading takes); gpu_ch
 and prints them. In `single_rank` a measurement that raises comes back as ``{"error": ...}``
 so that the others still run.
 
-Model FLOPs (PaLM's MFU, Chowdhery et al. 2022, appendix B), per token of a training step::
-
-    6 N + 12 L h s    N: parameters that multiply (all but the token and position embeddings,
-                      which are lookups); L blocks; h = n_embd; s = sequence length
-                      (attention: q k^T and att v, 2 s h FLOPs each per token per block,
-                      forward; the causal half is counted too)
-
-The forward is one third (2 N + 4 L h s), the backward two thirds; recomputation is not
-counted (model FLOPs, not hardware FLOPs).
+Model FLOPs per token (6 N + 12 L h s) and the peak table live in `hybridpar.flops`, shared
+with the trainer's MFU; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -39,8 +32,9 @@ from hybridpar import trace as hp_trace
 from hybridpar.balance import balance_by_params, balance_by_time, balance_profiles, profile_layers
 from hybridpar.balance.profile import DEFAULT_BANDWIDTH
 from hybridpar.balance.table import stage_table
+from hybridpar.flops import PEAK_BF16, flops_per_token, matmul_params, peak_bf16
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.models.gpt import Block, Embeddings
+from hybridpar.models.gpt import Block
 from hybridpar.tensor_parallel.state import shard_of
 from hybridpar.train.data import TokenBatches, byte_tokens, default_corpus
 
@@ -56,25 +50,7 @@ TIMED_SPANS = ("forward", "backward", "recompute")
 CORPUS_BYTES = 1_000_000           # of the embedded corpus, for the loss check
 GRAD_FLOOR = 1e-2                  # gradient errors: relative to >= 1% of the model's norm
 
-# Peak dense bf16 FLOP/s (no sparsity), by a substring of the device name, first match wins.
-PEAK_BF16: tuple[tuple[str, float | None, str], ...] = (
-    ("H200", 989e12, "H200"),
-    ("H100 PCIe", 756e12, "H100 PCIe"),
-    ("H100 NVL", None, "H100 NVL (not in the table)"),
-    ("H100", 989e12, "H100 SXM"),
-    ("A100", 312e12, "A100"),
-)
-
-
 # device facts --------------------------------------------------------------------------------
-
-def peak_bf16(name: str | None) -> tuple[float | None, str]:
-    """(peak dense bf16 FLOP/s, which table entry) of a device name; None when unknown."""
-    for key, peak, label in PEAK_BF16:
-        if name and key in name:
-            return peak, label
-    return None, "unknown"
-
 
 def _nccl_version() -> str | None:
     try:
@@ -164,17 +140,6 @@ def _median_ms(clock: Clock, marks: list[tuple[Any, Any]]) -> float:
 
 
 # the model -----------------------------------------------------------------------------------
-
-def matmul_params(layers: Iterable[nn.Module]) -> int:
-    """Parameters of `layers` that multiply: all but those of the embeddings (lookups)."""
-    return sum(p.numel() for layer in layers if not isinstance(layer, Embeddings)
-               for p in layer.parameters())
-
-
-def flops_per_token(params: int, blocks: int, n_embd: int, seq: int) -> float:
-    """Model FLOPs of one token's forward + backward: 6 N + 12 L h s (module docstring)."""
-    return 6.0 * params + 12.0 * blocks * n_embd * seq
-
 
 def _bf16(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16)
