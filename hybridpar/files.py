@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "atomic_write_text"]
+__all__ = ["atomic_write", "atomic_write_text", "fsync_dir"]
 
 
 def atomic_write(target: str | os.PathLike[str], write: Callable[[Path], object], *,
@@ -44,3 +44,12 @@ def atomic_write_text(target: str | os.PathLike[str], text: str, *, fsync: bool 
                 os.fsync(f.fileno())
 
     return atomic_write(target, write)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -30,6 +30,7 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 
 from hybridpar.data.tokenizer import Encoder, TokenizerSpec
+from hybridpar.files import fsync_dir
 
 __all__ = ["FORMAT", "SPLITS", "VERSION", "Shard", "ShardWriter", "TokenFolder",
            "TokenFolderError", "open_tokens", "staged_folder", "write_meta"]
@@ -109,14 +110,6 @@ class ShardWriter:
         self._bin = self._idx = None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -145,7 +138,7 @@ def staged_folder(out: Path, *, replace: bool = False) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.exists() and any(out.iterdir()):
             if not replace:
                 raise FileExistsError(f"{out} appeared while tokenizing; not replacing it")
@@ -155,7 +148,7 @@ def staged_folder(out: Path, *, replace: bool = False) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)      # onto nothing, or an empty folder
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

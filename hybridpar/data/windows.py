@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hybridpar.data.order import WindowOrder
 from hybridpar.data.shards import SPLITS, Shard, TokenFolder, open_tokens
 
 __all__ = ["TokenWindows", "check_folder"]
@@ -37,7 +38,7 @@ def check_folder(path: str | os.PathLike[str]) -> TokenFolder:
     return open_tokens(path, mmap=False)
 
 
-class TokenWindows:
+class TokenWindows(WindowOrder):
     """This replica's batches of the windows of one split of a token folder (see the module).
 
     `folder`: a `check_folder` or `open_tokens` result; `inputs` / `targets`: whether this
@@ -68,9 +69,9 @@ class TokenWindows:
                              f"= {seq_len + 1} tokens (its longest shard holds {longest}); use "
                              "a shorter data.seq_len or a larger corpus"
                              + (" (or more --val-fraction)" if split == "val" else ""))
-        self.epoch, self.index, self.opened = 0, 0, 0
+        self.opened = 0
         self._shards: list[Shard] | None = None
-        self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
+        self.start_order()
 
     @property
     def reads(self) -> bool:
@@ -81,24 +82,6 @@ class TokenWindows:
         return {"fingerprint": self.folder.fingerprint,
                 "tokenizer": str(self.folder.meta["tokenizer"]["sha256"]),
                 "seq_len": self.seq_len, "seed": self.seed}
-
-    def order(self, epoch: int) -> Tensor:
-        """The window ids of `epoch` in visiting order: ``(windows,)``."""
-        if epoch != self._order_epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._order, self._order_epoch = torch.randperm(self.windows, generator=g), epoch
-        return self._order
-
-    def _take(self, count: int) -> Tensor:
-        """The next `count` window ids of the stream, advancing the position."""
-        parts = []
-        while count:
-            n = min(count, self.windows - self.index)
-            parts.append(self.order(self.epoch)[self.index:self.index + n])
-            self.index, count = self.index + n, count - n
-            if self.index == self.windows:
-                self.epoch, self.index = self.epoch + 1, 0
-        return torch.cat(parts)
 
     def shards(self) -> list[Shard]:
         """The split's shards, memory-mapped on the first call."""

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybridpar.agreement import fail_together
+from hybridpar.files import fsync_dir
 from hybridpar.train.shards import Entry, ShardLoadPlanner, ShardSavePlanner
 
 __all__ = ["CheckpointError", "check_files", "checkpoint_steps", "dcp_failure",
@@ -118,18 +119,10 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, state: Mapping[str,
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # a stale copy of this step
         os.replace(partial, final)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         prune_checkpoints(folder, keep=keep)
     dist.barrier()
     return final
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:

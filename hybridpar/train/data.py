@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hybridpar.data.order import WindowOrder
 from hybridpar.data.shards import TokenFolder, TokenFolderError
 from hybridpar.data.windows import TokenWindows, check_folder
 from hybridpar.models import example_batch
@@ -109,7 +110,7 @@ def _position(state: Mapping[str, Any], key: str) -> int:
     return value
 
 
-class TokenBatches:
+class TokenBatches(WindowOrder):
     """Next-token windows of a token stream in an order fixed by the seed; dp-sharded, resumable.
 
     Window i of tokens t starts at i * T (T = seq_len): x = t[iT : iT+T], y = t[iT+1 : iT+T+1],
@@ -141,26 +142,7 @@ class TokenBatches:
         self.global_batch, self.batch_size = batch_size, batch_size // dp
         self.dp_rank, self.dp = dp_rank, dp
         self.windows = (len(tokens) - 1) // seq_len
-        self.epoch, self.index = 0, 0
-        self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
-
-    def order(self, epoch: int) -> Tensor:
-        """The window ids of `epoch` in visiting order: ``(windows,)``."""
-        if epoch != self._order_epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._order, self._order_epoch = torch.randperm(self.windows, generator=g), epoch
-        return self._order
-
-    def _take(self, count: int) -> Tensor:
-        """The next `count` window ids of the stream, advancing the position."""
-        parts = []
-        while count:
-            n = min(count, self.windows - self.index)
-            parts.append(self.order(self.epoch)[self.index:self.index + n])
-            self.index, count = self.index + n, count - n
-            if self.index == self.windows:
-                self.epoch, self.index = self.epoch + 1, 0
-        return torch.cat(parts)
+        self.start_order()
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
         """This replica's (x, y), each ``(batch_size / dp, seq_len)`` int64; y is x shifted."""
