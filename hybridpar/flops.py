@@ -72,15 +72,18 @@ def flops_per_token(params: int, blocks: int, n_embd: int, seq: int) -> float:
     return 6.0 * params + 12.0 * blocks * n_embd * seq
 
 
-def cpu_matmul_peak(size: int = 512, seconds: float = 0.25) -> float:
+def cpu_matmul_peak(size: int = 512, seconds: float = 0.1) -> float:
     """This process's fp32 matmul FLOP/s with its current torch threads: (size x size) @
     (size x size) products back to back for about `seconds` after one warm-up, their FLOPs
     over their time (a mean, not the best product: ranks that measure together share the
     cores for the whole time, as their training does, so the sum over a host's ranks is what
-    they reach together). Measured once per process and thread count, then cached."""
+    they reach together). Measured once per process and thread count, then cached. Its
+    operands come from a generator of its own: the run's random streams (dropout) must not
+    depend on when the first metrics record is written (exact resume)."""
     threads = torch.get_num_threads()
     if threads not in _CPU_PEAK:
-        a, b = torch.randn(size, size), torch.randn(size, size)
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
         torch.mm(a, b)   # warm-up: the first product allocates and picks the kernel
         count, began = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - began) < seconds:
