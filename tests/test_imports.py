@@ -42,6 +42,9 @@ def _imports(module: str) -> set[str]:
 _ALONE = """
 import importlib, os, sys, traceback
 import torch  # imported once, before the fork: each child starts without any hybridpar module
+# and the heavy torch and third-party modules hybridpar's modules import, once (not hybridpar's)
+import numpy, safetensors, torch.distributed.checkpoint, torch.distributed.tensor, tqdm
+import torchgpipe
 failed, running = [], {}   # two children at a time (the machines have two cores)
 
 def reap():
