@@ -62,7 +62,7 @@ def made_inputs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_says_what_it_runs(path, request):
     if path.name == "finetune_llama.toml":   # reads files its header's commands make
-        with pytest.raises(ConfigError, match="runs/pretrained/llama|runs/tokens/docs"):
+        with pytest.raises(ConfigError, match=r"runs/pretrained/llama|runs/tokens/docs"):
             load_config(path)
         request.getfixturevalue("made_inputs")
     config = load_config(path)

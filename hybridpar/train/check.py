@@ -2,18 +2,19 @@
 a GPU.
 
 `hybridpar check CONFIG` builds each rank's HybridPipe as `hybridpar run` does
-(`train.trainer.build_pipe`) and runs its `train_step` and gradient clip under
-`FakeTensorMode` on the `fake` process-group backend, one rank after another in one process,
-hybridpar's CUDA-only branches taken as on a GPU (`hybridpar.device.standing_in`):
+(`train.trainer.build_pipe`; any model, Hugging Face's ``hf:*`` included) and runs its
+`train_step`, gradient clip and optimizer step under `FakeTensorMode` on the `fake`
+process-group backend, one rank after another in one process, hybridpar's CUDA-only branches
+taken as on a GPU (`hybridpar.device.standing_in`):
 
     per rank of dp x pp x tp            fails the check (CheckError, one line)
     1. init_process_group("fake")       -
     2. build_pipe on a fake GPU         an error building the stage
     3. shape pass of the stage          an error in it
-    4. train_step, gradient clip;       a tensor on the wrong device; a host sync (.item(),
-       train_step of a batch one row    .tolist(), bool(t)); a dtype NCCL cannot carry
-       short (both of new shapes:       between stages; any other error of a step
-       headers)
+    4. train_step, gradient clip,       a tensor on the wrong device; a host sync (.item(),
+       AdamW: the first batch, the      .tolist(), bool(t)); a dtype NCCL cannot carry
+       same again, then one row short   between stages; any other error of a step
+       (new shapes: headers)
     then: NCCL replay of every P2P op   an order NCCL cannot progress (replay.NCCLOrderError)
           --memory GiB                  a rank whose peak does not fit
 
@@ -65,11 +66,6 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    if cfg.model.name.startswith("hf:"):
-        raise CheckError(f"hybridpar check cannot dry-run model {cfg.model.name!r}: "
-                         "transformers' modules read the data pointers of tensors, which fake "
-                         "tensors do not have (torch crashes); check the layout with a short "
-                         "real run instead: hybridpar run CONFIG --set train.steps=2")
     if not isolate:
         return DryRun(cfg, device=device, memory_gib=memory_gib, model=model).all_ranks()
     job = {"config": cfg.to_dict(), "device": device, "memory_gib": memory_gib, "model": model}
@@ -121,12 +117,27 @@ def add_parser(commands: Any) -> None:
                    help="fake GPUs (default) or fake CPU ranks as gloo runs them")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    dest="overrides", help="override a config value (repeatable)")
-    p.add_argument("--memory", type=float, metavar="GiB",
+    p.add_argument("--memory", type=_gib, metavar="GiB",
                    help="memory of one device: fail if a rank's peak is larger")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     p.add_argument("--model", metavar="MODULE:FUNCTION",
                    help="build the nn.Sequential with this function (of a module or a .py "
                    "file) instead of the config's model, with the same options, data, loss")
+
+
+def _gib(value: str) -> float:
+    """``--memory``'s value: the GiB of one device (a positive number)."""
+    try:
+        gib = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of GiB: --memory takes the memory of one device, e.g. "
+            "`hybridpar check CONFIG --memory 80`; without it the per-rank bytes are printed "
+            "all the same") from None
+    if not gib > 0:
+        raise argparse.ArgumentTypeError(f"--memory must be a positive number of GiB, got "
+                                         f"{value}")
+    return gib
 
 
 def main(args: argparse.Namespace) -> int:

@@ -131,6 +131,8 @@ class FakeFunctions(torch.overrides.TorchFunctionMode):
         Tensor.detach                   its result leaves FakeTensorMode's memo (a weak
                                         reference there stops Module.to swapping params)
         Tensor.data_ptr of a fake       a zero byte (comm's abort check reads one on CPU)
+        copy.deepcopy of a fake         a copy in the same FakeTensorMode (torch's would
+                                        copy the mode too: a double free, see below)
         scaled_dot_product_attention    CUDA's fused kernels (`_attention`), not the math one
         an op moving a small constant   run without the constant (FakeTensorMode computes
         to the fake GPU                 constants for real; the fake GPU has no kernels)
@@ -147,6 +149,15 @@ class FakeFunctions(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is Tensor.data_ptr and isinstance(args[0], FakeTensor):
             return self._ZERO.data_ptr()
+        if func is Tensor.__deepcopy__ and isinstance(args[0], FakeTensor):
+            # the copy shares the mode: torch deep-copies a FakeTensor's __dict__, its
+            # FakeTensorMode included, and with it the StorageWeakRef keys of the constants
+            # the mode computed (`constant_storage_mapping`): each copy holds the same raw
+            # weak reference (an int), both free it, and the storage's memory is freed while
+            # in use ("free(): invalid next size" later, anywhere). Hugging Face models meet
+            # it in `hf.sequential`, which deep-copies the rotary embedding for each block.
+            args[1].setdefault(id(args[0].fake_mode), args[0].fake_mode)
+            return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention and isinstance(args[0], FakeTensor) and \
                 args[0].device.type == STANDIN:
             return _attention(*args, **kwargs)

@@ -1,16 +1,43 @@
 """What a dry run measures on its fake GPUs: memory by kind and traffic per rank, and the report.
 
-What is measured (`RankReport`, `CheckReport`):
+What is measured (`RankReport`, `CheckReport`), in bytes of the rank's device:
 
     column        bytes of                                        how
-    params        this rank's parameters (its stage, its tp shard)  sum over pipe.parameters()
+    params        this rank's parameters and buffers (its stage,  pipe.parameters(), buffers()
+                  its tp shard)
     grads         their gradients after the step                  sum over p.grad
-    optimizer     AdamW's exp_avg and exp_avg_sq                  2 x the trainable parameters
+    buckets       the dp gradient buckets (dp > 1): one flat      GradBuckets' buffers, kept
+                  buffer per bucket, all of them as large as the  from step to step
+                  trainable parameters, allocated in the first
+                  step's last backward and kept
+    optimizer     AdamW's exp_avg and exp_avg_sq                  the optimizer's state after
+                                                                  its step (2 x trainable)
     activations   the peak of tensors saved for backward          saved_tensors_hooks (below)
-    peak          params + grads + optimizer + activations        checked against --memory
+    peak          the most bytes alive at once, temporaries       `LiveBytes` (below)
+                  included, over a step and its update in the
+                  steady state: checked against --memory
     p2p           pipeline payloads sent + received (not the      hybridpar.comm_stats()
                   headers of new shapes: ``comm["p2p_header"]``)
     collectives   all-reduce, all-gather, reduce-scatter, bcast   hybridpar.comm_stats()
+
+The peak (`LiveBytes`): every fake tensor an operation returns on the rank's device during the
+first step and its update is keyed by its storage (a view and its base count once), over
+what is there before (parameters, buffers, AdamW's state, the dp buckets); a new one counts
+the storages still alive, and the largest sum is the peak. The step starts as every step of
+a run after the first does (`steady_state`): the optimizer's state and the dp
+buckets are there, the gradients are None (the trainer sets them so before each step) and
+come back in the backward, and the update runs the optimizer as torch runs it on that
+device (on a GPU the foreach AdamW, whose temporaries are one more copy of the parameters;
+on CPU ranks one parameter at a time). So
+
+    peak = params + optimizer + buckets + the most the step or its update holds on top:
+           max(gradients + activations + temporaries of forward and backward,
+               gradients + the optimizer step's temporaries)
+
+term by term as they are alive together: the sum of the columns is near it or above for a
+large model (activations and gradients are not all alive at once), below it for a small one
+(temporaries). What it cannot see: the allocator's cache and fragmentation, the CUDA context,
+NCCL's buffers, workspaces of kernels (docs/check.md).
 
 Activations (`SavedActivations`): every tensor autograd saves during the step is keyed by
 its storage (a view and its base count once, parameters and buffers not at all); a new one
@@ -35,6 +62,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hybridpar.pipeline.partition import layer_spans
 from hybridpar.pipeline.split_backward import observing_kept
@@ -43,11 +72,13 @@ __all__ = [
     "COLLECTIVES",
     "CheckReport",
     "GiB",
+    "LiveBytes",
     "RankReport",
     "SavedActivations",
     "format_bytes",
+    "held_bytes",
     "memory_problem",
-    "optimizer_bytes",
+    "steady_state",
     "tensor_bytes",
 ]
 
@@ -59,11 +90,6 @@ _P2P = ("p2p_send", "p2p_recv")   # payloads: every step's (headers: new shapes 
 def tensor_bytes(tensors: Iterable[Tensor | None]) -> int:
     """The bytes of `tensors` (None counts 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def optimizer_bytes(module: nn.Module) -> int:
-    """AdamW's state: exp_avg and exp_avg_sq, each like its (trainable) parameter."""
-    return 2 * tensor_bytes(p for p in module.parameters() if p.requires_grad)
 
 
 class SavedActivations:
@@ -104,6 +130,89 @@ def _storage_key(t: Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of the tensors alive on `device_type` while active (see above).
+
+    Given the tensors already there (`present`: parameters, buffers), it sees every tensor
+    an operation returns, on this thread and on autograd's (the mode travels with the
+    thread-local state, as FakeTensorMode does); a storage counts once, with its size, until
+    it is freed. Freed storages are found when a new one would make a new peak, so the peak
+    is exact and the bookkeeping cheap.
+    """
+
+    def __init__(self, device_type: str, present: Iterable[Tensor] = ()) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.total = 0   # of `live`, freed storages included until the next sweep
+        self.peak = 0
+        for t in present:
+            self._count(t)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self._count(t)
+        return out
+
+    def _count(self, t: Tensor) -> None:
+        if t.device.type != self.device_type or t.is_meta:
+            return
+        key = _storage_key(t)
+        known = self.live.get(key)
+        if known is not None and not known[0].expired():
+            return
+        if known is not None:   # a freed storage's address, reused
+            self.total -= known[1]
+        storage = t.untyped_storage()
+        self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.total += storage.nbytes()
+        if self.total > self.peak:   # a new peak only if the freed ones do not hide it
+            for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+                self.total -= self.live.pop(k)[1]
+            self.peak = max(self.peak, self.total)
+
+
+def steady_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """Put a rank's `pipe` where every step of a run after the first starts: AdamW's state
+    made (one update of zero gradients, then the gradients back to None, as the trainer sets
+    them before a step) and the dp buckets' flat buffers allocated (`GradBuckets.finish` of
+    no gradients: all-reduces zeros). Returns those tensors, alive from then on."""
+    with torch.no_grad():
+        for p in pipe.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    buckets = _buckets(pipe)
+    if buckets is not None:
+        buckets.finish()
+    return [*_state(optimizer), *(f for f in getattr(buckets, "_flats", []) if f is not None)]
+
+
+def held_bytes(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The bytes a rank holds after a step and its update, on its device: parameters and
+    buffers, gradients, the dp buckets' buffers, AdamW's state (its step counts stay on the
+    host, as torch keeps them on CUDA)."""
+    params = list(pipe.parameters())
+    device = params[0].device.type if params else "cpu"
+    return dict(params=tensor_bytes([*params, *pipe.buffers()]),
+                grads=tensor_bytes(p.grad for p in params),
+                buckets=tensor_bytes(getattr(_buckets(pipe), "_flats", [])),
+                optimizer=tensor_bytes(t for t in _state(optimizer) if t.device.type == device))
+
+
+def _buckets(pipe: nn.Module) -> Any:
+    """The pipe's `pipeline.reduce.GradBuckets` (its flat buffers are ``_flats``)."""
+    return getattr(pipe, "_dp_buckets", None)
+
+
+def _state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [t for s in optimizer.state.values() for t in s.values() if isinstance(t, Tensor)]
+
+
 @dataclass(frozen=True)
 class RankReport:
     """The numbers of one rank's step (bytes), and where it sits in the grid."""
@@ -113,16 +222,13 @@ class RankReport:
     stage: int
     tp: int
     layers: tuple[int, ...]           # the model's layers the rank holds
-    params: int
+    params: int                       # parameters and buffers
     grads: int
     optimizer: int
     activations: int
     comm: dict[str, dict[str, int]]   # hybridpar.comm_stats() of the step
-
-    @property
-    def peak(self) -> int:
-        """The memory the step needs at most: the four kinds together."""
-        return self.params + self.grads + self.optimizer + self.activations
+    peak: int                         # the most bytes alive at once (`LiveBytes`)
+    buckets: int = 0                  # the dp gradient buckets (dp > 1)
 
     @property
     def p2p(self) -> int:
@@ -159,7 +265,7 @@ class CheckReport:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         for row, rank in zip(data["ranks"], self.ranks):
-            row.update(peak=rank.peak, p2p=rank.p2p, collectives=rank.collectives)
+            row.update(p2p=rank.p2p, collectives=rank.collectives)
         data["total"] = self.total()
         return data
 
@@ -175,7 +281,8 @@ class CheckReport:
 
     def total(self) -> dict[str, int]:
         """The sums over all ranks."""
-        keys = ("params", "grads", "optimizer", "activations", "peak", "p2p", "collectives")
+        keys = ("params", "grads", "buckets", "optimizer", "activations", "peak", "p2p",
+                "collectives")
         return {k: sum(getattr(r, k) for r in self.ranks) for k in keys}
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
@@ -190,8 +297,8 @@ class CheckReport:
         head = (f"{self.config}: dp={dp} x pp={pp} x tp={tp} on {len(self.ranks)} fake "
                 f"{where}, balance {self.balance}, {self.chunks} micro-batches, "
                 f"{self.schedule}, checkpoint={self.checkpoint}, {self.precision}")
-        columns = ("rank", "dp", "stage", "tp", "layers", "params", "grads", "optimizer",
-                   "activations", "peak", "p2p", "collectives")
+        columns = ("rank", "dp", "stage", "tp", "layers", "params", "grads", "buckets",
+                   "optimizer", "activations", "peak", "p2p", "collectives")
         rows = [[str(r.rank), str(r.dp), str(r.stage), str(r.tp),
                  layer_spans(r.layers),
                  *(format_bytes(getattr(r, k)) for k in columns[5:])] for r in self.ranks]
@@ -208,8 +315,10 @@ class CheckReport:
                      f"NCCL replay of {self.p2p_groups} P2P groups: ok")
         if self.microbatches:
             steps = ", then ".join("+".join(map(str, rows)) for rows in self.microbatches)
-            lines.append(f"{len(self.microbatches)} steps of new shapes (headers exchanged), "
-                         f"micro-batch rows {steps}; the numbers are the first step's")
+            n = len(self.microbatches)
+            lines.append(f"{n} step{'s' if n > 1 else ''} of new shapes (headers exchanged), "
+                         f"micro-batch rows {steps}; the numbers are the first step's, from "
+                         "the steady state (the optimizer's state and the dp buckets there)")
         if self.cuda_branches:
             lines.append("CUDA branches taken: " + ", ".join(
                 f"{name} {n}" for name, n in self.cuda_branches.items()))
@@ -218,9 +327,9 @@ class CheckReport:
 
 
 def format_bytes(n: int) -> str:
-    """`n` bytes as B / KiB / MiB / GiB with three significant digits."""
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
+    """`n` bytes as B / KiB / MiB / GiB / TiB with three significant digits."""
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size or n >= 999.5 * size / 1024:   # 1020 MiB: 0.996 GiB, not 1.02e+03 MiB
             return f"{n / size:.3g} {unit}"
     return f"{n} B"
 
@@ -232,8 +341,12 @@ def memory_problem(ranks: list[RankReport], memory_gib: float) -> str | None:
     if not over:
         return None
     worst = over[0]
-    parts = ", ".join(f"{k} {format_bytes(getattr(worst, k))}"
-                      for k in ("params", "grads", "optimizer", "activations"))
+    kinds = [k for k in ("params", "grads", "buckets", "optimizer", "activations")
+             if k != "buckets" or worst.buckets]
+    parts = ", ".join(f"{k} {format_bytes(getattr(worst, k))}" for k in kinds)
+    rest = worst.peak - sum(getattr(worst, k) for k in kinds)
+    if rest > 0:   # what is alive at the peak besides: temporaries
+        parts += f", temporaries {format_bytes(rest)}"
     others = ", ".join(str(r.rank) for r in over[1:])
     also = "" if not others else \
         f"; rank {others} does not fit either" if len(over) == 2 else \

@@ -1,11 +1,15 @@
 """The ranks of one dry run in this process, one after another: build, shape pass, fake steps.
 
 Each rank joins the `fake` process-group backend, builds its HybridPipe as `hybridpar run`
-does (`train.trainer.build_pipe`) on a fake GPU, pins its batch as the trainer does
-(`device.pinned`) and runs two steps under `FakeTensorMode`, each of new shapes:
+does (`train.trainer.build_pipe`) on a fake GPU, puts it in the steady state of a run
+(`check_memory.steady_state`: AdamW's state and the dp buckets made, as after a step) and takes two
+training steps under `FakeTensorMode` as the trainer takes them (`_Step`: gradients to
+None, the batch pinned, `train_step` under the run's autocast), each of new shapes:
 
     step   batch                                    then
-    1      the first batch `hybridpar run` draws    the gradient clip; the numbers reported
+    1      the first batch `hybridpar run` draws    the clip and the AdamW update; the
+                                                    numbers reported, the peak tracked over
+                                                    it (`check_memory.LiveBytes`)
     2      the same, one row short (a short last    -
            batch: the last micro-batch smaller
            when chunks does not divide it)
@@ -45,11 +49,12 @@ from hybridpar.train.check_failure import CheckError, LayerStack, failure
 from hybridpar.train.check_fake_gpu import FakeCuda, FakeFunctions, clear_cast_cache, fake_gpu
 from hybridpar.train.check_memory import (
     CheckReport,
+    LiveBytes,
     RankReport,
     SavedActivations,
+    held_bytes,
     memory_problem,
-    optimizer_bytes,
-    tensor_bytes,
+    steady_state,
 )
 from hybridpar.train.check_shapes import ShapePass
 from hybridpar.train.config import Config
@@ -154,8 +159,9 @@ class DryRun:
         from hybridpar.train.trainer import build_pipe
 
         try:
-            self.config = _resolve_balance(self.config, topo, self.notes)
-            return build_pipe(self.config, topo)
+            with _unread_checkpoint(self.config, self.notes):
+                self.config = _resolve_balance(self.config, topo, self.notes)
+                return build_pipe(self.config, topo)
         except Exception as e:
             raise failure(e, _where(topo), None, "building its stage",
                           cpu=topo.device.type == "cpu") from e
@@ -187,6 +193,8 @@ class DryRun:
 
     def _steps(self, pipe: HybridPipe, topo: Topology, mode: Any) -> RankReport:
         """The rank's shape pass, then its dry steps (module docstring); its numbers."""
+        from hybridpar.train.trainer import _optimizer
+
         where = _where(topo)
         cpu = topo.device.type == "cpu"
         layers = LayerStack(pipe.partition)
@@ -196,42 +204,54 @@ class DryRun:
                 self.shapes.run(pipe, topo, inputs)
         except Exception as e:
             raise failure(e, where, layers, "its shape pass", cpu=cpu) from e
+        optimizer = _optimizer(pipe, self.config)   # the trainer's AdamW
+        if not cpu:   # torch picks the foreach AdamW on CUDA; on the fake GPU's FakeTensor
+            for group in optimizer.param_groups:   # parameters it would not
+                if group.get("foreach") is None and not group.get("fused"):
+                    group["foreach"] = True
+        step = _Step(pipe, optimizer, layers, mode, bf16=self.config.train.precision == "bf16")
+        try:
+            kept = steady_state(pipe, optimizer)
+        except Exception as e:
+            raise failure(e, where, None, "the optimizer step", cpu=cpu) from e
         pipe.p2p_log = []
         comm.reset_comm_stats()
         saved = SavedActivations(exclude=[*pipe.parameters(), *pipe.buffers()])
-        bf16 = self.config.train.precision == "bf16"
+        live = LiveBytes(pipe.device.type, [*pipe.parameters(), *pipe.buffers(), *kept])
         signatures = [comm.signature_hash((True, signature(i))) for i in inputs]
+        batches = self.batches[topo.dp_rank]
+        first: dict[str, Any] = {}
         stats: dict[str, dict[str, int]] = {}
-        during = "train_step"
         try:
             with comm.delivering_headers(self.shapes.headers(topo, signatures)):
-                for k, (x, y) in enumerate(self.batches[topo.dp_rank]):
-                    self.shapes.current, headers = k, _calls(comm.comm_stats(), "p2p_header")
-                    during = "train_step" if k == 0 else "train_step of a short last batch"
-                    x, y = pinned(pipe.device, x, y)   # as the trainer does; the pipe copies
-                    measured = saved.track() if k == 0 else contextlib.nullcontext()
-                    with layers.tracking(), measured, torch.autocast(
-                            pipe.device.type, dtype=torch.bfloat16, enabled=bf16):
-                        pipe.train_step(mode.from_tensor(x), mode.from_tensor(y))
-                    if k == 0:
-                        self._clip(pipe)
-                        stats = comm.comm_stats()
-                    if self.dims.pp > 1 and _calls(comm.comm_stats(), "p2p_header") == headers:
-                        raise CheckError(f"{where}: step {k + 1}, of new shapes, exchanged no "
-                                         "shape header (hybridpar's step signature changed?)",
-                                         rank=topo.rank)
+                with live:
+                    self._new_shapes(step, topo, batches, 0, measured=saved)
+                    self._clip(pipe)
+                    stats = comm.comm_stats()
+                    step.update()
+                first = dict(held_bytes(pipe, optimizer), comm=stats)
+                if len(batches) > 1:
+                    self._new_shapes(step, topo, batches, 1, measured=None)
         except CheckError:
             raise
         except Exception as e:
-            raise failure(e, where, layers, during, cpu=cpu) from e
+            raise failure(e, where, layers, step.during, cpu=cpu) from e
         finally:
             clear_cast_cache()
         self.logs[topo.rank] = pipe.p2p_log or []
-        params = list(pipe.parameters())
         return RankReport(rank=topo.rank, dp=topo.dp_rank, stage=topo.pp_rank, tp=topo.tp_rank,
-                          layers=pipe.layers,
-                          params=tensor_bytes(params), grads=tensor_bytes(p.grad for p in params),
-                          optimizer=optimizer_bytes(pipe), activations=saved.peak, comm=stats)
+                          layers=pipe.layers, activations=saved.peak, peak=live.peak, **first)
+
+    def _new_shapes(self, step: _Step, topo: Topology, batches: list[tuple[Tensor, Tensor]],
+                    k: int, *, measured: SavedActivations | None) -> None:
+        """Dry step `k` (module docstring), of new shapes: its headers travel (pp > 1)."""
+        self.shapes.current, headers = k, _calls(comm.comm_stats(), "p2p_header")
+        step.run(*batches[k], during="train_step" if k == 0 else
+                 "train_step of a short last batch", measured=measured)
+        if self.dims.pp > 1 and _calls(comm.comm_stats(), "p2p_header") == headers:
+            raise CheckError(f"{_where(topo)}: step {k + 1}, of new shapes, exchanged no "
+                             "shape header (hybridpar's step signature changed?)",
+                             rank=topo.rank)
 
     def _clip(self, pipe: HybridPipe) -> None:
         """The trainer's gradient clip; a host read in it is a note (one sync per step)."""
@@ -248,6 +268,33 @@ class DryRun:
 
 def _where(topo: Topology) -> str:
     return f"rank {topo.rank} (dp {topo.dp_rank}, stage {topo.pp_rank}, tp {topo.tp_rank})"
+
+
+class _Step:
+    """One training step of a rank as the trainer takes it: gradients to None, the batch
+    pinned (the pipe copies it to the device), `train_step` under the run's autocast; then,
+    when asked, the trainer's AdamW update. `during` names what runs (for a failure)."""
+
+    def __init__(self, pipe: HybridPipe, optimizer: torch.optim.Optimizer, layers: LayerStack,
+                 mode: Any, *, bf16: bool) -> None:
+        self.pipe, self.optimizer, self.layers, self.mode = pipe, optimizer, layers, mode
+        self.bf16 = bf16
+        self.during = "train_step"
+
+    def run(self, x: Tensor, y: Tensor, *, during: str,
+            measured: SavedActivations | None = None) -> None:
+        self.during = during
+        self.optimizer.zero_grad(set_to_none=True)
+        x, y = pinned(self.pipe.device, x, y)
+        tracking = measured.track() if measured is not None else contextlib.nullcontext()
+        with self.layers.tracking(), tracking, torch.autocast(
+                self.pipe.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            self.pipe.train_step(self.mode.from_tensor(x), self.mode.from_tensor(y))
+        clear_cast_cache()   # autocast's cache of weight casts ends with its region
+
+    def update(self) -> None:
+        self.during = "the optimizer step"
+        self.optimizer.step()
 
 
 def _dry_batches(x: Tensor, y: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -319,6 +366,31 @@ def _quiet_stderr() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+@contextlib.contextmanager
+def _unread_checkpoint(config: Config, notes: list[str]) -> Iterator[None]:
+    """``model.pretrained``: the model as its ``config.json`` says, but none of its tensors
+    read (values a fake run does not hold: the ranks agree on the read through collectives
+    whose results they read on the host), noted."""
+    pretrained = config.model.args.get("pretrained") if config.model.name.startswith(
+        "hf:") else None
+    if pretrained is None:
+        yield
+        return
+    import hybridpar.hf
+    from hybridpar.hf.shard_load import ShardLoad
+
+    read = hybridpar.hf.load_hf_shards
+    hybridpar.hf.load_hf_shards = lambda *args, **kwargs: ShardLoad(0, 0, ())
+    note = (f"model.pretrained {pretrained}: the model is built as its config.json says, its "
+            "weights are not read (a fake run holds no values); `hybridpar run` reads them")
+    if note not in notes:
+        notes.append(note)
+    try:
+        yield
+    finally:
+        hybridpar.hf.load_hf_shards = read
 
 
 @contextlib.contextmanager
