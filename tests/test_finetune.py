@@ -107,7 +107,8 @@ def test_finetune_llama_config_trains_at_pp2_tp2_and_exports_a_generating_model(
     assert json.loads((tokens / "meta.json").read_text())["tokenizer"]["eos_id"] == 0
 
     steps = 8
-    sets = [f"train.steps={steps}", "train.eval_every=4", "checkpoint.every=8", *SMALL]
+    sets = [f"train.steps={steps}", "train.eval_every=4", "checkpoint.every=8", "train.lr=3e-3",
+            *SMALL]
     done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "run", str(config),
                            *[a for s in sets for a in ("--set", s)]],
                           capture_output=True, text=True, cwd=tmp_path, timeout=240)
@@ -116,7 +117,8 @@ def test_finetune_llama_config_trains_at_pp2_tp2_and_exports_a_generating_model(
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert sorted(losses) == list(range(1, steps + 1))
-    assert losses[steps] < losses[1], losses                         # the loss falls
+    first, last = [losses[s] for s in (1, 2, 3)], [losses[s] for s in (steps - 2, steps - 1, steps)]
+    assert sum(last) < sum(first), losses   # the loss falls (means of 3: one batch is noisy)
     resolved = json.loads((run_dir / "config.json").read_text())
     assert resolved["parallel"]["pp"] == 2 and resolved["parallel"]["tp"] == 2
 
