@@ -75,6 +75,7 @@ __all__ = [
     "LiveBytes",
     "RankReport",
     "SavedActivations",
+    "StorageSum",
     "format_bytes",
     "held_bytes",
     "memory_problem",
@@ -92,20 +93,19 @@ def tensor_bytes(tensors: Iterable[Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class SavedActivations:
-    """The peak bytes of tensors saved for backward while `track()` is active (see above)."""
+class StorageSum:
+    """The bytes of the distinct storages counted while they live, and their peak sum."""
 
-    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        self.exclude = {_storage_key(t) for t in exclude}
+    def __init__(self) -> None:
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.total = 0   # of `live`, freed storages included until the next sweep
         self.peak = 0
 
-    def _pack(self, t: Tensor) -> Tensor:
-        key = _storage_key(t)
+    def _add(self, key: int, t: Tensor) -> None:
+        """Count `t`'s storage once while it lives; a new peak when the sum passes it."""
         known = self.live.get(key)
-        if key in self.exclude or (known is not None and not known[0].expired()):
-            return t
+        if known is not None and not known[0].expired():
+            return
         if known is not None:   # a freed storage's address, reused
             self.total -= known[1]
         storage = t.untyped_storage()
@@ -115,6 +115,19 @@ class SavedActivations:
             for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
                 self.total -= self.live.pop(k)[1]
             self.peak = max(self.peak, self.total)
+
+
+class SavedActivations(StorageSum):
+    """The peak bytes of tensors saved for backward while `track()` is active (see above)."""
+
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+        super().__init__()
+        self.exclude = {_storage_key(t) for t in exclude}
+
+    def _pack(self, t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in self.exclude:
+            self._add(key, t)
         return t
 
     @contextmanager
@@ -130,7 +143,7 @@ def _storage_key(t: Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode, StorageSum):
     """The peak bytes of the tensors alive on `device_type` while active (see above).
 
     Given the tensors already there (`present`: parameters, buffers), it sees every tensor
@@ -141,11 +154,9 @@ class LiveBytes(TorchDispatchMode):
     """
 
     def __init__(self, device_type: str, present: Iterable[Tensor] = ()) -> None:
-        super().__init__()
+        TorchDispatchMode.__init__(self)
+        StorageSum.__init__(self)
         self.device_type = device_type
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.total = 0   # of `live`, freed storages included until the next sweep
-        self.peak = 0
         for t in present:
             self._count(t)
 
@@ -160,19 +171,7 @@ class LiveBytes(TorchDispatchMode):
     def _count(self, t: Tensor) -> None:
         if t.device.type != self.device_type or t.is_meta:
             return
-        key = _storage_key(t)
-        known = self.live.get(key)
-        if known is not None and not known[0].expired():
-            return
-        if known is not None:   # a freed storage's address, reused
-            self.total -= known[1]
-        storage = t.untyped_storage()
-        self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-        self.total += storage.nbytes()
-        if self.total > self.peak:   # a new peak only if the freed ones do not hide it
-            for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-                self.total -= self.live.pop(k)[1]
-            self.peak = max(self.peak, self.total)
+        self._add(_storage_key(t), t)
 
 
 def steady_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
