@@ -11,7 +11,8 @@ generators seeded by (seed, its name in the model) and then put back as they wer
 
 so its values are the same whatever pp, tp, dp, balance, schedule or virtual stages, whether
 the model was built whole on one device or only this rank's stage was materialized: a tp
-layer's reset draws the full tensor (one layer at a time) and keeps its slice. The global
+layer's reset gets the slice of its full tensor's draw (`tensor_parallel.sliced_init`: on the
+CPU without the full tensor, on a GPU one full layer at a time). The global
 random state is the same afterwards as before, so dropout does not depend on what was drawn.
 On a GPU the draws come from its generator: the same values in every GPU layout (a CPU build
 of the same seed draws others).

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,8 +37,11 @@ def init_fn(model_or_config: Any) -> _Init:
     redraw ``c_proj.weight`` scaled by 1 / sqrt(2 n_layer)) draws it on the full layer too:
     its tp children are swapped for full plain layers while the rule runs, and keep the
     slices of what it drew. So a tp group's shards form one full tensor, drawn as on one
-    device, when its ranks share the seed; it costs the full tensors of one layer (or of the
-    tp children of one module) at a time, on their device.
+    device, when its ranks share the seed. On the CPU the full layers are stand-ins and each
+    draw lands on the slice chunk by chunk (`tensor_parallel.sliced_init`: no full tensor);
+    on a GPU, whose generator draws other numbers in chunks, and for a rule that reads
+    values, they are real: the full tensors of one layer (or of the tp children of one
+    module) at a time, on the device.
     """
     if isinstance(model_or_config, nn.Module):
         model = model_or_config
@@ -53,6 +57,7 @@ def init_fn(model_or_config: Any) -> _Init:
 
     from hybridpar.hf.blocks import DecoderBlock
     from hybridpar.tensor_parallel.base import ParallelLayer
+    from hybridpar.tensor_parallel.sliced_init import init_from_full
 
     @torch.no_grad()
     def initialize(module: nn.Module) -> None:
@@ -63,9 +68,13 @@ def init_fn(model_or_config: Any) -> _Init:
             if full is None:               # a tp layer of a kind not listed: its own draw
                 module.reset_parameters()
                 return
-            init_weights(full)
-            full.weight.mul_(getattr(module, "init_scale", 1.0))   # TPDense's (xlstm's)
-            _keep_slices(module, full)
+            scale = getattr(module, "init_scale", 1.0)            # TPDense's (xlstm's)
+
+            def init_full(layer: nn.Module) -> None:
+                init_weights(layer)
+                layer.weight.mul_(scale)
+
+            init_from_full(module, full, init_full, group=getattr(module, "group", None))
         elif type(module).__module__.startswith("transformers."):
             _init_over_full_children(module, init_weights)
         else:
@@ -75,8 +84,8 @@ def init_fn(model_or_config: Any) -> _Init:
 
 
 def _full_layer(layer: nn.Module) -> nn.Module | None:
-    """The full, plain layer `layer` is a shard of, uninitialized on `layer`'s device (None:
-    a tp layer of a kind not known here)."""
+    """The full, plain layer `layer` is a shard of, on `meta` (None: a tp layer of a kind
+    not known here)."""
     from hybridpar.tensor_parallel.embedding import ParallelEmbedding
     from hybridpar.tensor_parallel.feature.dense import TPDense
     from hybridpar.tensor_parallel.layers import ParallelConv1D, ParallelLinear
@@ -95,7 +104,7 @@ def _full_layer(layer: nn.Module) -> nn.Module | None:
             return None
     weight = layer.weight
     assert isinstance(weight, torch.Tensor)
-    return full.to(dtype=weight.dtype).to_empty(device=weight.device)
+    return full.to(dtype=weight.dtype)
 
 
 def _keep_slices(layer: nn.Module, full: nn.Module, *, drawn_only: bool = False) -> None:
@@ -112,24 +121,51 @@ def _keep_slices(layer: nn.Module, full: nn.Module, *, drawn_only: bool = False)
 
 
 def _init_over_full_children(module: nn.Module, init_weights: _Init) -> None:
-    """``init_weights(module)`` with its tp children swapped for full plain layers (NaN),
-    each child then keeping the slices of what the rule drew on its full layer."""
+    """``init_weights(module)`` with its tp children swapped for full plain layers, each
+    child then holding the slices of what the rule drew on its full layer.
+
+    The full layers are stand-ins (`init_shards`: each draw lands on the child's slice)
+    when the rule's ops allow it and the children share one tp group; else they are real
+    tensors (NaN, so that what the rule left alone is not copied), one module at a time.
+    """
     from hybridpar.tensor_parallel.base import ParallelLayer
+    from hybridpar.tensor_parallel.sliced_init import init_shards
 
     swapped: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, child in module.named_children():
         if isinstance(child, ParallelLayer):
             full = _full_layer(child)
             if full is not None:
-                for t in full.parameters():
-                    t.fill_(float("nan"))
                 swapped[name] = (child, full)
-    for name, (_, full) in swapped.items():
-        module._modules[name] = full
-    try:
+    if not swapped:
         init_weights(module)
-    finally:
-        for name, (child, _) in swapped.items():
-            module._modules[name] = child
+        return
+    groups = {id(getattr(child, "group", None)) for child, _ in swapped.values()}
+    pairs: dict[torch.Tensor, tuple[nn.Module, str]] = {
+        param: (full, pname) for child, full in swapped.values()
+             for pname, param in child.named_parameters(recurse=False)
+             if isinstance(full._parameters.get(pname), torch.Tensor)}
+    with _swapped(module, {name: full for name, (_, full) in swapped.items()}):
+        group = getattr(next(iter(swapped.values()))[0], "group", None)
+        if len(groups) == 1 and pairs and init_shards(module, init_weights, pairs,
+                                                      group=group):
+            return
+        device = next(iter(pairs)).device if pairs else torch.device("cpu")
+        for _, full in swapped.values():
+            full.to_empty(device=device)
+            for t in full.parameters():
+                t.fill_(float("nan"))
+        init_weights(module)
     for child, full in swapped.values():
         _keep_slices(child, full, drawn_only=True)
+
+
+@contextmanager
+def _swapped(module: nn.Module, children: dict[str, nn.Module]) -> Iterator[None]:
+    """`module` with the named children replaced for the block's duration."""
+    saved = {name: module._modules[name] for name in children}
+    module._modules.update(children)
+    try:
+        yield
+    finally:
+        module._modules.update(saved)

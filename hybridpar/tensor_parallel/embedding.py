@@ -10,6 +10,7 @@ from hybridpar.tensor_parallel.attrs import register_parallel_attribute
 from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.functional import parallel_embedding
 from hybridpar.tensor_parallel.mappings import shard_sizes
+from hybridpar.tensor_parallel.sliced_init import init_from_full
 from hybridpar.tensor_parallel.state import (
     register_ddp_parameters_to_ignore,
     register_full_shape,
@@ -83,9 +84,8 @@ class ParallelEmbedding(ParallelLayer):
         if self.weight.is_meta:
             return
         full = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx,
-                            device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            self.weight.copy_(shard_of(full.weight, self.weight, self.group))
+                            device="meta", dtype=self.weight.dtype)
+        init_from_full(self, full, nn.Embedding.reset_parameters, group=self.group)
 
     def slice_parameters(self) -> None:
         """torchshard's second construction step; the table is sliced from the start here."""

@@ -37,6 +37,7 @@ from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.embedding import ParallelEmbedding
 from hybridpar.tensor_parallel.functional import check_parallel_dim, parallel_linear
 from hybridpar.tensor_parallel.fused import FUSED_ATTR, fused_shard_of
+from hybridpar.tensor_parallel.sliced_init import init_from_full
 from hybridpar.tensor_parallel.state import (
     register_ddp_parameters_to_ignore,
     register_full_shape,
@@ -123,8 +124,8 @@ class ParallelLinear(ParallelLayer):
         if self.weight.is_meta:
             return
         full = nn.Linear(self.in_features, self.out_features, self.bias is not None,
-                         device=self.weight.device, dtype=self.weight.dtype)
-        self._load_full(full.weight, full.bias)
+                         device="meta", dtype=self.weight.dtype)
+        init_from_full(self, full, nn.Linear.reset_parameters, group=self.group)
 
     def _load_full(self, weight: Tensor, bias: Tensor | None) -> None:
         slice_of = fused_shard_of if self.fused > 1 else shard_of
@@ -256,14 +257,21 @@ class ParallelConv1D(ParallelLinear):
         """Re-initialize as Conv1D would the full layer, keeping this rank's slice."""
         if self.weight.is_meta:
             return
-        w = torch.empty(self.in_features, self.out_features, device=self.weight.device,
-                        dtype=self.weight.dtype)
-        b = torch.zeros(self.out_features, device=w.device, dtype=w.dtype)
-        nn.init.normal_(w, std=0.02)
-        self._load_full(w, b)
+        full = nn.Module()
+        full.weight = nn.Parameter(torch.empty(self.in_features, self.out_features,
+                                               device="meta", dtype=self.weight.dtype))
+        full.bias = nn.Parameter(torch.empty(self.out_features, device="meta",
+                                             dtype=self.weight.dtype))
+        init_from_full(self, full, _conv1d_init, group=self.group)
 
     def forward(self, x: Tensor) -> Tensor:
         return parallel_linear(x, self.weight.t(), self.bias, self.dim, group=self.group)
+
+
+def _conv1d_init(conv: Any) -> None:
+    """Hugging Face's Conv1D initialization: weight N(0, 0.02), bias zero."""
+    nn.init.normal_(conv.weight, std=0.02)
+    nn.init.zeros_(conv.bias)
 
 
 class RegisterParallelDim(nn.Module):

@@ -42,6 +42,7 @@ from hybridpar.tensor_parallel.mappings import (
     reduce_scatter_group,
     shard_range,
 )
+from hybridpar.tensor_parallel.sliced_init import init_from_full
 from hybridpar.tensor_parallel.state import register_full_shape, shard_of
 
 __all__ = ["MODES", "TPDense"]
@@ -158,12 +159,13 @@ class TPDense(ParallelLayer):
         if self.weight.is_meta:
             return
         full = nn.Linear(self.in_features, self.out_features, self.bias is not None,
-                         device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            full.weight.mul_(self.init_scale)
-            self.weight.copy_(shard_of(full.weight, self.weight, self.group))
-            if self.bias is not None:
-                self.bias.copy_(shard_of(full.bias, self.bias, self.group))
+                         device="meta", dtype=self.weight.dtype)
+
+        def init(linear: nn.Linear) -> None:
+            linear.reset_parameters()
+            linear.weight.mul_(self.init_scale)
+
+        init_from_full(self, full, init, group=self.group)
 
     def _expected_width(self) -> int:
         if self.mode == "none" or (self.mode == "gather" and self.skip_communication):
