@@ -20,6 +20,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -58,10 +59,35 @@ class SpawnTimeout(TimeoutError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+    """A TCP port on 127.0.0.1 that is free right now, below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` comes from the ephemeral range, where the kernel also picks the
+    source port of every outgoing connection (gloo opens many): between this call and the
+    store's bind another process may take it. A random free port below the range is taken
+    only by someone who asks for it by number; the draw does not touch `random`'s state.
+    """
+    low = _ephemeral_low()
+    draw = random.Random(os.urandom(8))
+    for _ in range(64 if low > 11000 else 0):
+        port = draw.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _encode(value: Any) -> bytes:

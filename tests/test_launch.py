@@ -100,3 +100,15 @@ def _gone(pid):
     except FileNotFoundError:
         return True
     return state in ("Z", "X")
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable():
+    import socket
+
+    from hybridpar.launch import _ephemeral_low, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < _ephemeral_low()   # no outgoing connection's source port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
