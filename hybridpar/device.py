@@ -115,12 +115,14 @@ def has_cuda(*, branch: str, started: bool = False) -> bool:
     return yes
 
 
-def pinned(device: torch.device, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """`tensors` (a CPU batch) pinned when bound for a CUDA `device`, so that their copies to
-    it overlap compute (`non_blocking`); as they are otherwise."""
+def pinned(device: torch.device, *tensors: Any) -> tuple[Any, ...]:
+    """`tensors` (a CPU batch; a tuple of tensors is one, pinned tensor by tensor) pinned when
+    bound for a CUDA `device`, so that their copies to it overlap compute (`non_blocking`);
+    as they are otherwise."""
     if not is_cuda(device, branch="pinned batch"):
         return tensors
-    return tuple(_runtime.pin(t) for t in tensors)
+    return tuple(tuple(_runtime.pin(u) for u in t) if isinstance(t, tuple) else _runtime.pin(t)
+                 for t in tensors)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,13 @@ The position (epoch, index into its order) is the same on every replica and inde
 dp, so a resume under another dp continues the same sequence. Only a rank that reads opens
 the shards (`open_tokens`, on its first batch): inputs on the first pipeline stage, targets
 on the last; another rank moves the position alone and gets zeros of the batch's shape.
+
+``pack=True`` (``data.pack = "documents"``) gives each window's document positions with its
+inputs, x = (ids, positions): from the shard's .idx (the documents' end offsets, not the EOS
+ids, which a document's own text may hold), 0 at each document start and at the window's
+first token (a document that began in the window before restarts: the window holds its
+tail as a document of its own, which is what that tail run alone computes;
+`document_positions`).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from torch import Tensor
 from hybridpar.data.order import WindowOrder
 from hybridpar.data.shards import SPLITS, Shard, TokenFolder, open_tokens
 
-__all__ = ["TokenWindows", "check_folder"]
+__all__ = ["TokenWindows", "check_folder", "document_positions"]
 
 
 def check_folder(path: str | os.PathLike[str]) -> TokenFolder:
@@ -38,16 +45,31 @@ def check_folder(path: str | os.PathLike[str]) -> TokenFolder:
     return open_tokens(path, mmap=False)
 
 
+def document_positions(ends: np.ndarray, start: int, length: int) -> np.ndarray:
+    """Positions ``(length,)`` int64 of tokens ``start .. start + length - 1`` of a shard whose
+    documents end at `ends` (its .idx): 0 at the first token and at each document start.
+
+        ends 3 5 9, start 2, length 6:   token     2 3 4 5 6 7
+                                         document  0 1 1 2 2 2
+                                         position  0 0 1 0 1 2   (token 2: the window's first)
+    """
+    tokens = np.arange(start, start + length, dtype=np.uint64)              # (length,)
+    ended = np.searchsorted(ends, tokens, side="right")    # documents ended by each token
+    begins = np.where(ended > 0, ends[np.maximum(ended - 1, 0)], 0).astype(np.int64)
+    return tokens.astype(np.int64) - np.maximum(begins, start)              # (length,)
+
+
 class TokenWindows(WindowOrder):
     """This replica's batches of the windows of one split of a token folder (see the module).
 
     `folder`: a `check_folder` or `open_tokens` result; `inputs` / `targets`: whether this
     rank reads x / y (a rank with neither opens no shard). `opened` counts shard openings.
+    `pack`: x is (ids, document positions), see the module.
     """
 
     def __init__(self, folder: TokenFolder, split: str = "train", *, seq_len: int,
                  batch_size: int, seed: int = 0, dp_rank: int = 0, dp: int = 1,
-                 inputs: bool = True, targets: bool = True) -> None:
+                 inputs: bool = True, targets: bool = True, pack: bool = False) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if seq_len < 1:
@@ -58,7 +80,7 @@ class TokenWindows(WindowOrder):
         self.folder, self.split, self.seq_len, self.seed = folder, split, seq_len, seed
         self.global_batch, self.batch_size = batch_size, batch_size // dp
         self.dp_rank, self.dp = dp_rank, dp
-        self.inputs, self.targets = inputs, targets
+        self.inputs, self.targets, self.pack = inputs, targets, pack
         counts = [int(s["tokens"]) for s in folder.meta["splits"][split]["shards"]]
         per = np.array([max(n - 1, 0) // seq_len for n in counts], dtype=np.int64)  # (shards,)
         self.ends = np.cumsum(per)   # shard s holds window ids [ends[s - 1], ends[s])
@@ -90,24 +112,41 @@ class TokenWindows(WindowOrder):
             self.opened += 1
         return self._shards
 
+    def _place(self, i: int) -> tuple[Shard, int]:
+        """Window `i`'s shard and first token in it."""
+        s = int(np.searchsorted(self.ends, i, side="right"))
+        return self.shards()[s], (i - (int(self.ends[s - 1]) if s else 0)) * self.seq_len
+
     def window(self, i: int) -> np.ndarray:
         """Window `i`: ``(seq_len + 1,)`` of the shard's dtype, read through its memmap."""
-        s = int(np.searchsorted(self.ends, i, side="right"))
-        start = (i - (int(self.ends[s - 1]) if s else 0)) * self.seq_len
-        return np.asarray(self.shards()[s].tokens[start:start + self.seq_len + 1])
+        shard, start = self._place(i)
+        return np.asarray(shard.tokens[start:start + self.seq_len + 1])
 
-    def next_batch(self) -> tuple[Tensor, Tensor]:
+    def positions(self, i: int) -> np.ndarray:
+        """The document positions of window `i`'s inputs: ``(seq_len,)`` int64."""
+        shard, start = self._place(i)
+        return document_positions(shard.ends, start, self.seq_len)
+
+    def next_batch(self) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor]:
         """This replica's (x, y), each ``(batch_size / dp, seq_len)`` int64; y is x shifted.
 
-        On a rank that reads neither, zeros of that shape (the pipe needs the shapes only)."""
+        With `pack`, x is (ids, positions), both of that shape. On a rank that reads neither,
+        zeros of the shapes (the pipe needs the shapes only); positions only where x is read.
+        """
         ids = self._take(self.global_batch)                              # (B,)
         b, r = self.batch_size, self.dp_rank
+        zeros = torch.zeros(b, self.seq_len, dtype=torch.int64)          # (B / dp, T)
         if not self.reads:
-            zeros = torch.zeros(b, self.seq_len, dtype=torch.int64)
-            return zeros, zeros.clone()
-        rows = np.stack([self.window(int(i)) for i in ids[r * b:(r + 1) * b]])
+            return ((zeros, zeros.clone()) if self.pack else zeros), zeros.clone()
+        mine = [int(i) for i in ids[r * b:(r + 1) * b]]
+        rows = np.stack([self.window(i) for i in mine])
         chunk = torch.from_numpy(rows.astype(np.int64))                  # (B / dp, T + 1)
-        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()     # (B / dp, T) twice
+        x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()     # (B / dp, T) twice
+        if not self.pack:
+            return x, y
+        positions = torch.from_numpy(np.stack([self.positions(i) for i in mine])) \
+            if self.inputs else zeros                                    # (B / dp, T)
+        return (x, positions), y
 
     def state_dict(self) -> dict[str, int]:
         """The position: ``{"epoch", "index"}`` (plain ints, the same on every replica)."""
@@ -126,8 +165,8 @@ class TokenWindows(WindowOrder):
                              f"{self.folder.path}; did the corpus or seq_len change?")
         self.epoch, self.index = epoch, index
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Tensor | tuple[Tensor, Tensor], Tensor]]:
         return self
 
-    def __next__(self) -> tuple[Tensor, Tensor]:
+    def __next__(self) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor]:
         return self.next_batch()

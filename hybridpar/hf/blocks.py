@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hybridpar.packing import document_segments, split_positions
+
 __all__ = ["DecoderBlock", "TokenPositionEmbedding"]
 
 
@@ -42,10 +44,17 @@ class DecoderBlock(nn.Module):
     on either is replaced on both), and the rotary copy's buffers (``inv_freq``,
     ``original_inv_freq``; non-persistent) are the block's own buffers, which
     `reset_parameters` recomputes after a `meta` build.
+
+    Packed documents (`hybridpar.packing`): given (hidden, positions), the positions restart
+    per document, the rotary embedding uses them and the mask is Hugging Face's own for the
+    attention implementation, and-ed with "same document" (block-diagonal, sliding windows
+    kept); the block returns (hidden, positions), or hidden alone when `keep_positions` is
+    False (the model's last block, `hybridpar.models.packing.pack_documents`).
     """
 
     hf_layer: nn.Module
     hf_rotary: nn.Module | None
+    keep_positions: bool = True
 
     def __init__(self, layer: nn.Module, *, config: Any, attention_type: str,
                  rotary: nn.Module | None = None) -> None:
@@ -65,21 +74,30 @@ class DecoderBlock(nn.Module):
         self.attention_type = attention_type
         self.train(layer.training)
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
         from transformers import masking_utils
 
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        states, packed = split_positions(hidden)
         make_mask = (masking_utils.create_sliding_window_causal_mask
                      if self.attention_type == "sliding_attention"
                      else masking_utils.create_causal_mask)
         # no position_ids: with them HF looks for packed sequences, a host sync (and no meta
-        # trace) per block; ours are 0..T-1 in every row, never packed
-        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                         past_key_values=None, position_ids=None)
+        # trace) per block; packed documents say their segments themselves
+        same_document = None if packed is None else \
+            masking_utils.packed_sequence_mask_function(document_segments(packed))
+        mask = make_mask(config=self.config, inputs_embeds=states, attention_mask=None,
+                         past_key_values=None, position_ids=None,
+                         and_mask_function=same_document)
+        positions = torch.arange(states.shape[1], device=states.device).unsqueeze(0) \
+            if packed is None else packed                       # (1, T) or (B, T)
         kwargs: dict[str, Any] = {}
         if self.hf_rotary is not None:
-            kwargs["position_embeddings"] = self.hf_rotary(hidden, positions)  # cos, sin
-        return self.hf_layer(hidden, attention_mask=mask, position_ids=positions, **kwargs)
+            kwargs["position_embeddings"] = self.hf_rotary(states, positions)  # cos, sin
+        out: Tensor = self.hf_layer(states, attention_mask=mask, position_ids=positions,
+                                    **kwargs)
+        if packed is None or not self.keep_positions:
+            return out
+        return out, packed
 
     def train(self, mode: bool = True) -> DecoderBlock:
         super().train(mode)

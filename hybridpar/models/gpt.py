@@ -13,6 +13,12 @@ slices of ``gpt()``: the parallel layers initialize the full tensors and keep th
 Dropout masks are the one-device masks too (`ParallelDropout`, parity=True), so outputs,
 losses and gradients match one device in train mode as well. `gpt_loss` takes the sharded
 logits without gathering them; `generate` samples from any callable giving full logits.
+
+Packed documents (`hybridpar.packing`): given (ids, positions) instead of ids, `Embeddings`
+reads the positions from there and returns (x, positions), each `Block` attends inside each
+document (block-diagonal causal mask) and passes (x, positions) on, but the last one
+(``keep_positions = False``, set by `hybridpar.models.packing.pack_documents`) returns x
+alone for the final LayerNorm and the head. Given ids alone, every layer is as before.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.keyed import keyed
+from hybridpar.packing import document_mask, split_positions
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
@@ -68,7 +75,9 @@ def _tp_size(tp: int | None, group: ProcessGroup | None) -> int | None:
 
 
 class Embeddings(nn.Module):
-    """Token (vocab-parallel) plus learned position embeddings, then dropout: ids -> (B, T, C)."""
+    """Token (vocab-parallel) plus learned position embeddings, then dropout: ids -> (B, T, C).
+
+    (ids, positions) -> ((B, T, C), positions): packed documents, positions given."""
 
     def __init__(self, vocab_size: int, block_size: int, n_embd: int, *, dropout: float = 0.0,
                  tp: int | None = None, group: ProcessGroup | None = None) -> None:
@@ -78,14 +87,17 @@ class Embeddings(nn.Module):
         self.pos = nn.Embedding(block_size, n_embd)   # replicated: small, read by every rank
         self.drop = ParallelDropout(dropout, group=group)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        T = idx.shape[1]
+    def forward(self, idx: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        ids, positions = split_positions(idx)
+        T = ids.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size "
                              f"{self.block_size}; crop the input to its last "
                              f"{self.block_size} tokens or build gpt(block_size={T})")
-        pos = torch.arange(T, device=idx.device)                 # (T,)
-        x = self.tok(idx) + self.pos(pos)                        # (B, T, C)
+        if positions is not None:                                # packed: (B, T), restarting
+            return self.drop(self.tok(ids) + self.pos(positions)), positions
+        pos = torch.arange(T, device=ids.device)                 # (T,)
+        x = self.tok(ids) + self.pos(pos)                        # (B, T, C)
         return self.drop(x)
 
 
@@ -136,17 +148,21 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (F.linear(x, m.weight, m.bias) for m in (self.q, self.k, self.v))
         return q, k, v
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """`mask`: None (causal), or (B, 1, T, T) bool, True where a query may attend a key."""
         B, T, _ = x.shape
         q, k, v = (self._heads(t, B, T) for t in self._qkv(x))  # (B, h, T, hd), h = H / tp
         if self.training and self.attn_drop.p > 0:
             # explicit: scaled_dot_product_attention's dropout cannot reproduce the masks
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, h, T, T)
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() \
+                if mask is None else mask
+            att = att.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
             y = self._drop_attention(att) @ v                   # (B, h, T, hd)
-        else:
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)   # (B, T, C / tp)
         if self.sharded:
             register_parallel_dim(y, -1)                        # this rank's heads' columns
@@ -172,7 +188,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """Pre-LayerNorm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
+
+    Given (x, positions) (packed documents) it attends inside each document and returns
+    (x, positions), or x alone when `keep_positions` is False (the model's last block)."""
+
+    keep_positions: bool = True
 
     def __init__(self, n_embd: int, n_head: int, *, dropout: float = 0.0,
                  tp: int | None = None, group: ProcessGroup | None = None,
@@ -184,9 +205,14 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, dropout=dropout, tp=tp, group=group, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))                          # (B, T, C)
-        return x + self.mlp(self.ln2(x))                        # (B, T, C)
+    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        h, positions = split_positions(x)
+        if positions is not None:                               # packed documents
+            h = h + self.attn(self.ln1(h), document_mask(positions))    # (B, T, C)
+            h = h + self.mlp(self.ln2(h))                       # (B, T, C)
+            return (h, positions) if self.keep_positions else h
+        h = h + self.attn(self.ln1(h))                          # (B, T, C)
+        return h + self.mlp(self.ln2(h))                        # (B, T, C)
 
 
 class Head(nn.Module):

@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                          f"choose --partitions between 1 and {len(model)}")
     # one micro-batch of one replica: what a stage computes at a time
     rows = max(1, cfg.train.batch_size // (cfg.parallel.dp or 1) // cfg.parallel.chunks)
-    sample = make_batches(cfg).next_batch()[0][:rows]
+    x = make_batches(cfg).next_batch()[0]            # ids, or (ids, positions): packed
+    sample = tuple(t[:rows] for t in x) if isinstance(x, tuple) else x[:rows]
     profiles = profile_layers(model, sample, timeout=args.timeout, chunks=1, tp=tp,
                               progress=True, init_fn=init_fn)
     bandwidth = DEFAULT_BANDWIDTH["cpu"]

@@ -74,7 +74,7 @@ class DryRun:
         self.notes: list[str] = []
         self.shapes = ShapePass()
         self.logs: dict[int, list[Any]] = {}
-        self.batches: dict[int, list[tuple[Tensor, Tensor]]] = {}   # by dp: each step's
+        self.batches: dict[int, list[tuple[Any, Tensor]]] = {}   # by dp: each step's
         self.cuda = FakeCuda()   # the CUDA runtime of the GPU branches (--device cuda)
 
     def all_ranks(self) -> CheckReport:
@@ -106,7 +106,7 @@ class DryRun:
             chunks=par.chunks, schedule=par.schedule, checkpoint=par.checkpoint,
             precision=self.config.train.precision, ranks=ranks, memory_gib=self.memory_gib,
             notes=self.notes, p2p_groups=sum(result.groups.values()),
-            microbatches=[[m.shape[0] for m in x.chunk(par.chunks)] for x, _ in self.batches[0]],
+            microbatches=[[m.shape[0] for m in y.chunk(par.chunks)] for _, y in self.batches[0]],
             cuda_branches=dict(sorted(self.cuda.hits.items())))
         problem = None if self.memory_gib is None else memory_problem(ranks, self.memory_gib)
         if problem is not None:
@@ -168,7 +168,7 @@ class DryRun:
 
     def _inputs(self, pipe: HybridPipe, topo: Topology, mode: Any) -> list[list[Any]]:
         """Each dry step's input micro-batches, fake, on the device (for the shape pass)."""
-        return [split_batch(mode.from_tensor(x).to(pipe.device), pipe.chunks, "input")
+        return [split_batch(_fake(mode, x, pipe.device), pipe.chunks, "input")
                 for x, _ in self.batches[topo.dp_rank]]
 
     def _shapes(self, topo: Topology, mode: Any) -> None:
@@ -281,7 +281,7 @@ class _Step:
         self.bf16 = bf16
         self.during = "train_step"
 
-    def run(self, x: Tensor, y: Tensor, *, during: str,
+    def run(self, x: Tensor | tuple[Tensor, ...], y: Tensor, *, during: str,
             measured: SavedActivations | None = None) -> None:
         self.during = during
         self.optimizer.zero_grad(set_to_none=True)
@@ -289,7 +289,7 @@ class _Step:
         tracking = measured.track() if measured is not None else contextlib.nullcontext()
         with self.layers.tracking(), tracking, torch.autocast(
                 self.pipe.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            self.pipe.train_step(self.mode.from_tensor(x), self.mode.from_tensor(y))
+            self.pipe.train_step(_fake(self.mode, x), self.mode.from_tensor(y))
         clear_cast_cache()   # autocast's cache of weight casts ends with its region
 
     def update(self) -> None:
@@ -297,11 +297,20 @@ class _Step:
         self.optimizer.step()
 
 
-def _dry_batches(x: Tensor, y: Tensor) -> list[tuple[Tensor, Tensor]]:
+def _fake(mode: Any, x: Tensor | tuple[Tensor, ...], device: Any = None) -> Any:
+    """`x` (a tensor, or a tuple: packed (ids, positions)) as fake tensors, on `device`."""
+    if isinstance(x, tuple):
+        return tuple(_fake(mode, t, device) for t in x)
+    fake = mode.from_tensor(x)
+    return fake if device is None else fake.to(device)
+
+
+def _dry_batches(x: Tensor | tuple[Tensor, ...], y: Tensor) -> list[tuple[Any, Tensor]]:
     """The batches of the dry steps: the first one, and the same one row short (none with a
-    single row)."""
-    n = x.shape[0] - 1
-    return [(x, y)] if n < 1 else [(x, y), (x[:n].clone(), y[:n].clone())]
+    single row); x may be (ids, positions) (``data.pack = "documents"``)."""
+    n = y.shape[0] - 1
+    short = tuple(t[:n].clone() for t in x) if isinstance(x, tuple) else x[:n].clone()
+    return [(x, y)] if n < 1 else [(x, y), (short, y[:n].clone())]
 
 
 def _calls(stats: dict[str, dict[str, int]], kind: str) -> int:

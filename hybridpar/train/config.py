@@ -2,7 +2,7 @@
 
     [model]       name = "gpt", init = "keyed" | "full", and the model's keyword options as
                   flat keys (n_layer = 4, ...)
-    [data]        source, path, seq_len, val_fraction, seed, restart
+    [data]        source, path, seq_len, val_fraction, seed, restart, pack
     [parallel]    pp, tp, dp, chunks, schedule, virtual_stages, checkpoint, balance, tp_plan,
                   deferred_batch_norm, timeout, check_replicas, replica_atol
     [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
@@ -35,6 +35,7 @@ from typing import Any
 from hybridpar.balance import BALANCERS
 from hybridpar.files import atomic_write_text
 from hybridpar.models.registry import builder
+from hybridpar.packing import PACKS
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
 from hybridpar.pipeline.layout import NAMES as SCHEDULES
 from hybridpar.train.config_check import check_layout
@@ -76,6 +77,8 @@ class DataConfig:
     val_fraction: float = 0.05    # share of the text held out for the eval loss
     seed: int = 0                 # data order and synthetic batches
     restart: bool = False         # "tokens": a resume whose data changed starts its order over
+    pack: str = "none"            # "tokens": "documents" keeps attention inside each document
+    #                               (positions restart per document; gpt, hf:llama family)
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,8 @@ _CLASSES: dict[str, type] = {"data": DataConfig, "parallel": ParallelConfig,
                              "train": TrainConfig, "checkpoint": CheckpointConfig,
                              "logging": LoggingConfig}
 _CHOICES: dict[str, Sequence[str]] = {
-    "data.source": ("synthetic", "text", "corpus", "tokens"), "parallel.schedule": tuple(SCHEDULES),
+    "data.source": ("synthetic", "text", "corpus", "tokens"), "data.pack": PACKS,
+    "parallel.schedule": tuple(SCHEDULES),
     "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
     "parallel.tp_plan": ("auto", "hf"), "train.precision": ("fp32", "bf16"),
     "train.nonfinite": ("stop", "skip"), "model.init": INITS,

@@ -231,7 +231,8 @@ def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: 
     split="val" draws from seeds no training step uses. text / corpus: `TokenBatches` of the
     train head or the val tail (``data.val_fraction``) of the bytes. tokens: `TokenWindows`
     of the folder's split, which read x only with `inputs` and y only with `targets` (a rank
-    with neither maps no shard and gets zeros of the batch's shape).
+    with neither maps no shard and gets zeros of the batch's shape); with ``data.pack =
+    "documents"`` x is (ids, document positions).
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -244,7 +245,7 @@ def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: 
                              "block_size; set data.seq_len")
         return TokenWindows(token_folder(config), split, seq_len=seq_len, batch_size=batch_size,
                             seed=data.seed, dp_rank=dp_rank, dp=dp, inputs=inputs,
-                            targets=targets)
+                            targets=targets, pack=data.pack == "documents")
     if data.source == "synthetic":
         args = dict(config.model.args)
         if config.model.name == "gpt" and data.seq_len is not None:

@@ -20,6 +20,9 @@ first, on the meta model (`builder_check`, no storage): a `MetaBuildError` if it
 resets would not set every tensor as the builder does (its own initialization would be
 lost), naming both fixes: a ``reset_parameters()``, or ``model.init = "full"``, the opt-out
 with which every rank builds the whole model, as before meta builds.
+
+With ``data.pack = "documents"`` the model is made to take (ids, document positions)
+(`models.packing.pack_documents`: no parameter, name or value changes).
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ BuiltModel = tuple[nn.Sequential, LossFn, Callable[[nn.Module], None] | None]
 def build_model(config: Config, **extra: Any) -> BuiltModel:
     """(model, loss, init_fn) of `config`'s model with the options `extra` added (``tp``,
     ``group``); the model on `meta` when `init_fn` is not None."""
+    model, loss, init = _build_model(config, **extra)
+    if config.data.pack == "documents":
+        from hybridpar.models.packing import pack_documents
+
+        pack_documents(model)
+    return model, loss, init
+
+
+def _build_model(config: Config, **extra: Any) -> BuiltModel:
     name = config.model.name
     args = {**config.model.args, **extra}
     if config.model.init == "full":   # whole, on the CPU: the caller seeded the draws
