@@ -92,10 +92,11 @@ def config_tokenizer(config: str) -> tuple[str | None, int | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Tokenize as `args` say; print what was written, or that it was up to date."""
+    from hybridpar.data.match import pretrained_mismatch
     from hybridpar.data.tokenize import tokenize_corpus
     from hybridpar.data.tokenizer import load_tokenizer
 
-    tokenizer, vocab = args.tokenizer, None
+    tokenizer, vocab, pretrained = args.tokenizer, None, None
     if args.config is not None:
         pretrained, vocab = config_tokenizer(args.config)
         if tokenizer is None:
@@ -105,12 +106,16 @@ def run(args: argparse.Namespace) -> int:
             tokenizer = pretrained
     tokenizer = tokenizer or "bytes"
     eos = _unescape(args.eos)
-    if vocab is not None:
+    if vocab is not None or pretrained is not None:
         spec = load_tokenizer(tokenizer, eos=eos)
-        if spec.vocab_size > vocab:
+        if vocab is not None and spec.vocab_size > vocab:
             raise ValueError(f"tokenizer {tokenizer!r} has {spec.vocab_size} ids, but the "
                              f"model of {args.config} has a vocabulary of {vocab}; use the "
                              "model's own tokenizer, or a model with a larger vocab_size")
+        why = pretrained_mismatch(spec, pretrained) if pretrained is not None else None
+        if why is not None:
+            raise ValueError(f"--config {args.config}: {why}; leave out --tokenizer to use the "
+                             "model's own")
     done = tokenize_corpus(args.inputs, args.out, tokenizer=tokenizer, eos=eos,
                            format=args.format, field=args.field,
                            separator=_unescape(args.separator), errors=args.errors,

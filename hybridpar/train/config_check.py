@@ -4,13 +4,14 @@ The model is built on the meta device with tp=None (no memory, no init cost; a u
 checked as every rank will check it, `builder_check`): tp must divide what the model shards,
 a tp plan must name known styles, pp must not exceed its layers, a list balance must cover
 them; then the batch against dp, the learning rates, and the data against the model
-(`data.seq_len` defaults to a gpt's block_size here). Every failure is one `ConfigError` line
-(made by `Where`, which names the file and the ``--set`` of a key).
+(`data.seq_len` defaults to a gpt's block_size here), and packing against both. Every failure
+is one `ConfigError` line (made by `Where`, which names the file and the ``--set`` of a key).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import inspect
 import json
 from pathlib import Path
@@ -19,11 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridpar.models.gpt import check_gpt_config
+from hybridpar.models.packing import pack_problem
 from hybridpar.models.registry import build, builder, has_synthetic_data, is_zoo, takes_tokens
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.partition import balance_problem
 from hybridpar.tensor_parallel.hf_plan import HF_STYLES
 from hybridpar.tensor_parallel.plan import DENSE_STYLES, STYLES
+from hybridpar.tensor_parallel.plan_styles import REPLICATED
 from hybridpar.tensor_parallel.strategy import strategy_problem
 from hybridpar.train.builder_check import MetaBuildError, build_checked
 
@@ -128,7 +131,34 @@ def check_layout(cfg: Config, where: Where) -> Config:
         raise where.error(f"train.min_lr={train.min_lr} is above train.lr={train.lr}; the "
                           "learning rate decays from lr to min_lr: set min_lr <= lr",
                           "train.min_lr", "train.lr")
+    _check_pack(cfg, where)
     return dataclasses.replace(cfg, data=_check_data(model, data, where))
+
+
+def _check_pack(cfg: Config, where: Where) -> None:
+    """``data.pack = "documents"``: a token folder (its .idx gives the documents), a model
+    whose layers carry positions, and a tp plan that leaves layer 0 (which passes them on)."""
+    data, plan = cfg.data, cfg.parallel.tp_plan
+    if data.pack == "none":
+        return
+    if data.source != "tokens":
+        raise where.error(f"data.pack = {data.pack!r} packs the documents of a token folder, "
+                          f"but data.source = {data.source!r} has no document boundaries: set "
+                          "data.source = 'tokens' (a folder written by hybridpar tokenize, whose "
+                          ".idx files give them), or data.pack = 'none'", "data.pack",
+                          "data.source")
+    problem = pack_problem(cfg.model.name)
+    if problem is not None:
+        raise where.error(problem, "data.pack", "model.name")
+    if isinstance(plan, dict):
+        bad = [g for g, style in plan.items() if fnmatch.fnmatchcase("0", g)
+               and not (isinstance(style, str) and style in REPLICATED)]
+        if bad:
+            raise where.error(f"parallel.tp_plan[{bad[0]!r}] shards layer 0, which passes the "
+                              "document positions of data.pack = 'documents' on (a sharded "
+                              "replacement would not): leave layer 0 out of the plan or mark "
+                              "it 'replicate', or set data.pack = 'none'", "parallel.tp_plan",
+                              "data.pack")
 
 
 def _model_vocab(model: ModelConfig) -> int | None:
@@ -148,7 +178,8 @@ def _model_vocab(model: ModelConfig) -> int | None:
 
 
 def _check_tokens(model: ModelConfig, data: DataConfig, where: Where) -> None:
-    """data.path is a token folder (meta.json and file sizes) whose ids fit the model."""
+    """data.path is a token folder (meta.json and file sizes) whose ids fit the model: its
+    vocabulary, and a ``model.pretrained`` folder's own tokenizer (`hybridpar.data.match`)."""
     from hybridpar.data.shards import TokenFolderError
     from hybridpar.data.windows import check_folder
 
@@ -166,6 +197,17 @@ def _check_tokens(model: ModelConfig, data: DataConfig, where: Where) -> None:
                           f"{model.name!r} has vocab_size={vocab}: ids >= {vocab} have no "
                           f"embedding; set model.vocab_size >= {folder.vocab_size}, or tokenize "
                           "with the model's own tokenizer", "data.path", "model.vocab_size")
+    pretrained = model.args.get("pretrained")
+    if isinstance(pretrained, str):
+        from hybridpar.data.match import pretrained_mismatch
+
+        why = pretrained_mismatch(folder.encoder.spec, pretrained)
+        if why is not None:
+            raise where.error(f"data.path {data.path!r} does not fit the pretrained model: "
+                              f"{why}, so they would train the wrong embeddings; tokenize the "
+                              f"corpus with the model's tokenizer (hybridpar tokenize ... "
+                              f"--tokenizer {pretrained}, or --config with this config)",
+                              "data.path", "model.pretrained")
 
 
 def _check_data(model: ModelConfig, data: DataConfig, where: Where) -> DataConfig:
