@@ -17,7 +17,7 @@ run: $(STAMP)
 	$(BIN)/hybridpar run configs/quickstart.toml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile
 	$(BIN)/ruff check hybridpar tests examples scripts
 	$(BIN)/mypy hybridpar
 

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench_loader.json")
     p.add_argument("--smoke", action="store_true",
-                   help="the smallest run (2 MB, 1 repeat, a 1-rank training run): checks the "
+                   help="the smallest run (2 MB, 1 repeat, no training run): checks the "
                         "script, not speed")
     args = p.parse_args(argv)
     from bench.common import fmt, load, markdown_table, spread, write_json
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     train_extra: list[str] = []
     if args.smoke:
         args.mbytes, args.shard_tokens, args.sizes, args.dp = 2.0, 400_000, ["4x16"], [1, 2]
-        args.steps, args.warmup, args.repeats, args.train_runs = 5, 1, 1, 1
+        args.steps, args.warmup, args.repeats, args.train_runs = 5, 1, 1, 0
         args.train_steps, args.train_log_every = 4, 2
         train_extra = ["parallel.pp=1", "parallel.tp=1", "model.n_layer=1"]
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes]

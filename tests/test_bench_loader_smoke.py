@@ -1,5 +1,6 @@
 """scripts/bench_loader.py runs end to end (its smallest run: the numbers mean nothing): every
-(size, dp, rank) row is timed for the loader and its memmap floor, with the training step."""
+(size, dp, rank) row is timed for the loader and its memmap floor (the smoke run skips the
+quick-start training step, a `hybridpar run` that the run tests cover)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_the_loader_benchmark_times_every_row_against_its_floor_and_a_step(tmp_p
     for r in result["rows"]:
         assert r["loader_s"]["median"] > 0 and r["floor_s"]["median"] > 0
         assert r["loader_over_floor"] > 0 and r["ns_per_token"] > 0
-        assert 0 < r["share_of_step"] < 1
+        assert r["share_of_step"] is None
         assert r["tokens"] == 4 // r["dp"] * 16
-    assert result["train_step_s"]["median"] > 0
+    assert result["train_step_s"] is None
     assert result["corpus"]["train_shards"] > 1 and result["machine"]["cpus"] >= 1
