@@ -293,10 +293,11 @@ class HybridPipe(StageModule):
         Gradients accumulate into ``.grad`` as `loss_fn(model(input), target).backward()`
         would on one device (micro-batch losses weighted by their share of the batch), then
         are averaged over the dp group: in buckets all-reduced as they become ready during
-        the step's last backward (`pipeline.reduce.GradBuckets`). `loss_fn` must reduce by
-        mean.
+        the step's last backward (`pipeline.reduce.GradBuckets`; at dp > 1 each ``.grad``
+        is a view of its bucket's buffer, no second copy). `loss_fn` must reduce by mean.
         """
         inputs, targets, weights = self._microbatches(input, target)
+        self._dp_buckets.attach()
         actions = self._program(len(inputs), train=True)
         # as torchgpipe: `checkpoint` as it is now, and no checkpointing in evaluation mode
         mode = check_checkpoint(self.checkpoint) if self.training else "never"

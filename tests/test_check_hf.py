@@ -144,13 +144,14 @@ def test_gpt2_with_its_tied_embedding_passes_at_pp2_x_tp2(runs):
         assert r.grads == r.params > 0 and r.optimizer == 2 * r.grads
 
 
-def test_dp2_counts_one_gradient_bucket_buffer_per_rank_as_large_as_its_gradients(runs):
+def test_at_dp2_the_gradients_live_in_the_bucket_buffers_without_a_second_copy(runs):
     reports, _ = runs
     report = reports["llama dp2"]
     assert report.dims == (2, 1, 1)
     for r in report.ranks:
-        assert r.buckets == r.grads > 0
-        assert r.peak >= r.params + r.grads + r.buckets + r.optimizer
+        assert r.grads == 0                              # every .grad is a view of a bucket
+        assert 0 < r.buckets <= r.params and r.optimizer == 2 * r.buckets   # the trainable
+        assert r.peak >= r.params + r.buckets + r.optimizer
 
 
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")

@@ -243,3 +243,62 @@ def test_a_group_of_one_or_none_runs_no_collective_and_leaves_the_grads():
     _microbatch_backwards(clone, x, y)
     assert trace.comm_stats() == {}
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), clone.parameters()))
+
+
+# the buckets are the gradients: attach() before the first backward ---------------------------
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _attached(set_to_none: bool):
+    """Three steps with attach(): backward accumulates into the bucket buffers (no other
+    gradient storage, checked at every accumulation), every grad ends a view of them, equal
+    bit for bit to the flat all-reduce of plain grads; an unused parameter keeps a None grad;
+    zero_grad either way between steps."""
+    topo = hybridpar.init(dp=2, timeout=60)
+    model = _Partly()
+    clone = copy.deepcopy(model)
+    accumulated: list[int] = []   # where each accumulation left the grad (before any launch)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                lambda p: accumulated.append(p.grad.untyped_storage().data_ptr()))
+    buckets = GradBuckets(list(model.parameters()), topo.dp_group, bucket_bytes=250)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, clone)]
+    rows = slice(topo.dp_rank * ROWS, (topo.dp_rank + 1) * ROWS)
+    out = {"equal": [], "views": [], "unused": [], "buffers": []}
+    for x, y in _batches(2):
+        for opt in opts:
+            opt.zero_grad(set_to_none=set_to_none)
+        buckets.attach()
+        before = _storages(buckets.buffers())
+        accumulated.clear()
+        _microbatch_backwards(model, x[rows], y[rows], buckets)
+        buckets.finish()
+        out["buffers"].append(len(before) == len(buckets.buffers())
+                              and len(accumulated) == 4 * MICRO and set(accumulated) <= before)
+        _microbatch_backwards(clone, x[rows], y[rows])
+        _flat_average(list(clone.parameters()), topo.dp_group, 2)
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        out["equal"].append(all(
+            (g is None and q.grad is None) or (g is not None and torch.equal(g, q.grad))
+            for g, (_, q) in zip(grads.values(), clone.named_parameters())))
+        out["views"].append(_storages(g for g in grads.values() if g is not None) <= before)
+        out["unused"].append([k for k, g in grads.items() if g is None])
+        for opt in opts:
+            opt.step()
+    out["state"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                           clone.state_dict().values()))
+    return out
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_attached_grads_are_views_of_the_buckets_and_equal_the_flat_all_reduce(set_to_none):
+    for out in hybridpar.spawn(_attached, 2, args=(set_to_none,), timeout=60):
+        assert out["equal"] == out["views"] == out["buffers"] == [True] * STEPS
+        unused = ["unused.weight", "unused.bias", "frozen.weight", "frozen.bias"]
+        # set_to_none=False: the unused grads were None before the first attach and after
+        # every finish, so zero_grad leaves them None
+        assert out["unused"] == [unused] * STEPS
+        assert out["state"]

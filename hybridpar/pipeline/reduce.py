@@ -1,4 +1,13 @@
-"""Data-parallel gradient averaging in buckets, launched during the last backward of a step."""
+"""Data-parallel gradient averaging in buckets, launched during the last backward of a step.
+
+The buckets are the gradients: each bucket is one flat buffer, and the ``.grad`` of each of
+its parameters is a view of its slice (`attach`, before a step's first backward), so backward
+accumulates straight into the buffer and the all-reduce runs on it in place, with no second
+copy of the gradients (DDP's ``gradient_as_bucket_view``):
+
+    bucket buffer   [ p5.grad | p4.grad ]      p5.grad = buffer[0 : n5].view_as(p5)
+                                               p4.grad = buffer[n5 : n5 + n4].view_as(p4)
+"""
 
 from __future__ import annotations
 
@@ -35,12 +44,15 @@ __all__ = ["GradBuckets"]
 class GradBuckets:
     """Average the `.grad` of `params` over `group`, bucket by bucket, overlapping backward.
 
-    Call `arm` before the step's last backward and `finish` after it; earlier backwards
-    only accumulate. A parameter whose grad is None when its bucket is launched adds zeros
-    to the sum (its slice is zero-filled) and keeps a None grad: that must hold on every
-    rank alike, as it does for replicas of one model. `finish` without `arm` reduces every
-    bucket after the fact; `arm` again before `finish` abandons the unfinished step. With
-    `group` None or of size 1 nothing is reduced and no hook is installed.
+    Call `attach` before the step's first backward (each ``.grad`` becomes a view of its
+    bucket's buffer: a grad that was None starts at zero there), `arm` before the step's last
+    backward and `finish` after it; earlier backwards only accumulate. A parameter that no
+    backward reached this step adds zeros to the sum and ends with a None grad again: that
+    must hold on every rank alike, as it does for replicas of one model. A grad set from
+    outside (not a view) is copied into the buffer when its bucket is launched, and then
+    replaced by the view. `finish` without `arm` reduces every bucket after the fact; `arm`
+    again before `finish` abandons the unfinished step. With `group` None or of size 1
+    nothing is reduced, no buffer is made and no hook is installed.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: ProcessGroup | None, *,
@@ -52,6 +64,7 @@ class GradBuckets:
         self.size = 1 if group is None else dist.get_world_size(group)
         self._buckets = _layout(self.params, bucket_bytes)
         self._flats: list[Tensor | None] = [None] * len(self._buckets)
+        self._unused: set[int] = set()          # attached from None, not accumulated since
         self._works: list[Work] = []
         self._where: dict[int, int] = {}        # param index -> bucket index
         for b, bucket in enumerate(self._buckets):
@@ -77,6 +90,40 @@ class GradBuckets:
         """How many buckets of the current step are launched so far."""
         return self._launched
 
+    def buffers(self) -> list[Tensor]:
+        """The buckets' flat buffers made so far (the gradients live in them)."""
+        return [f for f in self._flats if f is not None]
+
+    def attach(self) -> None:
+        """Point every bucketed parameter's ``.grad`` at its slice of its bucket's buffer (a
+        None grad: zeros there, and None again at `finish` unless a backward reaches it)."""
+        if self.size <= 1:
+            return
+        with self._lock, torch.no_grad():
+            for b in range(len(self._buckets)):
+                for i, view in self._views(b):
+                    p = self.params[i]
+                    if p.grad is None:
+                        view.zero_()
+                        self._unused.add(i)
+                    elif not _is_view(p.grad, view):
+                        view.copy_(p.grad)
+                    p.grad = view
+
+    def _views(self, b: int) -> list[tuple[int, Tensor]]:
+        """(parameter index, its slice of bucket `b`'s buffer shaped as the parameter)."""
+        params = [self.params[i] for i in self._buckets[b]]
+        flat = self._flats[b]
+        if flat is None:
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
+                               device=params[0].device)
+            self._flats[b] = flat
+        views, offset = [], 0
+        for i, p in zip(self._buckets[b], params, strict=True):
+            views.append((i, flat[offset:offset + p.numel()].view_as(p)))
+            offset += p.numel()
+        return views
+
     def arm(self) -> None:
         """The next backward is the step's last: reduce each bucket as its grads are final."""
         if self.size <= 1:
@@ -84,7 +131,7 @@ class GradBuckets:
         with self._lock:
             if self._works:                     # an armed step that failed before finish():
                 for b in range(self._launched):     # its buffers may still be in flight
-                    self._flats[b] = None
+                    self._drop(b)
                 self._works = []
             self._ready = set()
             self._pending = [len(b) for b in self._buckets]
@@ -104,14 +151,19 @@ class GradBuckets:
                 work.wait()
                 flat = self._flats[b]
                 assert flat is not None
-                flat /= self.size
-                offset = 0
-                for i in self._buckets[b]:
-                    p = self.params[i]
-                    n = p.numel()
-                    if p.grad is not None:
-                        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                    offset += n
+                flat /= self.size               # the grads are views: averaged in place
+            for i in self._unused:              # no backward reached it: None, as before
+                self.params[i].grad = None
+            self._unused = set()
+
+    def _drop(self, b: int) -> None:
+        """Forget bucket `b`'s buffer (a collective may still write it): its grads become
+        copies of what they hold now."""
+        for i, _ in self._views(b):
+            p = self.params[i]
+            if p.grad is not None:
+                p.grad = p.grad.clone()
+        self._flats[b] = None
 
     def remove(self) -> None:
         """Remove the hooks; `finish` still reduces every bucket when called."""
@@ -123,6 +175,7 @@ class GradBuckets:
     def _hook(self, i: int) -> Callable[[Tensor], None]:
         """The accumulate-grad hook of parameter `i`."""
         def hook(_: Tensor) -> None:
+            self._unused.discard(i)             # a backward reached it (set ops are atomic)
             if not self._armed:
                 return
             with self._lock:
@@ -139,27 +192,28 @@ class GradBuckets:
         return hook
 
     def _launch(self, b: int) -> None:
-        """Copy bucket `b`'s grads into its buffer and start its all-reduce (lock held)."""
-        params = [self.params[i] for i in self._buckets[b]]
-        flat = self._flats[b]
-        if flat is None:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
-                               device=params[0].device)
-            self._flats[b] = flat
-        offset = 0
-        for p in params:
-            n = p.numel()
-            view = flat[offset:offset + n]
-            if p.grad is None:
+        """Start bucket `b`'s all-reduce on its buffer (lock held); a grad that is not its
+        view (set from outside, or no `attach`) is copied in first and replaced by it."""
+        for i, view in self._views(b):
+            p = self.params[i]
+            if p.grad is None:                  # unused this step: zeros, and stays None
                 view.zero_()
-            else:
-                view.view_as(p.grad).copy_(p.grad)
-            offset += n
+            elif not _is_view(p.grad, view):
+                view.copy_(p.grad)
+                p.grad = view
+        flat = self._flats[b]
+        assert flat is not None
         with trace.collective("all_reduce", flat.numel() * flat.element_size()):
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         assert work is not None
         self._works.append(work)
         self._launched = b + 1
+
+
+def _is_view(grad: Tensor, view: Tensor) -> bool:
+    """Whether `grad` is `view` (the same memory, shape and strides)."""
+    return (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+            and grad.stride() == view.stride())
 
 
 def _layout(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:

@@ -5,11 +5,12 @@ What is measured (`RankReport`, `CheckReport`), in bytes of the rank's device:
     column        bytes of                                        how
     params        this rank's parameters and buffers (its stage,  pipe.parameters(), buffers()
                   its tp shard)
-    grads         their gradients after the step                  sum over p.grad
-    buckets       the dp gradient buckets (dp > 1): one flat      GradBuckets' buffers, kept
+    grads         their gradients after the step, those that do   sum over p.grad
+                  not live in the dp buckets
+    buckets       the dp gradient buckets (dp > 1): one flat      GradBuckets.buffers(), kept
                   buffer per bucket, all of them as large as the  from step to step
-                  trainable parameters, allocated in the first
-                  step's last backward and kept
+                  trainable parameters; the gradients are views
+                  of them (no second copy)
     optimizer     AdamW's exp_avg and exp_avg_sq                  the optimizer's state after
                                                                   its step (2 x trainable)
     activations   the peak of tensors saved for backward          saved_tensors_hooks (below)
@@ -188,7 +189,7 @@ def steady_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tens
     buckets = _buckets(pipe)
     if buckets is not None:
         buckets.finish()
-    return [*_state(optimizer), *(f for f in getattr(buckets, "_flats", []) if f is not None)]
+    return [*_state(optimizer), *_bucket_buffers(pipe)]
 
 
 def held_bytes(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -197,15 +198,24 @@ def held_bytes(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, i
     host, as torch keeps them on CUDA)."""
     params = list(pipe.parameters())
     device = params[0].device.type if params else "cpu"
+    buffers = _bucket_buffers(pipe)
+    in_buckets = {_storage_key(t) for t in buffers}
     return dict(params=tensor_bytes([*params, *pipe.buffers()]),
-                grads=tensor_bytes(p.grad for p in params),
-                buckets=tensor_bytes(getattr(_buckets(pipe), "_flats", [])),
+                grads=tensor_bytes(p.grad for p in params if p.grad is not None
+                                   and _storage_key(p.grad) not in in_buckets),
+                buckets=tensor_bytes(buffers),
                 optimizer=tensor_bytes(t for t in _state(optimizer) if t.device.type == device))
 
 
 def _buckets(pipe: nn.Module) -> Any:
-    """The pipe's `pipeline.reduce.GradBuckets` (its flat buffers are ``_flats``)."""
+    """The pipe's `pipeline.reduce.GradBuckets`."""
     return getattr(pipe, "_dp_buckets", None)
+
+
+def _bucket_buffers(pipe: nn.Module) -> list[Tensor]:
+    """The flat buffers of the pipe's dp buckets (where its gradients live at dp > 1)."""
+    buckets = _buckets(pipe)
+    return buckets.buffers() if buckets is not None else []
 
 
 def _state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
