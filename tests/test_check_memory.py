@@ -22,9 +22,10 @@ Two things make a process's resident set follow its live tensors, as the estimat
 
 Sizes where the model dominates: the quick-start gpt at C = 512, 4 layers, dp2 x pp2 (the dp
 gradient buckets, which hold the gradients: 25 MiB a rank), and an HF Llama
-(configs/llama_tiny.toml at width 512, MLP 1408, 8 / 4 heads) at pp2. The test asserts 10%. Not at tp > 1: fake CPU ranks stop at the vocab-parallel loss's host check of
-its targets (docs/check.md, limits), and the fake GPUs' numbers are a GPU's (foreach AdamW,
-fused attention), not a CPU run's.
+(configs/llama_tiny.toml at width 512, MLP 1408, 8 / 4 heads) at pp2. The test asserts 10%.
+Not at tp > 1: fake CPU ranks stop at the vocab-parallel loss's host check of its targets
+(docs/check.md, limits), and the fake GPUs' numbers are a GPU's (foreach AdamW, fused
+attention), not a CPU run's.
 
 Then `hybridpar check` of the 7B config, cut to 2 of its 32 layers on one rank (2.5 GiB of
 parameters, a 12.4 GiB peak), after a dry run of the tiny Llama in the same process (its

@@ -66,6 +66,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hybridpar.optim import optimizer_state_tensors
 from hybridpar.pipeline.partition import layer_spans
 from hybridpar.pipeline.split_backward import observing_kept
 
@@ -219,7 +220,7 @@ def _bucket_buffers(pipe: nn.Module) -> list[Tensor]:
 
 
 def _state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return [t for s in optimizer.state.values() for t in s.values() if isinstance(t, Tensor)]
+    return optimizer_state_tensors(optimizer)   # a ZeRO optimizer's: this rank's shard
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
                   flat keys (n_layer = 4, ...)
     [data]        source, path, seq_len, val_fraction, seed, restart, pack
     [parallel]    pp, tp, dp, chunks, schedule, virtual_stages, checkpoint, balance, tp_plan,
-                  deferred_batch_norm, timeout, check_replicas, replica_atol
+                  deferred_batch_norm, timeout, check_replicas, replica_atol, zero
     [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
                   nonfinite
     [checkpoint]  every, keep
@@ -106,6 +106,9 @@ class ParallelConfig:
     # pp=1 x tp=2 x dp=2, 7.5% at pp=2 x tp=2 (docs/benchmarks.md); a large N makes it cheap
     replica_atol: float = 0.0     # the largest difference the check allows; 0.0: bit-identical,
     # as copies are on CPU / gloo; non-deterministic GPU kernels may need a small tolerance
+    zero: int = 0                 # 0: every dp replica holds the optimizer state; 1: each holds
+    # the state of 1 / dp of the parameters, and broadcasts them after its update (ZeRO-1,
+    # `hybridpar.optim.zero`: AdamW 16 -> 8 + 8 / dp bytes per parameter in fp32)
 
 
 @dataclass(frozen=True)

@@ -177,9 +177,10 @@ def _canonical(name: str, aliases: Mapping[str, str] | None) -> str:
 
 
 def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group: Any, *,
-                      aliases: Mapping[str, str] | None = None
-                      ) -> dict[str, Tensor | ShardChunk]:
-    """``optim/<name>/<key>`` for every tensor of the optimizer state of `module`'s params.
+                      aliases: Mapping[str, str] | None = None,
+                      owned: set[int] | None = None) -> dict[str, Tensor | ShardChunk]:
+    """``optim/<name>/<key>`` for every tensor of the optimizer state of `module`'s params
+    (`owned`: of those whose ``id`` is in it, the ones this rank's ZeRO shard holds).
 
     State that does not exist yet (no step taken) is created first, as the optimizer's first
     step would (AdamW: ``step`` 0, ``exp_avg`` and ``exp_avg_sq`` zeros), so a load has
@@ -187,6 +188,8 @@ def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group
     """
     out: dict[str, Tensor | ShardChunk] = {}
     for name, param in module.named_parameters():
+        if owned is not None and id(param) not in owned:
+            continue
         state = optimizer.state[param]
         if not state:
             state.update(_initial_state(optimizer, param))

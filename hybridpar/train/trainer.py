@@ -36,6 +36,7 @@ from hybridpar.data.windows import TokenWindows
 from hybridpar.device import pinned
 from hybridpar.models import generate
 from hybridpar.models.registry import takes_tokens
+from hybridpar.optim import local_optimizer, owned_parameters, zero_optimizer
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.replicas import ReplicaMismatchError
@@ -183,14 +184,22 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     return pipe
 
 
-def _optimizer(pipe: HybridPipe, config: Config) -> torch.optim.AdamW:
-    """AdamW over this rank's shards: weight decay on matrices, none on biases and norms."""
+def _optimizer(pipe: HybridPipe, config: Config) -> torch.optim.Optimizer:
+    """AdamW over this rank's shards: weight decay on matrices, none on biases and norms;
+    with ``parallel.zero = 1`` and dp > 1 its state sharded over dp (`hybridpar.optim`)."""
     params = [p for p in pipe.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.train.weight_decay},
-              {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.train.lr)
+    groups = [g for g in ({"params": decay, "weight_decay": config.train.weight_decay},
+                          {"params": rest, "weight_decay": 0.0}) if g["params"]]
+    topo = pipe.topology
+    if config.parallel.zero and topo.dp > 1:
+        return zero_optimizer(groups, torch.optim.AdamW, group=topo.dp_group,
+                              lr=config.train.lr)
+    if config.parallel.zero and topo.rank == 0:
+        log.warning("parallel.zero = %d at dp = 1: nothing to shard, the optimizer state is "
+                    "whole on every rank", config.parallel.zero)
+    return torch.optim.AdamW(groups, lr=config.train.lr)
 
 
 class _Run:
@@ -233,7 +242,8 @@ class _Run:
         tied = self.pipe.tied_aliases
         state: dict[str, Entry] = {
             **model_entries(self.pipe, group, aliases=tied),
-            **optimizer_entries(self.pipe, self.optimizer, group, aliases=tied)}
+            **optimizer_entries(self.pipe, local_optimizer(self.optimizer), group,
+                                aliases=tied, owned=owned_parameters(self.optimizer))}
         state.update(tie_entries(tied))   # lets an export give every tied name its tensor
         state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
         state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)

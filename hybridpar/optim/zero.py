@@ -1,0 +1,77 @@
+"""ZeRO-1 over the dp group: each replica keeps the optimizer state of its part of the params.
+
+torch's `ZeroRedundancyOptimizer`, over a stage's (tp shard's) parameters and the topology's
+dp group: the parameters are dealt to the dp ranks whole (largest first, each to the rank
+holding the fewest elements so far, per parameter group), each rank's optimizer steps its
+own with the averaged gradients every rank has, and every rank then broadcasts what it
+updated:
+
+    parallel.zero   gradients                 optimizer state (AdamW)   per parameter, fp32
+    0               averaged on every rank    on every rank             4 + 4 + 8 = 16 bytes
+    1               averaged on every rank    1 / dp of it per rank     4 + 4 + 8 / dp
+
+A parameter's state lives whole on one rank, so checkpoints keep their keys
+(``optim/<name>/<key>``, each written once, by its owner) and load under any dp, zero or
+layout: a rank reads the state of the parameters it owns now.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+__all__ = ["ZERO_LEVELS", "local_optimizer", "optimizer_state_tensors", "owned_parameters",
+           "zero_optimizer"]
+
+ZERO_LEVELS = (0, 1)     # parallel.zero: 0 = replicated state, 1 = state sharded over dp
+
+# optimizers whose step needs every parameter at once (a closure over the whole model)
+_UNSHARDABLE = (torch.optim.LBFGS,)
+
+
+def zero_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
+                   group: ProcessGroup, **defaults: Any) -> torch.optim.Optimizer:
+    """`optimizer_class` over `params` (tensors or parameter groups) with its state sharded
+    over the dp `group` (torch's `ZeroRedundancyOptimizer`); call it on every rank of the
+    group with the same parameters in the same order."""
+    if not (isinstance(optimizer_class, type) and
+            issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
+                        f"{optimizer_class!r}")
+    if issubclass(optimizer_class, _UNSHARDABLE):
+        raise ValueError(f"{optimizer_class.__name__} cannot be sharded over data parallelism: "
+                         "its step evaluates a closure over every parameter at once; use "
+                         "parallel.zero = 0 with it")
+    with warnings.catch_warnings():
+        # the package's __init__ scripts its functional optimizers and the RPC
+        # DistributedOptimizer with torch.jit.script / interface, which torch 2.13 deprecates;
+        # ZeroRedundancyOptimizer itself uses none of them (the functional ones serve its
+        # overlap_with_ddp mode, not used here)
+        warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated",
+                                DeprecationWarning)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(list(params), optimizer_class, process_group=group,
+                                   **defaults)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: a ZeRO optimizer's local one, else itself."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def owned_parameters(optimizer: torch.optim.Optimizer) -> set[int]:
+    """The ``id`` of every parameter whose state this rank holds (all of them without ZeRO)."""
+    local = local_optimizer(optimizer)
+    return {id(p) for g in local.param_groups for p in g["params"]}
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """Every tensor of this rank's optimizer state."""
+    local = local_optimizer(optimizer)
+    return [t for s in local.state.values() for t in s.values() if isinstance(t, Tensor)]

@@ -1,0 +1,184 @@
+"""parallel.zero = 1: the optimizer state sharded over dp trains as zero = 0 and reshards.
+
+A tiny GPT (4 blocks, n_embd 32) on the embedded corpus, AdamW with weight decay on matrices
+(two parameter groups) and clipping, on gloo ranks: every layout's zero = 1 run has the losses
+of its zero = 0 run and each rank holds about 1 / dp of the optimizer state; a checkpoint of
+zero = 1 at dp = 2 resumes at dp = 1, at zero = 0 and under another pp with the losses of the
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from spawn_cases import spawn_cases
+
+import hybridpar
+from hybridpar.optim import optimizer_state_tensors, owned_parameters, zero_optimizer
+from hybridpar.train import ConfigError, load_config
+from hybridpar.train.trainer import _optimizer, build_pipe, train
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.toml"
+TIMEOUT = 120
+BASE = [
+    "model.block_size=16", "model.n_embd=32", "model.n_layer=4", "model.n_head=4",
+    "model.dropout=0.0", "data.source=corpus", "parallel.chunks=2", "parallel.timeout=60",
+    "train.steps=4", "train.batch_size=8", "train.log_every=1", "train.eval_every=0",
+    "train.sample_tokens=0", "train.weight_decay=0.1", "train.grad_clip=0.5",
+    "train.lr=3e-3", "checkpoint.every=2", "checkpoint.keep=2",
+]
+
+
+def config(*overrides: str):
+    return load_config(QUICKSTART, [*BASE, *overrides])
+
+
+def _layout(pp: int, tp: int, dp: int, zero: int, schedule: str = "1f1b") -> list[str]:
+    return [f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.dp={dp}",
+            f"parallel.zero={zero}", f"parallel.schedule={schedule}"]
+
+
+def _train(overrides, run_dir):
+    cfg = config(*overrides)
+    summary = train(cfg, run_dir, progress=False)
+    return summary["losses"], summary["start"]
+
+
+def _state_bytes(overrides):
+    """One step of the trainer's optimizer; this rank's optimizer state and trainable bytes."""
+    cfg = config(*overrides)
+    par = cfg.parallel
+    topo = hybridpar.init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=60)
+    torch.manual_seed(0)
+    pipe = build_pipe(cfg, topo)
+    optimizer = _optimizer(pipe, cfg)
+    for p in pipe.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    state = sum(t.numel() * t.element_size() for t in optimizer_state_tensors(optimizer)
+                if t.dim() > 0)
+    params = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    owned = sum(p.numel() * p.element_size() for p in pipe.parameters()
+                if id(p) in owned_parameters(optimizer))
+    pipe.close()
+    return {"state": state, "params": params, "owned": owned}
+
+
+LAYOUTS = {   # name -> (pp, tp, dp)
+    "pp2 x dp2": (2, 1, 2),
+    "tp2 x dp2": (1, 2, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each layout at zero = 0 and 1 (the 4-rank ones on one set of ranks), and zbv."""
+    cases = {}
+    for name, (pp, tp, dp) in LAYOUTS.items():
+        for zero in (0, 1):
+            folder = tmp_path_factory.mktemp(f"{name.replace(' ', '')}-zero{zero}")
+            cases[(name, zero)] = (_layout(pp, tp, dp, zero), str(folder))
+    for zero in (0, 1):
+        folder = tmp_path_factory.mktemp(f"zbv-zero{zero}")
+        cases[("zbv pp2 x dp2", zero)] = (_layout(2, 1, 2, zero, "zbv"), str(folder))
+    return spawn_cases(_train, 4, cases, timeout=TIMEOUT * 3)
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, "zbv pp2 x dp2"])
+def test_zero_1_trains_with_the_losses_of_zero_0(runs, name):
+    plain, sharded = runs[(name, 0)], runs[(name, 1)]
+    losses = [r[0] for r in sharded]
+    assert all(loss == losses[0] for loss in losses)
+    assert len(losses[0]) == 4
+    assert losses[0] == pytest.approx(plain[0][0], abs=1e-6, rel=0)
+
+
+def test_each_dp_rank_holds_its_part_of_the_optimizer_state():
+    cases = {"zero0": (_layout(1, 1, 2, 0),), "zero1": (_layout(1, 1, 2, 1),)}
+    out = spawn_cases(_state_bytes, 2, cases, timeout=TIMEOUT)
+    for rank in range(2):
+        whole, part = out["zero0"][rank], out["zero1"][rank]
+        assert whole["state"] == 2 * whole["params"]          # AdamW: two moments of each
+        assert part["state"] == 2 * part["owned"]             # ... of the parameters it owns
+    owned = [r["owned"] for r in out["zero1"]]
+    assert sum(owned) == out["zero0"][0]["params"]            # every parameter once
+    assert max(owned) < 0.6 * sum(owned)                      # about half each
+
+
+def test_a_zero_1_checkpoint_resumes_at_another_dp_zero_and_pp(tmp_path):
+    ref = tmp_path / "ref"
+    (ref_losses, _), _ = spawn_cases(_train, 2, {"ref": (_layout(1, 1, 2, 1), str(ref))},
+                                     timeout=TIMEOUT)["ref"]
+    step2 = str(ref / "checkpoints" / "step-2")
+    cases = {"dp1 zero0": (1, _layout(1, 1, 1, 0)), "dp2 zero0": (2, _layout(1, 1, 2, 0)),
+             "pp2 dp2 zero1": (4, _layout(2, 1, 2, 1))}
+    for name, (ranks, overrides) in cases.items():
+        folder = tmp_path / name.replace(" ", "-")
+        shutil.copytree(step2, folder / "checkpoints" / "step-2")
+        results = hybridpar.spawn(_train, ranks, args=(overrides, str(folder)),
+                                  timeout=TIMEOUT)
+        losses, start = results[0]
+        assert start == 2, name      # the steps done before this run
+        assert losses == pytest.approx(ref_losses[2:], abs=1e-5, rel=0), name
+
+
+def test_zero_levels_and_unshardable_optimizers_are_refused():
+    with pytest.raises(ConfigError, match=r"parallel.zero must be one of 0, 1 .* got 2; 2 "
+                                          r"\(gradients reduce-scattered into the shard\) is "
+                                          r"not implemented"):
+        config("parallel.zero=2")
+    with pytest.raises(ConfigError, match=r"parallel\.zero must be >= 0"):
+        config("parallel.zero=-1")
+    with pytest.raises(ValueError, match="LBFGS cannot be sharded over data parallelism"):
+        zero_optimizer([torch.zeros(2, requires_grad=True)], torch.optim.LBFGS, group=None)
+    with pytest.raises(TypeError, match=r"optimizer_class must be a torch\.optim\.Optimizer"):
+        zero_optimizer([torch.zeros(2, requires_grad=True)], "adamw", group=None)
+
+
+def _one_replica(overrides):
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("hybridpar.train.trainer").addHandler(Keep())
+    cfg = config(*overrides)
+    topo = hybridpar.init(timeout=60)
+    pipe = build_pipe(cfg, topo)
+    optimizer = _optimizer(pipe, cfg)
+    pipe.close()
+    return type(optimizer).__name__, records
+
+
+def test_zero_at_dp_1_is_a_warning_and_the_plain_optimizer():
+    name, records = hybridpar.spawn(_one_replica, 1, args=(_layout(1, 1, 1, 1),),
+                                    timeout=TIMEOUT)[0]
+    assert name == "AdamW"
+    assert any("parallel.zero = 1 at dp = 1: nothing to shard" in r for r in records)
+
+
+def test_hybridpar_check_counts_each_ranks_part_of_the_optimizer_state(tmp_path):
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART),
+                           "--set", "parallel.dp=2", "--set", "parallel.zero=1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    by_place: dict[tuple[int, int], list[dict]] = {}
+    for r in ranks:
+        by_place.setdefault((r["stage"], r["tp"]), []).append(r)
+    for (stage, tp), replicas in by_place.items():
+        assert len(replicas) == 2
+        params = replicas[0]["params"]
+        # AdamW's two moments, each parameter's on one replica: together 2 x the parameters
+        assert sum(r["optimizer"] for r in replicas) == 2 * params, (stage, tp)
+        assert all(0 < r["optimizer"] < 2 * params for r in replicas)
