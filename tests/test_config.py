@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from config_errors import error_of
 
 from hybridpar.balance import BALANCERS
 from hybridpar.train import Config, ConfigError, load_config
@@ -37,14 +38,6 @@ def write(tmp_path, text, name="cfg.toml"):
     path = tmp_path / name
     path.write_text(text)
     return path
-
-
-def error_of(path, *overrides):
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(str(path))
-    return message
 
 
 @pytest.fixture

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from config_errors import error_of
 from torch import nn
 
 from hybridpar.data import tokenize_corpus
 from hybridpar.models import gpt
 from hybridpar.models.packing import pack_documents
-from hybridpar.train import ConfigError, load_config
+from hybridpar.train import load_config
 
 GPT = """\
 [model]
@@ -41,14 +42,6 @@ def packed(tmp_path, folder):
     path = tmp_path / "packed.toml"
     path.write_text(GPT.format(folder=folder))
     return path
-
-
-def error_of(path, *overrides):
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(str(path))
-    return message
 
 
 def test_a_gpt_on_a_token_folder_packs_documents(packed):
