@@ -16,10 +16,14 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/hybridpar run configs/quickstart.toml
 
+# pytest on 3 workers, file by file (tests/conftest.py: the slowest files first); mypy runs
+# beside it, on the cores the ranks' start-up leaves idle, and reports after it
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile
 	$(BIN)/ruff check hybridpar tests examples scripts
-	$(BIN)/mypy hybridpar
+	$(BIN)/mypy hybridpar > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile; tests=$$?; \
+	wait $$mypy; types=$$?; cat $(VENV)/mypy.log; \
+	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 
 lint: $(STAMP)
 	$(BIN)/ruff check hybridpar tests examples scripts
