@@ -21,7 +21,7 @@ from spawn_cases import spawn_cases
 
 import hybridpar
 from hybridpar.optim import optimizer_state_tensors, owned_parameters, zero_optimizer
-from hybridpar.train import ConfigError, load_config
+from hybridpar.train import Config, ConfigError, load_config
 from hybridpar.train.trainer import _optimizer, build_pipe, train
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.toml"
@@ -35,8 +35,23 @@ BASE = [
 ]
 
 
-def config(*overrides: str):
+def config(*overrides: str) -> Config:
     return load_config(QUICKSTART, [*BASE, *overrides])
+
+
+def gpt2(pp: int, dp: int, zero: int) -> Config:
+    """A tiny Hugging Face GPT-2, whose embedding and head are one tied parameter, over pp
+    stages; the rest as BASE."""
+    return Config.from_dict({
+        "name": "gpt2_zero",
+        "model": {"name": "hf:gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 4,
+                  "n_head": 4, "n_positions": 16},
+        "data": {"source": "corpus", "seq_len": 16},
+        "parallel": {"pp": pp, "dp": dp, "zero": zero, "chunks": 2, "schedule": "1f1b",
+                     "timeout": 60.0},
+        "train": {"steps": 4, "batch_size": 8, "log_every": 1, "eval_every": 0,
+                  "sample_tokens": 0, "weight_decay": 0.1, "grad_clip": 0.5, "lr": 3e-3},
+        "checkpoint": {"every": 2, "keep": 2}})
 
 
 def _layout(pp: int, tp: int, dp: int, zero: int, schedule: str = "1f1b") -> list[str]:
@@ -44,8 +59,7 @@ def _layout(pp: int, tp: int, dp: int, zero: int, schedule: str = "1f1b") -> lis
             f"parallel.zero={zero}", f"parallel.schedule={schedule}"]
 
 
-def _train(overrides, run_dir):
-    cfg = config(*overrides)
+def _train(cfg, run_dir):
     summary = train(cfg, run_dir, progress=False)
     return summary["losses"], summary["start"]
 
@@ -78,19 +92,21 @@ LAYOUTS = {   # name -> (pp, tp, dp)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each layout at zero = 0 and 1 (the 4-rank ones on one set of ranks), and zbv."""
+    """Each layout at zero = 0 and 1 on one set of 4 ranks; zbv; a tied GPT-2 over 2 stages."""
     cases = {}
     for name, (pp, tp, dp) in LAYOUTS.items():
         for zero in (0, 1):
             folder = tmp_path_factory.mktemp(f"{name.replace(' ', '')}-zero{zero}")
-            cases[(name, zero)] = (_layout(pp, tp, dp, zero), str(folder))
+            cases[(name, zero)] = (config(*_layout(pp, tp, dp, zero)), str(folder))
     for zero in (0, 1):
         folder = tmp_path_factory.mktemp(f"zbv-zero{zero}")
-        cases[("zbv pp2 x dp2", zero)] = (_layout(2, 1, 2, zero, "zbv"), str(folder))
+        cases[("zbv pp2 x dp2", zero)] = (config(*_layout(2, 1, 2, zero, "zbv")), str(folder))
+        folder = tmp_path_factory.mktemp(f"gpt2-zero{zero}")
+        cases[("tied gpt2 pp2 x dp2", zero)] = (gpt2(2, 2, zero), str(folder))
     return spawn_cases(_train, 4, cases, timeout=TIMEOUT * 3)
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, "zbv pp2 x dp2"])
+@pytest.mark.parametrize("name", [*LAYOUTS, "zbv pp2 x dp2", "tied gpt2 pp2 x dp2"])
 def test_zero_1_trains_with_the_losses_of_zero_0(runs, name):
     plain, sharded = runs[(name, 0)], runs[(name, 1)]
     losses = [r[0] for r in sharded]
@@ -113,15 +129,15 @@ def test_each_dp_rank_holds_its_part_of_the_optimizer_state():
 
 def test_a_zero_1_checkpoint_resumes_at_another_dp_zero_and_pp(tmp_path):
     ref = tmp_path / "ref"
-    (ref_losses, _), _ = spawn_cases(_train, 2, {"ref": (_layout(1, 1, 2, 1), str(ref))},
-                                     timeout=TIMEOUT)["ref"]
+    (ref_losses, _), _ = spawn_cases(_train, 2, {"ref": (config(*_layout(1, 1, 2, 1)),
+                                                         str(ref))}, timeout=TIMEOUT)["ref"]
     step2 = str(ref / "checkpoints" / "step-2")
     cases = {"dp1 zero0": (1, _layout(1, 1, 1, 0)), "dp2 zero0": (2, _layout(1, 1, 2, 0)),
              "pp2 dp2 zero1": (4, _layout(2, 1, 2, 1))}
     for name, (ranks, overrides) in cases.items():
         folder = tmp_path / name.replace(" ", "-")
         shutil.copytree(step2, folder / "checkpoints" / "step-2")
-        results = hybridpar.spawn(_train, ranks, args=(overrides, str(folder)),
+        results = hybridpar.spawn(_train, ranks, args=(config(*overrides), str(folder)),
                                   timeout=TIMEOUT)
         losses, start = results[0]
         assert start == 2, name      # the steps done before this run
