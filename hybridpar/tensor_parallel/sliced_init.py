@@ -69,7 +69,6 @@ class _Shard:
     ranges: list[tuple[int, int]]
     chunk: int
     write: bool
-    touched: bool = False
 
     @property
     def numel(self) -> int:
@@ -215,7 +214,6 @@ class ShardProxy(torch.Tensor):
                     target.shard.view(-1)[dest] = values
         else:
             raise _Unsupported(f"{func} is not an initializer's op hybridpar can slice")
-        target.touched = True
         return self
 
 
