@@ -56,8 +56,10 @@ def zero_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Opti
                                 DeprecationWarning)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    # parameters_as_bucket_view: each rank's parameters are views of one flat buffer per
+    # (device, rank), so the update goes out in one broadcast per rank, not one per parameter
     return ZeroRedundancyOptimizer(list(params), optimizer_class, process_group=group,
-                                   **defaults)
+                                   parameters_as_bucket_view=True, **defaults)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
