@@ -20,6 +20,7 @@ import ast
 import importlib
 import json
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -77,7 +78,9 @@ def resolves(path: str) -> bool:
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
         try:
-            obj = importlib.import_module(".".join(parts[:cut]))
+            with warnings.catch_warnings():   # a module that warns on import still exists
+                warnings.simplefilter("ignore")   # (torch.distributed.optim: torch.jit)
+                obj = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
             continue
         for attr in parts[cut:]:
