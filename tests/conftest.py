@@ -47,7 +47,8 @@ def _name_from_cwd(module: str) -> str:
 SLOW_FIRST = ("test_check.py", "test_examples.py", "test_check_hf.py",
               "test_run_memory_limit.py", "test_run_cli.py", "test_finetune.py",
               "test_gpu_microbatch_smoke.py", "test_gpu_check_smoke.py", "test_imports.py",
-              "test_check_memory.py", "test_run_any_model.py", "test_bench_build_memory_smoke.py")
+              "test_check_memory.py", "test_run_any_model.py", "test_bench_build_memory_smoke.py",
+              "test_train_run.py", "test_zero.py", "test_hf_layouts.py", "test_tokens_source.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/gpu_microbatch.py", *args], cwd=ROOT,
@@ -26,11 +28,16 @@ def test_the_tiny_run_times_every_count_and_writes_the_profile(tmp_path):
     assert "of 4 micro-batches" in profile and "by host time" in profile
 
 
-def test_a_batch_that_does_not_split_is_refused(tmp_path):
-    done = run("--device", "cpu", "--tiny", "--batch", "6", "--chunks", "4",
-               "--out", str(tmp_path))
-    assert done.returncode == 2
-    assert "--batch (6) must be a positive multiple of --chunks (4)" in done.stderr
+def test_a_batch_that_does_not_split_is_refused(tmp_path, capsys):
+    # in this process: the script's main refuses before it starts a rank
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_microbatch
+
+    for argv, message in (
+            (["--batch", "6", "--chunks", "4"], "--batch (6) must be a positive multiple of "
+                                                "--chunks (4)"),
+            (["--chunks", "2,x"], "--chunks must be integers")):
+        with pytest.raises(SystemExit) as exit_:
+            gpu_microbatch.main(["--device", "cpu", "--tiny", *argv, "--out", str(tmp_path)])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "gpu_microbatch.json").exists()
-    done = run("--device", "cpu", "--chunks", "2,x", "--out", str(tmp_path))
-    assert done.returncode == 2 and "--chunks must be integers" in done.stderr

@@ -186,12 +186,14 @@ def test_hybridpar_check_counts_each_ranks_part_of_the_optimizer_state(tmp_path)
     out = tmp_path / "check.json"
     done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART),
                            "--set", "parallel.dp=2", "--set", "parallel.zero=1",
+                           "--set", "parallel.pp=1", "--set", "parallel.tp=1",
                            "--json", str(out)], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = json.loads(out.read_text())["ranks"]
     by_place: dict[tuple[int, int], list[dict]] = {}
     for r in ranks:
         by_place.setdefault((r["stage"], r["tp"]), []).append(r)
+    assert len(ranks) == 2
     for (stage, tp), replicas in by_place.items():
         assert len(replicas) == 2
         params = replicas[0]["params"]
