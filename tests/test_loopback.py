@@ -51,7 +51,14 @@ def _listening() -> Iterator[tuple[str, int, int]]:
 
 
 def _addresses(port: int) -> set[str]:
+    """The addresses any process listens on at `port`."""
     return {addr for addr, p, _ in _listening() if p == port}
+
+
+def _own_addresses(port: int) -> set[str]:
+    """The addresses this process listens on at `port` (another process, a parallel test's,
+    may listen at the same number on another address)."""
+    return {addr for addr, p in _own_listeners() if p == port}
 
 
 def _socket_inodes(pid: int | str) -> set[int]:
@@ -113,21 +120,21 @@ def test_the_listener_check_sees_a_wildcard_listener():
         s.bind(("", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert _addresses(port) == {"0.0.0.0"}
+        assert _own_addresses(port) == {"0.0.0.0"}
         assert ("0.0.0.0", port) in _own_listeners()
 
 
 def test_the_store_listens_on_loopback_only_and_serves_clients():
     server = loopback_store("localhost", 0, is_server=True, timeout=SHORT)
     port = server.port
-    assert port > 0 and _addresses(port) == {"127.0.0.1"}
+    assert port > 0 and _own_addresses(port) == {"127.0.0.1"}
     client = loopback_store("localhost", port, is_server=False, timeout=SHORT)
     client.set("key", "value")
     assert server.get("key") == b"value"
     # The store took the listening fd over: dropping it frees the port (nothing half-alive).
     del client, server
     gc.collect()
-    assert _addresses(port) == set()
+    assert _own_addresses(port) == set()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
@@ -141,7 +148,7 @@ def test_the_store_waits_for_world_size_clients():
         loopback_store("127.0.0.1", port, is_server=True, world_size=2,
                        timeout=datetime.timedelta(seconds=1))
     assert time.monotonic() - start < 10
-    assert _addresses(port) == set()   # the failed store closed its listener
+    assert _own_addresses(port) == set()   # the failed store closed its listener
 
 
 def test_a_port_in_use_is_a_clear_error():
@@ -160,7 +167,7 @@ def test_an_ipv6_loopback_store():
         server = loopback_store("::1", 0, is_server=True, timeout=SHORT)
     except OSError as e:   # IPv6 compiled in but ::1 not configured
         pytest.skip(f"::1 unusable here: {e}")
-    assert _addresses(server.port) == {"::1"}
+    assert _own_addresses(server.port) == {"::1"}
     client = loopback_store("[::1]", server.port, is_server=False, timeout=SHORT)
     client.set("k", "v")
     assert server.get("k") == b"v"
