@@ -190,7 +190,7 @@ def steady_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tens
     buckets = _buckets(pipe)
     if buckets is not None:
         buckets.finish()
-    return [*_state(optimizer), *_bucket_buffers(pipe)]
+    return [*optimizer_state_tensors(optimizer), *_bucket_buffers(pipe)]
 
 
 def held_bytes(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -205,7 +205,8 @@ def held_bytes(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, i
                 grads=tensor_bytes(p.grad for p in params if p.grad is not None
                                    and _storage_key(p.grad) not in in_buckets),
                 buckets=tensor_bytes(buffers),
-                optimizer=tensor_bytes(t for t in _state(optimizer) if t.device.type == device))
+                optimizer=tensor_bytes(t for t in optimizer_state_tensors(optimizer)
+                                       if t.device.type == device))
 
 
 def _buckets(pipe: nn.Module) -> Any:
@@ -218,9 +219,6 @@ def _bucket_buffers(pipe: nn.Module) -> list[Tensor]:
     buckets = _buckets(pipe)
     return buckets.buffers() if buckets is not None else []
 
-
-def _state(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return optimizer_state_tensors(optimizer)   # a ZeRO optimizer's: this rank's shard
 
 
 @dataclass(frozen=True)
