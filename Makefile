@@ -16,12 +16,13 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/hybridpar run configs/quickstart.toml
 
-# pytest on 3 workers, file by file (tests/conftest.py: the slowest files first); mypy runs
+# pytest on 3 workers, file by file, in collection order (tests/conftest.py: the slowest
+# files first); mypy runs
 # beside it, on the cores the ranks' start-up leaves idle, and reports after it
 test: $(STAMP)
 	$(BIN)/ruff check hybridpar tests examples scripts
 	$(BIN)/mypy hybridpar > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile; tests=$$?; \
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder; tests=$$?; \
 	wait $$mypy; types=$$?; cat $(VENV)/mypy.log; \
 	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 

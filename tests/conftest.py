@@ -41,14 +41,18 @@ def _name_from_cwd(module: str) -> str:
         return module
 
 
-# The slowest modules first (seconds on 2 cores, `make test`): pytest-xdist hands each worker
-# whole files in collection order, and a worker that draws one of these last runs alone while
+# The slowest modules first (seconds of a worker on 2 cores, `make test`): pytest-xdist hands
+# each worker whole files in collection order (`--no-loadscope-reorder`: by default it puts the
+# files with the most tests first), and a worker that draws one of these last runs alone while
 # the others wait at the end.
-SLOW_FIRST = ("test_check.py", "test_examples.py", "test_check_hf.py",
-              "test_run_memory_limit.py", "test_run_cli.py", "test_finetune.py",
-              "test_gpu_microbatch_smoke.py", "test_gpu_check_smoke.py", "test_imports.py",
-              "test_check_memory.py", "test_run_any_model.py", "test_bench_build_memory_smoke.py",
-              "test_train_run.py", "test_zero.py", "test_hf_layouts.py", "test_tokens_source.py")
+SLOW_FIRST = ("test_run_cli.py", "test_examples.py", "test_check_hf.py",
+              "test_run_memory_limit.py", "test_train_run.py", "test_finetune.py",
+              "test_gpu_check_smoke.py", "test_bench_build_memory_smoke.py",
+              "test_pipe_errors.py", "test_wakeup_latency_smoke.py", "test_check_memory.py",
+              "test_run_any_model.py", "test_zero.py", "test_nccl_order_plans.py",
+              "test_check.py", "test_memory_bound.py", "test_virtual_parity.py",
+              "test_hf_layouts.py", "test_watchdog.py", "test_trace.py", "test_loopback.py",
+              "test_bad_inputs.py", "test_p2p_order.py", "test_gpu_microbatch_smoke.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

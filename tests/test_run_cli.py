@@ -148,7 +148,7 @@ def test_torchrun_runs_the_worker_module(tiny: Path, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: Path) -> None:
-    sets = ["--set", "train.steps=60", "--set", "model.dropout=0.1",   # long enough to kill
+    sets = ["--set", "train.steps=30", "--set", "model.dropout=0.1",   # long enough to kill
             "--set", "train.sample_tokens=0", "--set", "checkpoint.every=3"]
     run_dir = str(tmp_path / "killed")
     log = tmp_path / "agent.log"  # a file, not a pipe: nobody reads a pipe while it runs
