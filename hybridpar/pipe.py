@@ -53,6 +53,7 @@ from hybridpar.pipeline.stage_module import StageModule
 from hybridpar.pipeline.step import StepResult
 from hybridpar.pipeline.tied import Tie, TiedGroups, aliases, detach_other_stages, find_ties
 from hybridpar.pipeline.virtual import RankStages
+from hybridpar.precision import cast_parameters
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.tensor_parallel.attrs import (
     get_parallel_dim,
@@ -89,6 +90,10 @@ class HybridPipe(StageModule):
     into pp * v stages, `balance` giving one layer count per stage, and each rank holds v of
     them (looped, or a V: `pipeline.layout`), run as one program (`pipeline.virtual`).
 
+    ``param_dtype=torch.bfloat16``: the stage's parameters in bf16, their gradients summed
+    over micro-batches (and dp) in float32 as ``param.main_grad`` (`hybridpar.precision`);
+    step them with `hybridpar.optim.MasterWeights` (float32 master weights) under autocast.
+
     ``trace=True`` (or setting ``pipe.trace = True`` between steps) records the timeline of
     every `train_step`, `eval_step` and forward, keeping the last one; `write_trace` then
     writes it for all ranks (Chrome trace, Gantt chart, bubble table). Off, it costs nothing.
@@ -101,7 +106,8 @@ class HybridPipe(StageModule):
                  balance_sample: TensorOrTensors | None = None, trace: bool = False,
                  watchdog: bool | float | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
-                 virtual_stages: int | None = None) -> None:
+                 virtual_stages: int | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         check_sequential(module)
         chunks = as_chunks(chunks)
@@ -137,6 +143,8 @@ class HybridPipe(StageModule):
         self._state_keys = list(module.state_dict().keys())
         names = list(module._modules)
         local = self._keep_stage(module, counts, ties, init_fn=init_fn)
+        if param_dtype is not None:   # low-precision weights, float32 gradients (`precision`)
+            cast_parameters(local, param_dtype)
         # copies of a parameter tied across stages: equal at the start, gradients summed
         self._ties = TiedGroups(ties, dict(local.named_parameters(remove_duplicate=False)),
                                 topo, placement=self.layout.placement)
@@ -153,7 +161,8 @@ class HybridPipe(StageModule):
                                      else None)
         # dp averaging in buckets launched during each step's last backward (no-op at dp=1)
         self._dp_buckets = GradBuckets(list(local.parameters()),
-                                       topo.dp_group if topo.dp > 1 else None)
+                                       topo.dp_group if topo.dp > 1 else None,
+                                       grad_dtype=None if param_dtype is None else torch.float32)
         self._route_pairs = [(r.src, r.dst) for r in routes]
         self._programs: dict[tuple[int, bool], list[Any]] = {}
         self._executor, self._rank_stages = self._build_executors(routes, watchdog=watchdog)
@@ -314,6 +323,8 @@ class HybridPipe(StageModule):
                 with self._guard("the all-reduce of the gradients over dp",
                                  self.topology.dp_group):
                     self._dp_buckets.finish()
+            else:
+                self._dp_buckets.finish()   # float32 gradients of bf16 weights: bookkeeping
             if self._partial:
                 with self._guard("the all-reduce over tp of the gradients of replicated "
                                  "parameters used on shards", self.topology.tp_group):

@@ -39,9 +39,9 @@ def config(*overrides: str) -> Config:
     return load_config(QUICKSTART, [*BASE, *overrides])
 
 
-def gpt2(pp: int, dp: int, zero: int) -> Config:
+def gpt2(pp: int, dp: int, zero: int, **train: str) -> Config:
     """A tiny Hugging Face GPT-2, whose embedding and head are one tied parameter, over pp
-    stages; the rest as BASE."""
+    stages; the rest as BASE (`train`: more [train] options)."""
     return Config.from_dict({
         "name": "gpt2_zero",
         "model": {"name": "hf:gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 4,
@@ -50,7 +50,8 @@ def gpt2(pp: int, dp: int, zero: int) -> Config:
         "parallel": {"pp": pp, "dp": dp, "zero": zero, "chunks": 2, "schedule": "1f1b",
                      "timeout": 60.0},
         "train": {"steps": 4, "batch_size": 8, "log_every": 1, "eval_every": 0,
-                  "sample_tokens": 0, "weight_decay": 0.1, "grad_clip": 0.5, "lr": 3e-3},
+                  "sample_tokens": 0, "weight_decay": 0.1, "grad_clip": 0.5, "lr": 3e-3,
+                  **train},
         "checkpoint": {"every": 2, "keep": 2}})
 
 

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["ZERO_LEVELS", "local_optimizer", "optimizer_state_tensors", "owned_parameters",
-           "zero_optimizer"]
+__all__ = ["ZERO_LEVELS", "check_shardable", "local_optimizer", "optimizer_state_tensors",
+           "owned_parameters", "zero_optimizer"]
 
 ZERO_LEVELS = (0, 1)     # parallel.zero: 0 = replicated state, 1 = state sharded over dp
 
@@ -43,10 +43,7 @@ def zero_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Opti
             issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
                         f"{optimizer_class!r}")
-    if issubclass(optimizer_class, _UNSHARDABLE):
-        raise ValueError(f"{optimizer_class.__name__} cannot be sharded over data parallelism: "
-                         "its step evaluates a closure over every parameter at once; use "
-                         "parallel.zero = 0 with it")
+    check_shardable(optimizer_class)
     with warnings.catch_warnings():
         # the package's __init__ scripts its functional optimizers and the RPC
         # DistributedOptimizer with torch.jit.script / interface, which torch 2.13 deprecates;
@@ -62,18 +59,33 @@ def zero_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Opti
                                    parameters_as_bucket_view=True, **defaults)
 
 
+def check_shardable(optimizer_class: type[torch.optim.Optimizer]) -> None:
+    """A `ValueError` naming `optimizer_class` if its state cannot be dealt to dp ranks."""
+    if issubclass(optimizer_class, _UNSHARDABLE):
+        raise ValueError(f"{optimizer_class.__name__} cannot be sharded over data parallelism: "
+                         "its step evaluates a closure over every parameter at once; use "
+                         "parallel.zero = 0 with it")
+
+
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's state: a ZeRO optimizer's local one, else itself."""
+    """The optimizer that holds this rank's state: a ZeRO optimizer's local one, the one over
+    `MasterWeights`' masters, else itself."""
     return getattr(optimizer, "optim", optimizer)
 
 
-def owned_parameters(optimizer: torch.optim.Optimizer) -> set[int]:
-    """The ``id`` of every parameter whose state this rank holds (all of them without ZeRO)."""
+def owned_parameters(optimizer: Any) -> set[int]:
+    """The ``id`` of every model parameter whose state this rank holds (all of them without
+    sharding; for `MasterWeights`, those with a master here)."""
+    masters = getattr(optimizer, "masters", None)
+    if masters is not None:
+        return set(masters)
     local = local_optimizer(optimizer)
     return {id(p) for g in local.param_groups for p in g["params"]}
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """Every tensor of this rank's optimizer state."""
+def optimizer_state_tensors(optimizer: Any) -> list[Tensor]:
+    """Every tensor of this rank's optimizer state (`MasterWeights`: the masters too)."""
     local = local_optimizer(optimizer)
-    return [t for s in local.state.values() for t in s.values() if isinstance(t, Tensor)]
+    masters = list(getattr(optimizer, "masters", {}).values())
+    return [*masters, *(t for s in local.state.values() for t in s.values()
+                        if isinstance(t, Tensor))]

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from hybridpar import trace
 from hybridpar.pipeline.loss import Guard
+from hybridpar.precision import grad_of
 from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.topology import Topology
 
@@ -60,8 +61,9 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, topology: T
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for p in params:
-        if p.grad is not None:
-            grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        grad = grad_of(p)
+        if grad is not None:
+            grads.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, dtype), group in grads.items():
         torch._foreach_mul_(group, scale.to(device, dtype))
     return norm.to(torch.float32)
@@ -79,10 +81,11 @@ def local_square_sum(params: Iterable[nn.Parameter], tp: int, device: torch.devi
     """
     groups: dict[tuple[torch.device, torch.dtype, bool], list[Tensor]] = {}
     for p in params:
-        if p.grad is None or id(p) in not_counted:
+        grad = grad_of(p)
+        if grad is None or id(p) in not_counted:
             continue
         whole = tp == 1 or get_parallel_dim(p) is not None
-        grad = p.grad.detach()
+        grad = grad.detach()
         groups.setdefault((grad.device, grad.dtype, whole), []).append(grad)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for (_, _, whole), grads in groups.items():

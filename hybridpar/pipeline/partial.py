@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
+from hybridpar.precision import grad_of, grad_or_zeros, set_grad
 
 __all__ = ["PartialGrads", "sum_grads"]
 
@@ -53,7 +54,7 @@ def sum_grads(params: Sequence[nn.Parameter], group: ProcessGroup | None) -> Non
     A parameter without a gradient (unused on this rank this step) adds zeros and gets the
     sum.
     """
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    grads = [grad_or_zeros(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     with trace.collective("all_reduce", flat.numel() * flat.element_size()):
         dist.all_reduce(flat, group=group)
@@ -62,5 +63,6 @@ def sum_grads(params: Sequence[nn.Parameter], group: ProcessGroup | None) -> Non
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
-        if p.grad is None:
-            p.grad = g
+        if grad_of(p) is None:
+            set_grad(p, g)
+

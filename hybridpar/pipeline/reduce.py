@@ -7,6 +7,11 @@ copy of the gradients (DDP's ``gradient_as_bucket_view``):
 
     bucket buffer   [ p5.grad | p4.grad ]      p5.grad = buffer[0 : n5].view_as(p5)
                                                p4.grad = buffer[n5 : n5 + n4].view_as(p4)
+
+With ``grad_dtype`` (float32 for bf16 weights) the buffers are of that dtype, and a parameter
+of another dtype keeps its slice as ``main_grad`` (`hybridpar.precision`): each accumulation's
+``.grad`` is added into it and dropped, so gradients sum over micro-batches in float32, on
+one rank too (dp = 1: buffers and hooks, no all-reduce).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.distributed import ProcessGroup, Work
 from torch.utils.hooks import RemovableHandle
 
 from hybridpar import trace
+from hybridpar.precision import MAIN_GRAD, grad_of, set_grad
 
 __all__ = ["GradBuckets"]
 
@@ -52,17 +58,20 @@ class GradBuckets:
     outside (not a view) is copied into the buffer when its bucket is launched, and then
     replaced by the view. `finish` without `arm` reduces every bucket after the fact; `arm`
     again before `finish` abandons the unfinished step. With `group` None or of size 1
-    nothing is reduced, no buffer is made and no hook is installed.
+    nothing is reduced; unless `grad_dtype` differs from a parameter's dtype (its gradient
+    then accumulates in a buffer of `grad_dtype`: ``main_grad``), no buffer is made and no
+    hook is installed either.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: ProcessGroup | None, *,
-                 bucket_bytes: int = 25 << 20) -> None:
+                 bucket_bytes: int = 25 << 20, grad_dtype: torch.dtype | None = None) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.params = list(params)
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
-        self._buckets = _layout(self.params, bucket_bytes)
+        self.grad_dtype = grad_dtype
+        self._buckets = _layout(self.params, bucket_bytes, grad_dtype)
         self._flats: list[Tensor | None] = [None] * len(self._buckets)
         self._unused: set[int] = set()          # attached from None, not accumulated since
         self._works: list[Work] = []
@@ -75,7 +84,13 @@ class GradBuckets:
         self._launched = 0                      # buckets 0 .. _launched-1 are in flight
         self._lock = threading.Lock()           # hooks may run on per-device autograd threads
         self._handles: list[RemovableHandle] = []
-        if self.size > 1:
+        #: parameters whose gradient accumulates in ``main_grad`` (of `grad_dtype`)
+        self._main = {i for i in self._where if self.params[i].dtype != _dtype(
+            self.params[i], grad_dtype)}
+        for i in self._main:
+            setattr(self.params[i], MAIN_GRAD, None)
+        self._active = self.size > 1 or bool(self._main)
+        if self._active:
             for i in self._where:
                 self._handles.append(
                     self.params[i].register_post_accumulate_grad_hook(self._hook(i)))
@@ -95,28 +110,33 @@ class GradBuckets:
         return [f for f in self._flats if f is not None]
 
     def attach(self) -> None:
-        """Point every bucketed parameter's ``.grad`` at its slice of its bucket's buffer (a
-        None grad: zeros there, and None again at `finish` unless a backward reaches it)."""
-        if self.size <= 1:
+        """Point every bucketed parameter's ``.grad`` (``main_grad``) at its slice of its
+        bucket's buffer (a None grad: zeros there, and None again at `finish` unless a
+        backward reaches it)."""
+        if not self._active:
             return
         with self._lock, torch.no_grad():
             for b in range(len(self._buckets)):
                 for i, view in self._views(b):
                     p = self.params[i]
-                    if p.grad is None:
+                    grad = grad_of(p)
+                    if grad is None:
                         view.zero_()
                         self._unused.add(i)
-                    elif not _is_view(p.grad, view):
-                        view.copy_(p.grad)
-                    p.grad = view
+                    elif not _is_view(grad, view):
+                        view.copy_(grad)
+                    set_grad(p, view)
+                    if i in self._main and p.grad is not None:   # set from outside: fold it
+                        view.add_(p.grad)
+                        p.grad = None
 
     def _views(self, b: int) -> list[tuple[int, Tensor]]:
         """(parameter index, its slice of bucket `b`'s buffer shaped as the parameter)."""
         params = [self.params[i] for i in self._buckets[b]]
         flat = self._flats[b]
         if flat is None:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
-                               device=params[0].device)
+            flat = torch.empty(sum(p.numel() for p in params),
+                               dtype=_dtype(params[0], self.grad_dtype), device=params[0].device)
             self._flats[b] = flat
         views, offset = [], 0
         for i, p in zip(self._buckets[b], params, strict=True):
@@ -140,11 +160,11 @@ class GradBuckets:
 
     def finish(self) -> None:
         """Launch the buckets not launched yet, wait for all, write the averages into `.grad`."""
-        if self.size <= 1:
+        if not self._active:
             return
         with self._lock, torch.no_grad():
             self._armed = False
-            while self._launched < len(self._buckets):
+            while self.size > 1 and self._launched < len(self._buckets):
                 self._launch(self._launched)
             works, self._works, self._launched = self._works, [], 0
             for b, work in enumerate(works):
@@ -153,7 +173,7 @@ class GradBuckets:
                 assert flat is not None
                 flat /= self.size               # the grads are views: averaged in place
             for i in self._unused:              # no backward reached it: None, as before
-                self.params[i].grad = None
+                set_grad(self.params[i], None)
             self._unused = set()
 
     def _drop(self, b: int) -> None:
@@ -161,8 +181,9 @@ class GradBuckets:
         copies of what they hold now."""
         for i, _ in self._views(b):
             p = self.params[i]
-            if p.grad is not None:
-                p.grad = p.grad.clone()
+            grad = grad_of(p)
+            if grad is not None:
+                set_grad(p, grad.clone())
         self._flats[b] = None
 
     def remove(self) -> None:
@@ -174,9 +195,20 @@ class GradBuckets:
 
     def _hook(self, i: int) -> Callable[[Tensor], None]:
         """The accumulate-grad hook of parameter `i`."""
-        def hook(_: Tensor) -> None:
+        main = i in self._main
+
+        def hook(param: Tensor) -> None:
+            if main:                            # into the float32 gradient; drop the bf16 one
+                with torch.no_grad():
+                    grad, total = param.grad, getattr(param, MAIN_GRAD)
+                    assert grad is not None
+                    if total is None:           # a backward outside a step: no buffer yet
+                        setattr(param, MAIN_GRAD, grad.to(self.grad_dtype))
+                    else:
+                        total.add_(grad)
+                param.grad = None
             self._unused.discard(i)             # a backward reached it (set ops are atomic)
-            if not self._armed:
+            if not self._armed or self.size <= 1:
                 return
             with self._lock:
                 if not self._armed or i in self._ready:
@@ -196,11 +228,12 @@ class GradBuckets:
         view (set from outside, or no `attach`) is copied in first and replaced by it."""
         for i, view in self._views(b):
             p = self.params[i]
-            if p.grad is None:                  # unused this step: zeros, and stays None
+            grad = grad_of(p)
+            if grad is None:                    # unused this step: zeros, and stays None
                 view.zero_()
-            elif not _is_view(p.grad, view):
-                view.copy_(p.grad)
-                p.grad = view
+            elif not _is_view(grad, view):
+                view.copy_(grad)
+                set_grad(p, view)
         flat = self._flats[b]
         assert flat is not None
         with trace.collective("all_reduce", flat.numel() * flat.element_size()):
@@ -216,8 +249,15 @@ def _is_view(grad: Tensor, view: Tensor) -> bool:
             and grad.stride() == view.stride())
 
 
-def _layout(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
-    """Buckets of parameter indices: reverse order, per (dtype, device), up to `bucket_bytes`."""
+def _dtype(param: Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `param`'s gradient accumulates in: `grad_dtype` for a floating parameter."""
+    return grad_dtype if grad_dtype is not None and param.is_floating_point() else param.dtype
+
+
+def _layout(params: list[nn.Parameter], bucket_bytes: int,
+            grad_dtype: torch.dtype | None = None) -> list[list[int]]:
+    """Buckets of parameter indices: reverse order, per (gradient dtype, device), up to
+    `bucket_bytes`."""
     first: dict[int, int] = {}                  # a parameter listed twice counts once
     for i, p in enumerate(params):
         if p.requires_grad:
@@ -226,8 +266,8 @@ def _layout(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
     for i in sorted(first.values(), reverse=True):
         p = params[i]
-        key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
+        key = (_dtype(p, grad_dtype), p.device)
+        nbytes = p.numel() * key[0].itemsize
         bucket, used = open_.get(key, ([], 0))
         if not bucket or used + nbytes > bucket_bytes:
             bucket, used = [], 0

@@ -30,6 +30,7 @@ from torch.distributed import ProcessGroup
 
 from hybridpar import trace
 from hybridpar.pipeline.loss import Guard
+from hybridpar.precision import grad_or_zeros
 
 __all__ = ["CHUNK", "ReplicaGroup", "ReplicaMismatchError", "check_replicas"]
 
@@ -106,8 +107,7 @@ def check_replicas(groups: Sequence[ReplicaGroup], *, rank: int, world: int,
     for g in groups:
         ranks = dist.get_process_group_ranks(g.group)
         values = [(name, p) for name, p in g.params if p.is_floating_point()]
-        grads = [(name, p.grad if p.grad is not None else torch.zeros_like(p))
-                 for name, p in values]
+        grads = [(name, grad_or_zeros(p)) for name, p in values]
         with guard(f"the replica check over {g.kind}", g.group):
             spreads = [(d, name, "values") for d, name in _spreads(values, g.group)] + \
                 [(d, name, "gradients") for d, name in _spreads(grads, g.group)]

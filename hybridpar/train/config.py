@@ -6,7 +6,7 @@
     [parallel]    pp, tp, dp, chunks, schedule, virtual_stages, checkpoint, balance, tp_plan,
                   deferred_batch_norm, timeout, check_replicas, replica_atol, zero
     [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
-                  nonfinite
+                  precision, param_dtype, nonfinite
     [checkpoint]  every, keep
     [logging]     tensorboard, wandb, wandb_mode, wandb_project (metrics.jsonl is always written)
 
@@ -38,6 +38,7 @@ from hybridpar.models.registry import builder
 from hybridpar.packing import PACKS
 from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
 from hybridpar.pipeline.layout import NAMES as SCHEDULES
+from hybridpar.precision import PARAM_DTYPES
 from hybridpar.train.config_check import check_layout
 
 __all__ = ["INITS", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
@@ -127,6 +128,8 @@ class TrainConfig:
     eval_every: int = 0           # 0: no eval
     eval_batches: int = 4         # batches per eval loss
     precision: str = "fp32"       # "fp32" | "bf16" (autocast)
+    param_dtype: str = "fp32"     # the weights: "fp32" | "bf16" (precision "bf16"; float32
+    # gradients and master weights, `hybridpar.optim.master`: 18 -> 6 + 12 / dp bytes with zero 1)
     sample_tokens: int = 200      # gpt: tokens sampled at the end; 0: none
     nonfinite: str = "stop"       # a NaN / inf loss or grad norm: "stop" (raise) | "skip" the step
 
@@ -158,6 +161,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
     "parallel.tp_plan": ("auto", "hf"), "train.precision": ("fp32", "bf16"),
+    "train.param_dtype": tuple(PARAM_DTYPES),
     "train.nonfinite": ("stop", "skip"), "model.init": INITS,
     "logging.wandb_mode": ("offline", "online", "disabled")}
 _POSITIVE = {"data.seq_len", "parallel.pp", "parallel.tp", "parallel.dp", "parallel.chunks",

@@ -138,6 +138,11 @@ def check_layout(cfg: Config, where: Where) -> Config:
                           f"(0: the optimizer state on every dp replica, 1: sharded over dp), "
                           f"got {par.zero}; 2 (gradients reduce-scattered into the shard) is not "
                           "implemented", "parallel.zero")
+    if train.param_dtype != "fp32" and train.precision != train.param_dtype:
+        raise where.error(f"train.param_dtype={train.param_dtype!r} needs train.precision="
+                          f"{train.param_dtype!r} (the layers compute under autocast with "
+                          f"{train.param_dtype} weights); set both, or param_dtype = 'fp32'",
+                          "train.param_dtype", "train.precision")
     return dataclasses.replace(cfg, data=_check_data(model, data, where))
 
 

@@ -146,17 +146,25 @@ def _at(ndim: int, dim: int, start: int) -> torch.Size:
 
 
 def model_entries(module: nn.Module, group: Any, *,
-                  aliases: Mapping[str, str] | None = None) -> dict[str, Tensor | ShardChunk]:
+                  aliases: Mapping[str, str] | None = None,
+                  masters: Mapping[int, Tensor] | None = None) -> dict[str, Tensor | ShardChunk]:
     """``model/<name>`` for every tensor of `module`'s state dict (`group`: the tp group).
 
     A tied parameter (`aliases`: ``{name: canonical name}``, `HybridPipe.tied_aliases`) is
     saved once, under its canonical name, by every stage holding a copy (DCP de-duplicates).
+    `masters` (bf16 weights: ``{id(param): float32 master}``, `MasterWeights.masters`): a
+    parameter's entry is its master, and a parameter without one here is left to the rank
+    that owns it.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     out: dict[str, Tensor | ShardChunk] = {}
     for name, value in module.state_dict(keep_vars=True).items():
-        out.setdefault(f"model/{_canonical(name, aliases)}", _entry(value, params.get(name),
-                                                                    group))
+        param = params.get(name)
+        if masters is not None and param is not None:
+            if id(param) not in masters:
+                continue
+            value = masters[id(param)]
+        out.setdefault(f"model/{_canonical(name, aliases)}", _entry(value, param, group))
     return out
 
 
@@ -178,9 +186,12 @@ def _canonical(name: str, aliases: Mapping[str, str] | None) -> str:
 
 def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group: Any, *,
                       aliases: Mapping[str, str] | None = None,
-                      owned: set[int] | None = None) -> dict[str, Tensor | ShardChunk]:
+                      owned: set[int] | None = None,
+                      masters: Mapping[int, Tensor] | None = None
+                      ) -> dict[str, Tensor | ShardChunk]:
     """``optim/<name>/<key>`` for every tensor of the optimizer state of `module`'s params
-    (`owned`: of those whose ``id`` is in it, the ones this rank's ZeRO shard holds).
+    (`owned`: of those whose ``id`` is in it, the ones this rank's ZeRO shard holds;
+    `masters`: the state is `optimizer`'s of each parameter's master, `MasterWeights`).
 
     State that does not exist yet (no step taken) is created first, as the optimizer's first
     step would (AdamW: ``step`` 0, ``exp_avg`` and ``exp_avg_sq`` zeros), so a load has
@@ -190,9 +201,10 @@ def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group
     for name, param in module.named_parameters():
         if owned is not None and id(param) not in owned:
             continue
-        state = optimizer.state[param]
+        key_of = param if masters is None else masters[id(param)]
+        state = optimizer.state[key_of]
         if not state:
-            state.update(_initial_state(optimizer, param))
+            state.update(_initial_state(optimizer, key_of))
         for key, value in state.items():
             if not isinstance(value, Tensor):
                 raise TypeError(f"optimizer state {name}/{key} is {type(value).__name__}; "

@@ -36,11 +36,12 @@ from hybridpar.data.windows import TokenWindows
 from hybridpar.device import pinned
 from hybridpar.models import generate
 from hybridpar.models.registry import takes_tokens
-from hybridpar.optim import local_optimizer, owned_parameters, zero_optimizer
+from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters, zero_optimizer
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.replicas import ReplicaMismatchError
 from hybridpar.pipeline.trace_report import TraceRequest, traced_step
+from hybridpar.precision import PARAM_DTYPES
 from hybridpar.tensor_parallel.random import (
     get_rng_state_all,
     model_parallel_manual_seed,
@@ -172,7 +173,7 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
                           schedule=par.schedule, virtual_stages=par.virtual_stages,
                           checkpoint=par.checkpoint, loss_fn=loss, tp_plan=par.tp_plan,
                           deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample,
-                          init_fn=init)
+                          init_fn=init, param_dtype=PARAM_DTYPES[config.train.param_dtype])
     if pretrained is not None:
         from hybridpar.hf import load_hf_shards
 
@@ -184,16 +185,21 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     return pipe
 
 
-def _optimizer(pipe: HybridPipe, config: Config) -> torch.optim.Optimizer:
+def _optimizer(pipe: HybridPipe, config: Config) -> Any:
     """AdamW over this rank's shards: weight decay on matrices, none on biases and norms;
-    with ``parallel.zero = 1`` and dp > 1 its state sharded over dp (`hybridpar.optim`)."""
+    with ``parallel.zero = 1`` and dp > 1 its state sharded over dp (`hybridpar.optim`); with
+    ``train.param_dtype = "bf16"`` over float32 master weights (`MasterWeights`)."""
     params = [p for p in pipe.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": config.train.weight_decay},
                           {"params": rest, "weight_decay": 0.0}) if g["params"]]
     topo = pipe.topology
-    if config.parallel.zero and topo.dp > 1:
+    shard = bool(config.parallel.zero) and topo.dp > 1
+    if config.train.param_dtype != "fp32":
+        return MasterWeights(groups, torch.optim.AdamW, group=topo.dp_group if shard else None,
+                             shard=shard, lr=config.train.lr)
+    if shard:
         return zero_optimizer(groups, torch.optim.AdamW, group=topo.dp_group,
                               lr=config.train.lr)
     if config.parallel.zero and topo.rank == 0:
@@ -240,10 +246,12 @@ class _Run:
         """Everything a resume needs, under layout-free keys (see `shards`)."""
         group = self._tp_group()
         tied = self.pipe.tied_aliases
+        masters = getattr(self.optimizer, "masters", None)   # bf16 weights: float32 values
         state: dict[str, Entry] = {
-            **model_entries(self.pipe, group, aliases=tied),
+            **model_entries(self.pipe, group, aliases=tied, masters=masters),
             **optimizer_entries(self.pipe, local_optimizer(self.optimizer), group,
-                                aliases=tied, owned=owned_parameters(self.optimizer))}
+                                aliases=tied, owned=owned_parameters(self.optimizer),
+                                masters=masters)}
         state.update(tie_entries(tied))   # lets an export give every tied name its tensor
         state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
         state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)
@@ -275,6 +283,8 @@ class _Run:
             if isinstance(self.batches, TokenWindows) else []
         state.update(allocate_like(metadata, ["layout", *saved_rng, *saved_id]))
         load_checkpoint(path, state)
+        if isinstance(self.optimizer, MasterWeights):   # the masters read: the weights follow
+            self.optimizer.copy_to_params()
         step = state["train/step"]
         assert isinstance(step, Tensor)
         self.step = int(step)
@@ -602,10 +612,14 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
         run.load(run_dir / "checkpoints" / f"step-{resume}")
     elif init_from is not None:
         run.init_from(init_from)
+        if isinstance(run.optimizer, MasterWeights):   # the masters from the loaded weights
+            run.optimizer.copy_from_params()
     start = run.step
     reporter = _Reporter(run, start=start, progress=progress)
     autocast = torch.autocast(run.pipe.device.type, dtype=torch.bfloat16,
                               enabled=cfg.precision == "bf16")
+    # bf16 weights take autocast to meet float inputs; float32 ones evaluate in float32
+    evaluating = autocast if cfg.param_dtype != "fp32" else contextlib.nullcontext()
     losses: list[float] = []
     evals: dict[int, float] = {}
     last = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
@@ -627,12 +641,14 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
                 losses.extend(r["loss"] for r in pending)
                 pending = []
             if evaluate:
-                evals[run.step] = record["eval_loss"] = _evaluate(run)
+                with evaluating:
+                    evals[run.step] = record["eval_loss"] = _evaluate(run)
             reporter.step(record, elapsed, log=show)
             if save:
                 run.save()
         reporter.close()
-        sample = _sample(run) if run.step == cfg.steps and start < run.step else None
+        with evaluating:
+            sample = _sample(run) if run.step == cfg.steps and start < run.step else None
         if sample is not None and run.reporter:
             (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
             log.info("sample:\n%s", sample)

@@ -1,0 +1,182 @@
+"""Master weights: the optimizer steps float32 copies of bf16 parameters, sharded over dp.
+
+With ``train.param_dtype = "bf16"`` the model holds bf16 weights and float32 gradients
+(``main_grad``, `hybridpar.precision`); `MasterWeights` keeps a float32 copy of each weight
+it owns (its master), hands the optimizer those copies with the float32 gradients, and
+writes each updated master back into its bf16 weight. With ``shard=True`` (``parallel.zero
+= 1``) the parameters are dealt to the dp ranks whole, as ZeRO-1 deals them (largest first,
+each to the rank holding the fewest elements so far, per parameter group): a rank keeps
+masters and optimizer state of its own only, and each rank then broadcasts the bf16 weights
+it updated, in one flat message:
+
+    per parameter (AdamW)    bf16 weight   float32 gradient   master + exp_avg + exp_avg_sq
+    zero 0                   2             4                  4 + 4 + 4 on every rank
+    zero 1                   2             4                  (4 + 4 + 4) / dp
+
+so 18 bytes at zero 0 and 6 + 12 / dp at zero 1 (the gradient buckets are the gradients).
+
+A checkpoint holds the masters as the model's values (``model/<name>``, float32, written by
+their owner), so it resumes under either param_dtype, any dp, zero and layout, and exports
+as a float32 run's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from hybridpar import trace
+from hybridpar.optim.zero import check_shardable
+from hybridpar.precision import grad_of, set_grad
+
+__all__ = ["MasterWeights", "deal"]
+
+
+def deal(groups: list[list[Tensor]], ranks: int) -> list[int]:
+    """The owner of each tensor of `groups` (flattened in order): group by group, largest
+    first, each to the rank holding the fewest elements so far over all groups (ties: the
+    lowest rank), as torch's ZeroRedundancyOptimizer deals them."""
+    owners: list[int] = []
+    load = [0] * ranks
+    for group in groups:
+        mine = [0] * len(group)
+        for k in sorted(range(len(group)), key=lambda k: -group[k].numel()):
+            rank = min(range(ranks), key=lambda r: load[r])
+            mine[k] = rank
+            load[rank] += group[k].numel()
+        owners.extend(mine)
+    return owners
+
+
+class MasterWeights:
+    """`optimizer_class` over float32 masters of `params` (tensors or parameter groups);
+    with `shard` and a dp `group` of several ranks, each rank holds the masters and state of
+    its own share (call it on every rank of the group with the same parameters in order).
+
+    ``step()`` reads each owned parameter's float32 gradient (`hybridpar.precision.grad_of`),
+    steps the masters, writes them into the parameters and, sharded, broadcasts each rank's
+    share. ``param_groups`` are the inner optimizer's (set ``lr`` there as usual).
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
+                 group: ProcessGroup | None = None, shard: bool = False,
+                 master_dtype: torch.dtype = torch.float32, **defaults: Any) -> None:
+        if not (isinstance(optimizer_class, type) and
+                issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
+                            f"{optimizer_class!r}")
+        if shard:
+            check_shardable(optimizer_class)
+        groups = _as_groups(params)
+        self.group = group
+        self.ranks = dist.get_world_size(group) if shard and group is not None else 1
+        self.rank = dist.get_rank(group) if self.ranks > 1 else 0
+        self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("a parameter is listed twice in the optimizer's parameters")
+        self.owners = deal([g["params"] for g in groups], self.ranks)
+        #: id(parameter) -> its float32 master (the parameters this rank owns)
+        self.masters: dict[int, nn.Parameter] = {}
+        inner = []
+        k = 0
+        for g in groups:
+            owned = []
+            for p in g["params"]:
+                if self.owners[k] == self.rank:
+                    master = nn.Parameter(p.detach().to(master_dtype, copy=True),
+                                          requires_grad=p.requires_grad)
+                    self.masters[id(p)] = master
+                    owned.append(master)
+                k += 1
+            inner.append({**{key: v for key, v in g.items() if key != "params"},
+                          "params": owned})
+        #: the optimizer over this rank's masters
+        self.optim = optimizer_class(inner, **defaults)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Mapping[Any, Any]:
+        """The inner optimizer's state, keyed by master."""
+        return self.optim.state
+
+    def master_of(self, param: Tensor) -> nn.Parameter | None:
+        """`param`'s master on this rank (None: another rank owns it)."""
+        return self.masters.get(id(param))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the model's gradients: float32 (``main_grad``) and bf16."""
+        for p in self.params:
+            if set_to_none:
+                set_grad(p, None)
+                p.grad = None
+                continue
+            for grad in (grad_of(p), p.grad):
+                if grad is not None:
+                    grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of the owned masters from the float32 gradients; the weights follow."""
+        for p in self.params:
+            master = self.masters.get(id(p))
+            if master is None:
+                continue
+            grad = grad_of(p)
+            master.grad = None if grad is None else grad.to(master.dtype).view_as(master)
+        self.optim.step()
+        for m in self.masters.values():
+            m.grad = None
+        self.copy_to_params()
+
+    @torch.no_grad()
+    def copy_to_params(self) -> None:
+        """Each owned master into its parameter (cast), then each rank's share broadcast
+        from it (one flat tensor per rank and dtype) when sharded."""
+        for p in self.params:
+            master = self.masters.get(id(p))
+            if master is not None:
+                p.copy_(master)
+        if self.ranks == 1:
+            return
+        assert self.group is not None
+        for owner in range(self.ranks):
+            share = [p for p, o in zip(self.params, self.owners) if o == owner]
+            for dtype in sorted({p.dtype for p in share}, key=str):
+                tensors = [p for p in share if p.dtype == dtype]
+                flat = torch.cat([p.reshape(-1) for p in tensors]) if owner == self.rank \
+                    else torch.empty(sum(p.numel() for p in tensors), dtype=dtype,
+                                     device=tensors[0].device)
+                with trace.collective("broadcast", flat.numel() * flat.element_size()):
+                    dist.broadcast(flat, src=dist.get_global_rank(self.group, owner),
+                                   group=self.group)
+                if owner != self.rank:
+                    offset = 0
+                    for p in tensors:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
+
+    @torch.no_grad()
+    def copy_from_params(self) -> None:
+        """Each owned master from its parameter (after the parameters were loaded)."""
+        for p in self.params:
+            master = self.masters.get(id(p))
+            if master is not None:
+                master.copy_(p)
+
+
+def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """`params` as a list of parameter groups (dicts with a "params" list)."""
+    items = list(params)
+    if not items:
+        raise ValueError("MasterWeights got an empty parameter list")
+    if all(isinstance(g, dict) for g in items):
+        return [{**g, "params": list(g["params"])} for g in items]
+    return [{"params": items}]
