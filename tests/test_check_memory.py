@@ -21,7 +21,9 @@ Two things make a process's resident set follow its live tensors, as the estimat
   step costs once (lazy imports, thread pools, gloo's buffers: ~28 MiB) is not the model's.
 
 Sizes where the model dominates: the quick-start gpt at C = 512, 4 layers, dp2 x pp2 (the dp
-gradient buckets, which hold the gradients: 25 MiB a rank), and an HF Llama
+gradient buckets, which hold the gradients: 25 MiB a rank) and at dp2 with bf16 weights and
+zero 1 (bf16 weights, float32 buckets, float32 masters and moments of half the parameters per
+rank), and an HF Llama
 (configs/llama_tiny.toml at width 512, MLP 1408, 8 / 4 heads) at pp2. The test asserts 10%.
 Not at tp > 1: fake CPU ranks stop at the vocab-parallel loss's host check of its targets
 (docs/check.md, limits), and the fake GPUs' numbers are a GPU's (foreach AdamW, fused
@@ -42,6 +44,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import hybridpar
 from hybridpar.train import load_config
@@ -60,6 +63,11 @@ CASES = {
     "gpt dp2 x pp2": ("quickstart.toml",
                       ["model.n_embd=512", "model.n_layer=4", "parallel.tp=1", "parallel.dp=2"],
                       ["model.n_embd=64"]),
+    "gpt bf16 weights dp2 zero1": ("quickstart.toml",
+                                   ["model.n_embd=512", "model.n_layer=4", "parallel.tp=1",
+                                    "parallel.pp=1", "parallel.dp=2", "parallel.zero=1",
+                                    "train.precision=bf16", "train.param_dtype=bf16"],
+                                   ["model.n_embd=64"]),
     "llama pp2": ("llama_tiny.toml",
                   ["model.hidden_size=512", "model.intermediate_size=1408",
                    "model.num_attention_heads=8", "model.num_key_value_heads=4", "parallel.tp=1"],
@@ -91,9 +99,12 @@ def _train(config, topo, *, measured: bool) -> int:
     before = _status("VmRSS")
     pipe = build_pipe(config, topo)
     optimizer = _optimizer(pipe, config)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16,
+                              enabled=config.train.precision == "bf16")
     for _ in range(2):
         optimizer.zero_grad(set_to_none=True)
-        pipe.train_step(x, y)
+        with autocast:
+            pipe.train_step(x, y)
         pipe.clip_grad_norm_(config.train.grad_clip or float("inf"))
         optimizer.step()
     peak = _status("VmHWM") - before
