@@ -1,35 +1,42 @@
-"""ZeRO-1 (`parallel.zero`): the state a rank holds per parameter, and what sharding costs in time.
+"""ZeRO-1 and bf16 weights: the state a rank holds per parameter, and what sharding costs in time.
 
-    python scripts/bench_zero.py [--dp 1 2 4] [--zero 0 1] [--time-dp 2] [--steps 30] [--warmup 5]
-        [--repeats 3] [--out results/bench_zero.json] [--smoke]
+    python scripts/bench_zero.py [--dp 1 2 4] [--zero 0 1] [--param-dtype fp32 bf16]
+        [--time-dp 2] [--steps 30] [--warmup 5] [--repeats 3] [--out results/bench_zero.json]
+        [--smoke]
 
 The model: the quick-start GPT (configs/quickstart.toml: n_embd 64, 4 layers, 4 heads, block
 64, batch 16, 4 micro-batches) at pp = 1, tp = 1, its ranks CPU gloo processes
 (`hybridpar.spawn`, one torch thread each), built and given their optimizer as `hybridpar run`
 does: `train.trainer.build_pipe(config, topo)`, then `train.trainer._optimizer(pipe, config)`
 (AdamW; at ``parallel.zero = 1`` and dp > 1 torch's `ZeroRedundancyOptimizer`, which deals
-whole parameters to the dp ranks: `hybridpar.optim.zero`).
+whole parameters to the dp ranks: `hybridpar.optim.zero`; with ``train.param_dtype = "bf16"``
+(and ``train.precision = "bf16"``) bf16 weights, float32 gradients and `MasterWeights`, which
+deals the float32 masters and moments the same way: `hybridpar.optim.master`).
 
 1. Memory. Each (dp, zero) runs one full training step on every rank (a batch of
    `make_batches(config, split="train", dp_rank, dp)`, `pipe.train_step(x, y)`,
    `optimizer.step()`), then `train.check_memory.held_bytes(pipe, optimizer)`; each column is
    bytes per trainable parameter of the rank (exact counts, no repeats):
 
-    column      bytes of                                    formula
-    params      parameters and buffers (fp32)               4
-    grads       gradients outside the dp buckets            4 at dp = 1, else 0
-    buckets     the dp buckets' flat buffers (dp > 1): the  0 at dp = 1, else 4
-                gradients are views of them
-    optimizer   AdamW's exp_avg and exp_avg_sq of the       zero 0: 8; zero 1: about 8 / dp
-                parameters the rank owns, plus one 4-byte   (whole parameters are dealt, so
-                `step` per owned tensor (on a CPU rank      a rank's share is uneven; their
-                torch keeps it on the device)               sum over the ranks is 8)
-    total       the four                                    zero 0: 16; zero 1: 4 + 4 + 8/dp
+    column      bytes of                                    fp32 weights     bf16 weights
+    params      parameters and buffers                      4                2
+    grads       gradients outside the dp buckets            4 at dp = 1,     0
+                                                            else 0
+    buckets     the dp buckets' flat buffers: the           0 at dp = 1,     4 (float32, at
+                gradients are views of them                 else 4           dp = 1 too)
+    optimizer   AdamW's exp_avg and exp_avg_sq (and the     zero 0: 8        zero 0: 12
+                float32 masters) of the parameters the      zero 1: ~8 / dp  zero 1: ~12 / dp
+                rank owns, plus one 4-byte `step` per
+                owned tensor (on a CPU rank torch keeps it
+                on the device); whole parameters are
+                dealt, so a rank's share is uneven
+    total       the four                                    16; 8 + 8/dp     18; 6 + 12/dp
 
    The worst rank (largest total) is shown with the spread of the totals over the ranks;
    "step counts" is what the `step` scalars add above the formula (4 bytes x tensors owned).
 
-2. Step time of zero = 1 against zero = 0 at dp = `--time-dp` (2): each repeat spawns the two
+2. Step time of zero = 1 against zero = 0 at dp = `--time-dp` (2), for each param dtype
+   (bf16 weights train under bf16 autocast, as ``hybridpar run`` does): each repeat spawns the two
    in turn (the order swapped every other repeat); a spawn runs `warmup` steps, then `steps`
    timed steps of zero_grad + batch + train_step + `pipe.clip_grad_norm_(1.0)` +
    `optimizer.step()`, each between two barriers (`bench.common.timed_round_robin`: BENCH.md),
@@ -60,9 +67,19 @@ COLUMNS = ("params", "grads", "buckets", "optimizer")
 SMOKE_MODEL = ["model.n_embd=16", "model.n_layer=1", "model.n_head=2", "model.block_size=16"]
 
 
-def _overrides(dp: int, zero: int, model: list[str]) -> list[str]:
+def _overrides(dp: int, zero: int, dtype: str, model: list[str]) -> list[str]:
+    precision = [] if dtype == "fp32" else [f"train.precision={dtype}",
+                                            f"train.param_dtype={dtype}"]
     return ["parallel.pp=1", "parallel.tp=1", f"parallel.dp={dp}", f"parallel.zero={zero}",
-            "parallel.timeout=300", *model]
+            "parallel.timeout=300", *precision, *model]
+
+
+def _autocast(config: Any) -> Any:
+    """The autocast `hybridpar run` trains under (bf16 precision: bf16 autocast)."""
+    import torch
+
+    return torch.autocast("cpu", dtype=torch.bfloat16,
+                          enabled=config.train.precision == "bf16")
 
 
 def _setup(overrides: list[str]) -> tuple[Any, Any, Any, Any]:
@@ -86,10 +103,11 @@ def _memory_rank(overrides: list[str]) -> dict[str, int]:
     from hybridpar.optim import local_optimizer, owned_parameters
     from hybridpar.train.check_memory import held_bytes, tensor_bytes
 
-    _, pipe, optimizer, batches = _setup(overrides)
+    config, pipe, optimizer, batches = _setup(overrides)
     x, y = batches.next_batch()
     optimizer.zero_grad(set_to_none=True)
-    pipe.train_step(x, y)
+    with _autocast(config):
+        pipe.train_step(x, y)
     optimizer.step()
     held = held_bytes(pipe, optimizer)
     trainable = [p for p in pipe.parameters() if p.requires_grad]
@@ -100,51 +118,61 @@ def _memory_rank(overrides: list[str]) -> dict[str, int]:
                owned_params=sum(p.numel() for p in trainable if id(p) in owned),
                owned_tensors=sum(1 for p in trainable if id(p) in owned),
                moments=tensor_bytes(v for s in state for k, v in s.items() if k != "step"),
+               masters=tensor_bytes(getattr(optimizer, "masters", {}).values()),
                step_counts=tensor_bytes(v for s in state for k, v in s.items() if k == "step"))
     pipe.close()
     return out
 
 
-def _formula(dp: int, zero: int) -> tuple[float, str]:
+def _formula(dp: int, zero: int, dtype: str) -> tuple[float, str]:
     """The bytes per parameter the issue's formulas give, and how they read."""
-    if zero == 0:
-        return 16.0, ("4 + 4 + 8 = 16" if dp == 1 else "4 + 4 (buckets hold the grads) + 8 = 16")
-    total = 4 + 4 + 8 / dp
-    return total, f"4 + 4{'' if dp == 1 else ' (buckets)'} + 8/{dp} = {total:g}"
+    weights, state = (4, 8) if dtype == "fp32" else (2, 12)
+    shards = dp if zero else 1
+    total = weights + 4 + state / shards
+    where = " (buckets)" if dp > 1 or dtype != "fp32" else ""
+    return total, f"{weights} + 4{where} + {state}{f'/{dp}' if shards > 1 else ''} = {total:g}"
 
 
-def memory(dps: list[int], zeros: list[int], model: list[str]) -> list[dict[str, Any]]:
+def memory(dps: list[int], zeros: list[int], dtypes: list[str], model: list[str]
+           ) -> list[dict[str, Any]]:
     rows = []
-    for dp in dps:
-        for zero in zeros:
-            ranks = hybridpar.spawn(_memory_rank, dp, args=(_overrides(dp, zero, model),),
-                                    timeout=600)
-            for r in ranks:
-                r["total"] = sum(r[k] for k in COLUMNS)
-            n = ranks[0]["n_params"]
-            worst = max(range(dp), key=lambda i: ranks[i]["total"])
-            formula, text = _formula(dp, zero)
-            rows.append({
-                "dp": dp, "zero": zero, "n_params": n, "n_tensors": ranks[0]["n_tensors"],
-                "ranks": ranks, "worst_rank": worst,
-                "per_param": {k: ranks[worst][k] / n
-                              for k in (*COLUMNS, "moments", "step_counts", "total")},
-                "total_per_param": spread([r["total"] / n for r in ranks]),
-                "formula": formula, "formula_text": text,
-            })
+    for dtype in dtypes:
+        rows += [_memory_row(dp, zero, dtype, model) for dp in dps for zero in zeros]
     return rows
+
+
+def _memory_row(dp: int, zero: int, dtype: str, model: list[str]) -> dict[str, Any]:
+    """One (dp, zero, param dtype): every rank's bytes after one step, the worst rank's per
+    parameter."""
+    ranks = hybridpar.spawn(_memory_rank, dp, args=(_overrides(dp, zero, dtype, model),),
+                            timeout=600)
+    for r in ranks:
+        r["total"] = sum(r[k] for k in COLUMNS)
+    n = ranks[0]["n_params"]
+    worst = max(range(dp), key=lambda i: ranks[i]["total"])
+    formula, text = _formula(dp, zero, dtype)
+    return {
+        "dp": dp, "zero": zero, "param_dtype": dtype, "n_params": n,
+        "n_tensors": ranks[0]["n_tensors"], "ranks": ranks, "worst_rank": worst,
+        "per_param": {k: ranks[worst][k] / n
+                      for k in (*COLUMNS, "moments", "masters", "step_counts", "total")},
+        "total_per_param": spread([r["total"] / n for r in ranks]),
+        "formula": formula, "formula_text": text,
+    }
 
 
 def _time_rank(overrides: list[str], warmup: int, steps: int) -> dict[str, Any]:
     """`steps` timed training steps after `warmup` (the slowest rank's median step)."""
     from bench.common import timed_round_robin
 
-    _, pipe, optimizer, batches = _setup(overrides)
+    config, pipe, optimizer, batches = _setup(overrides)
+    autocast = _autocast(config)
 
     def step() -> None:
         x, y = batches.next_batch()
         optimizer.zero_grad(set_to_none=True)
-        pipe.train_step(x, y)
+        with autocast:
+            pipe.train_step(x, y)
         pipe.clip_grad_norm_(1.0)
         optimizer.step()
 
@@ -153,17 +181,17 @@ def _time_rank(overrides: list[str], warmup: int, steps: int) -> dict[str, Any]:
     return {"step_s": timed["median"]}
 
 
-def step_time(dp: int, model: list[str], *, warmup: int, steps: int, repeats: int
-              ) -> dict[str, Any]:
+def step_time(dp: int, dtype: str, model: list[str], *, warmup: int, steps: int,
+              repeats: int) -> dict[str, Any]:
     samples: dict[int, list[float]] = {0: [], 1: []}
     for i in range(repeats):
         for zero in (0, 1) if i % 2 == 0 else (1, 0):
-            ranks = hybridpar.spawn(_time_rank, dp, args=(_overrides(dp, zero, model), warmup,
-                                                          steps), timeout=600)
+            ranks = hybridpar.spawn(_time_rank, dp, args=(_overrides(dp, zero, dtype, model),
+                                                          warmup, steps), timeout=600)
             samples[zero].append(ranks[0]["step_s"])   # the slowest rank's, on every rank
     ratios = [z1 / z0 for z0, z1 in zip(samples[0], samples[1])]
-    return {"dp": dp, "warmup": warmup, "steps": steps, "repeats": repeats,
-            "zero0_s": spread(samples[0]), "zero1_s": spread(samples[1]),
+    return {"dp": dp, "param_dtype": dtype, "warmup": warmup, "steps": steps,
+            "repeats": repeats, "zero0_s": spread(samples[0]), "zero1_s": spread(samples[1]),
             "ratio": spread(ratios)}
 
 
@@ -172,26 +200,29 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
         return f"{v:.3f}"
 
     return markdown_table(
-        ["dp", "zero", "params", "grads", "buckets", "optimizer", "total (worst rank)",
-         "formula", "step counts", "ranks' totals (min–max)", "spread"],
-        [[r["dp"], r["zero"], *(b(r["per_param"][k]) for k in COLUMNS),
+        ["weights", "dp", "zero", "params", "grads", "buckets", "optimizer",
+         "total (worst rank)", "formula", "step counts", "ranks' totals (min–max)", "spread"],
+        [[r["param_dtype"], r["dp"], r["zero"], *(b(r["per_param"][k]) for k in COLUMNS),
           f"**{b(r['per_param']['total'])}**", r["formula_text"],
           f"+{r['per_param']['step_counts']:.4f}",
           f"{b(r['total_per_param']['min'])}–{b(r['total_per_param']['max'])}",
           f"{r['total_per_param']['spread_pct']:.1f}%"] for r in rows])
 
 
-def time_table(t: dict[str, Any]) -> str:
+def time_table(times: list[dict[str, Any]]) -> str:
     return markdown_table(
-        ["dp", "zero 0 (ms / step)", "zero 1 (ms / step)", "zero 1 / zero 0", "repeats"],
-        [[t["dp"], fmt(t["zero0_s"], 1e3), fmt(t["zero1_s"], 1e3), fmt(t["ratio"], 1, 3),
-          t["repeats"]]])
+        ["weights", "dp", "zero 0 (ms / step)", "zero 1 (ms / step)", "zero 1 / zero 0",
+         "repeats"],
+        [[t["param_dtype"], t["dp"], fmt(t["zero0_s"], 1e3), fmt(t["zero1_s"], 1e3),
+          fmt(t["ratio"], 1, 3), t["repeats"]] for t in times])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4], help="memory rows' dp")
     p.add_argument("--zero", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    p.add_argument("--param-dtype", nargs="+", default=["fp32", "bf16"],
+                   choices=["fp32", "bf16"], help="train.param_dtype of the rows and times")
     p.add_argument("--time-dp", type=int, default=2, help="dp of the step-time comparison")
     p.add_argument("--steps", type=int, default=30, help="timed steps per spawn")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per spawn")
@@ -205,9 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = SMOKE_MODEL
         args.steps, args.warmup, args.repeats = 3, 1, 1
     started, load_before = time.perf_counter(), load()
-    rows = memory(args.dp, args.zero, model)
-    timing = step_time(args.time_dp, model, warmup=args.warmup, steps=args.steps,
-                       repeats=args.repeats)
+    rows = memory(args.dp, args.zero, args.param_dtype, model)
+    timing = [step_time(args.time_dp, dtype, model, warmup=args.warmup, steps=args.steps,
+                        repeats=args.repeats) for dtype in args.param_dtype]
     result = {"memory": rows, "step_time": timing, "model_overrides": model,
               "config": str(QUICKSTART.relative_to(ROOT)), "smoke": args.smoke,
               "machine": machine(), "load_before": load_before, "load_after": load(),
@@ -216,8 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"bytes per trainable parameter per rank ({n:,} parameters, "
           f"{rows[0]['n_tensors']} tensors), after one step:\n")
     print(memory_table(rows))
-    print(f"\nstep time at dp = {timing['dp']} (median of {timing['steps']} steps per spawn, "
-          f"median of {timing['repeats']} spawns each, ± half the range):\n")
+    print(f"\nstep time at dp = {args.time_dp} (median of {args.steps} steps per spawn, "
+          f"median of {args.repeats} spawns each, ± half the range):\n")
     print(time_table(timing))
     print(f"\nmachine: {result['machine']['processor']}, {result['machine']['cpus']} CPUs, "
           f"torch {result['machine']['torch']}; load {load_before} -> {result['load_after']}; "

@@ -1,7 +1,9 @@
-"""scripts/bench_zero.py runs end to end on a tiny GPT (its times mean nothing): every (dp, zero)
-row's bytes per parameter are the exact counts of the formulas (params 4, gradients 4 in the
-buckets at dp > 1, AdamW's moments 8 or, at zero = 1, 8 in all over the dp ranks, plus one
-4-byte `step` per tensor a rank owns), and both step times are measured."""
+"""scripts/bench_zero.py runs end to end on a tiny GPT (its times mean nothing): every
+(param dtype, dp, zero) row's bytes per parameter are the exact counts of the formulas (fp32:
+params 4, gradients 4 in the buckets at dp > 1, AdamW's moments 8; bf16 weights: params 2,
+float32 gradients 4 in the buckets at every dp, masters and moments 12; at zero = 1 the
+optimizer's part dealt over the dp ranks; plus one 4-byte `step` per tensor a rank owns), and
+every step time is measured."""
 
 from __future__ import annotations
 
@@ -18,37 +20,43 @@ def test_the_zero_benchmark_counts_the_formulas_exactly_and_times_both(tmp_path)
     done = subprocess.run([sys.executable, "scripts/bench_zero.py", "--smoke", "--out",
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "| dp | zero | params | grads | buckets | optimizer |" in done.stdout
+    assert "| weights | dp | zero | params | grads | buckets | optimizer |" in done.stdout
     assert "zero 1 / zero 0" in done.stdout
     result = json.loads(out.read_text())
     rows = result["memory"]
-    assert [(r["dp"], r["zero"]) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1), (4, 0),
-                                                     (4, 1)]
+    assert [(r["param_dtype"], r["dp"], r["zero"]) for r in rows] == [
+        (dtype, dp, zero) for dtype in ("fp32", "bf16") for dp in (1, 2, 4) for zero in (0, 1)]
     for r in rows:
         dp, zero, n, ranks = r["dp"], r["zero"], r["n_params"], r["ranks"]
+        weights, state = (4, 8) if r["param_dtype"] == "fp32" else (2, 12)
+        buckets = dp > 1 or r["param_dtype"] == "bf16"    # float32 gradients live in them
         assert len(ranks) == dp and n > 0
         for k in ranks:
-            assert k["n_params"] == n and k["params"] == 4 * n
-            assert (k["grads"], k["buckets"]) == ((4 * n, 0) if dp == 1 else (0, 4 * n))
-            assert k["optimizer"] == k["moments"] + k["step_counts"]
-            assert k["moments"] == 8 * k["owned_params"]
+            assert k["n_params"] == n and k["params"] == weights * n
+            assert (k["grads"], k["buckets"]) == ((0, 4 * n) if buckets else (4 * n, 0))
+            assert k["optimizer"] == k["moments"] + k["masters"] + k["step_counts"]
+            assert k["moments"] + k["masters"] == state * k["owned_params"]
             assert k["step_counts"] == 4 * k["owned_tensors"]
             assert k["total"] == k["params"] + k["grads"] + k["buckets"] + k["optimizer"]
-        if zero == 0 or dp == 1:   # every rank: 4 + 4 + 8 = 16, plus its step counts
-            assert r["formula"] == 16
+        if zero == 0 or dp == 1:   # every rank: weights + 4 + state, plus its step counts
+            assert r["formula"] == weights + 4 + state
             for k in ranks:
-                assert k["owned_params"] == n and k["total"] - k["step_counts"] == 16 * n
-        else:                      # 4 + 4 + 8/dp: the moments dealt over the ranks
-            assert r["formula"] == 4 + 4 + 8 / dp
-            assert sum(k["moments"] for k in ranks) == 8 * n
+                assert k["owned_params"] == n
+                assert k["total"] - k["step_counts"] == (weights + 4 + state) * n
+        else:                      # weights + 4 + state / dp: the state dealt over the ranks
+            assert r["formula"] == weights + 4 + state / dp
+            assert sum(k["moments"] + k["masters"] for k in ranks) == state * n
             assert all(0 < k["moments"] < 8 * n for k in ranks)
             assert sum(k["owned_tensors"] for k in ranks) == r["n_tensors"]
-            assert sum(k["total"] - k["step_counts"] for k in ranks) == (8 * dp + 8) * n
+            assert sum(k["total"] - k["step_counts"] for k in ranks) == \
+                ((weights + 4) * dp + state) * n
         worst = max(k["total"] for k in ranks)
         assert ranks[r["worst_rank"]]["total"] == worst
         assert r["per_param"]["total"] == worst / n
-    timing = result["step_time"]
-    assert timing["dp"] == 2 and timing["repeats"] == 1
-    assert timing["zero0_s"]["median"] > 0 and timing["zero1_s"]["median"] > 0
-    assert timing["ratio"]["median"] > 0
+    times = result["step_time"]
+    assert [(t["param_dtype"], t["dp"], t["repeats"]) for t in times] == [("fp32", 2, 1),
+                                                                           ("bf16", 2, 1)]
+    for t in times:
+        assert t["zero0_s"]["median"] > 0 and t["zero1_s"]["median"] > 0
+        assert t["ratio"]["median"] > 0
     assert result["machine"]["cpus"] >= 1 and result["smoke"] is True

@@ -3,8 +3,8 @@
 The mechanism is checked against its definition on one rank, bit for bit: a plain bf16 model
 whose micro-batch gradients are summed in float32 by hand and whose float32 copies AdamW
 steps. The trainer's bf16 runs (the tiny GPT of test_zero, and a tied GPT-2) then train at
-pp2 x dp2, tp2 x dp2 and pp2 x tp2 x dp2 as on one rank (float32 sums in another order: a
-bf16 weight may round the other way), zero = 1 exactly as zero = 0, near the float32 run;
+pp2 x dp2 (1F1B, and ZBV, whose W passes accumulate too), tp2 x dp2 and pp2 x tp2 x dp2 as on
+one rank (float32 sums in another order: a bf16 weight may round the other way), zero = 1 exactly as zero = 0, near the float32 run;
 each rank holds 2 + 4 bytes per parameter plus 12 per parameter it owns; a checkpoint holds
 the float32 masters and resumes at another dp, zero and param_dtype.
 """
@@ -100,7 +100,9 @@ def _cases():
              "1x1 fp32": (1, (config(*_layout(1, 1, 1, 0)),)),
              "tied 1x1": (1, (gpt2(1, 1, 0, precision="bf16", param_dtype="bf16"),)),
              "tied pp2 x dp2 zero1": (4, (gpt2(2, 2, 1, precision="bf16", param_dtype="bf16"),)),
-             "pp2 x tp2 x dp2 zero1": (8, (config(*BF16, *_layout(2, 2, 2, 1)),))}
+             "pp2 x tp2 x dp2 zero1": (8, (config(*BF16, *_layout(2, 2, 2, 1)),)),
+             "zbv pp2 x dp2 zero1": (4, (config(*BF16, *_layout(2, 1, 2, 1),
+                                               "parallel.schedule=zbv"),))}
     for name, (pp, tp, dp) in {"pp2 x dp2": (2, 1, 2), "tp2 x dp2": (1, 2, 2)}.items():
         for zero in (0, 1):
             cases[f"{name} zero{zero}"] = (4, (config(*BF16, *_layout(pp, tp, dp, zero)),))
@@ -116,7 +118,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["pp2 x dp2 zero0", "pp2 x dp2 zero1", "tp2 x dp2 zero0",
                                   "tp2 x dp2 zero1", "pp2 x tp2 x dp2 zero1",
-                                  "tied pp2 x dp2 zero1"])
+                                  "zbv pp2 x dp2 zero1", "tied pp2 x dp2 zero1"])
 def test_bf16_layouts_train_as_one_rank(runs, name):
     one = runs["tied 1x1" if name.startswith("tied") else "1x1"][0][0]
     losses = [r[0] for r in runs[name]]
