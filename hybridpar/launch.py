@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SpawnError", "SpawnTimeout", "free_port", "preload", "spawn"]
+__all__ = ["SpawnError", "SpawnTimeout", "free_port", "preload", "preloaded", "spawn"]
 
 # Children are forked from a server that has already imported torch: starting one costs
 # milliseconds instead of the seconds its imports take (torch; torch._dynamo, which the
@@ -43,6 +43,11 @@ def preload(*modules: str) -> None:
     """Have `spawn`'s forkserver import `modules` too, before it starts (e.g. a model family
     every rank imports): each rank then finds them imported. No effect once it runs."""
     _PRELOAD.extend(name for name in modules if name not in _PRELOAD)
+
+
+def preloaded() -> list[str]:
+    """The modules `spawn`'s forkserver imports before forking (`hybridpar run`'s too)."""
+    return list(_PRELOAD)
 
 
 class SpawnError(RuntimeError):

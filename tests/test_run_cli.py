@@ -148,7 +148,7 @@ def test_torchrun_runs_the_worker_module(tiny: Path, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
 def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: Path) -> None:
-    sets = ["--set", "train.steps=30", "--set", "model.dropout=0.1",   # long enough to kill
+    sets = ["--set", "train.steps=60", "--set", "model.dropout=0.1",   # long enough to kill
             "--set", "train.sample_tokens=0", "--set", "checkpoint.every=3"]
     run_dir = str(tmp_path / "killed")
     log = tmp_path / "agent.log"  # a file, not a pipe: nobody reads a pipe while it runs
@@ -166,10 +166,11 @@ def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: 
     agent.wait(timeout=120)
     output = log.read_text()
     assert agent.returncode == 0, output
-    # The agent names the failure with the earliest timestamp (whole seconds): the killed
-    # worker (SIGKILL, -9) or its peer, torn down (SIGTERM, -15) after its gloo connection
-    # reset, when that error file carries an earlier second.
-    assert "resumed from" in output and re.search(r"exitcode: -(9|15)\b", output), output
+    # The agent names the first failure it sees: the killed worker (SIGKILL, -9), its peer
+    # torn down (SIGTERM, -15), or the peer's own error naming the stage it lost (exit 1)
+    assert "resumed from" in output, output
+    assert re.search(r"exitcode: -(9|15)\b", output) or (
+        "exitcode: 1" in output and "lost stage" in output and "its process ended" in output)
 
     whole = _run("run", str(tiny), "--run-dir", "whole", *sets, cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr

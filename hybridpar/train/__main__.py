@@ -31,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from hybridpar.topology import ParallelDims, shutdown
     from hybridpar.train.config import ConfigError, load_config, load_resolved
+    from hybridpar.train.launcher import registered_worker
     from hybridpar.train.options import (
         add_run_options,
         add_worker_options,
@@ -66,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         request = request_trace(run_dir / "trace", step=args.trace_step)
     try:
-        train(config, run_dir, init_from=args.init_from, trace=request,
-              write_config=not args.resolved)
+        with registered_worker(run_dir, rank):
+            train(config, run_dir, init_from=args.init_from, trace=request,
+                  write_config=not args.resolved)
     finally:
         shutdown()
     if request is not None and not request.done and rank == 0:

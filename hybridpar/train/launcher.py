@@ -5,8 +5,14 @@
     hybridpar run CONFIG --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT
                                               WORLD / 2 workers here; node 0 hosts the store
 
-Each worker is ``python -m hybridpar.train CONFIG ...`` (`__main__.py`, wrapped in `@record`,
-so the first failure's traceback is reported by the agent). With ``--max-restarts N`` the
+Each worker runs ``hybridpar.train.__main__.main`` (``python -m hybridpar.train CONFIG ...``'s
+entry, wrapped in `@record`, so the first failure's traceback is reported by the agent), in a
+process forked from a server that imported torch, the trainer and, for an ``hf:`` model, its
+transformers family once (`_preload`): a worker starts in milliseconds instead of importing
+them itself (3-6 s of CPU each, every worker of a node at once), and the workers share those
+pages. The server imports, it never runs a kernel or touches a GPU, so forking it is safe.
+Each worker notes its pid in RUN_DIR/workers/ while it runs (`worker_pids`). With
+``--max-restarts N`` the
 agent restarts every worker after a failure, up to N times; each restart resumes from the
 latest complete checkpoint. The rendezvous store is not shared with the workers
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): stale addresses in a shared store broke restarts.
@@ -15,17 +21,20 @@ With no endpoint or a loopback one, the agent's store and the workers' listen on
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import logging
+import multiprocessing
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hybridpar.loopback import bind_host, is_loopback
 from hybridpar.train.config import Config, ConfigError, load_config, write_resolved
 
-__all__ = ["launch", "worker_args", "worker_pids"]
+__all__ = ["launch", "registered_worker", "worker_args", "worker_pids"]
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +42,9 @@ log = logging.getLogger(__name__)
 def worker_args(config_path: str, *, run_dir: Path, overrides: Sequence[str],
                 init_from: str | None, trace: bool = False,
                 trace_step: int | None = None, resolved: bool = False) -> list[str]:
-    """The command-line arguments of each worker after ``python`` (`resolved`: `config_path`
-    is the RUN_DIR/config.json the launcher wrote, read as it is)."""
-    args = ["-u", "-m", "hybridpar.train", config_path, "--run-dir", str(run_dir)]
+    """The arguments of each worker's ``main`` (after ``python -m hybridpar.train``;
+    `resolved`: `config_path` is the RUN_DIR/config.json the launcher wrote, read as it is)."""
+    args = [config_path, "--run-dir", str(run_dir)]
     if resolved:
         args.append("--resolved")
     for text in overrides:
@@ -47,6 +56,22 @@ def worker_args(config_path: str, *, run_dir: Path, overrides: Sequence[str],
     if trace_step is not None:
         args += ["--trace-step", str(trace_step)]
     return args
+
+
+def _preload(config: Config) -> list[str]:
+    """The modules the workers' fork server imports before forking them."""
+    from hybridpar.launch import preloaded
+
+    modules = preloaded()
+    name = config.model.name
+    if name.startswith("hf:"):
+        family = name.removeprefix("hf:")
+        modules += ["hybridpar.hf", "transformers.modeling_utils"]
+        module = f"transformers.models.{family}.modeling_{family}"
+        with contextlib.suppress(ImportError, ValueError):   # no such family: the config
+            if importlib.util.find_spec(module) is not None:  # check names it, not this
+                modules.append(module)
+    return modules
 
 
 def _world_size(config: Config) -> int:
@@ -122,13 +147,15 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
         run_id=f"hybridpar-{config.name}" if not single else f"hybridpar-{uuid.uuid4().hex[:8]}",
         rdzv_backend=backend, rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0, "rank": node_rank},
-        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.2, start_method="forkserver",
         local_addr=local_addr)
     args = worker_args(str(resolved), run_dir=folder, overrides=(), init_from=init_from,
                        trace=trace, trace_step=trace_step, resolved=True)
+    # started at the first worker's start, with the environment set above
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_preload(config))
     log.info("starting %d workers (%s) in %s", world // nnodes, config.name, folder)
     try:
-        elastic_launch(launch_config, sys.executable)(*args)
+        elastic_launch(launch_config, run_worker)(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -140,17 +167,49 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     return 0
 
 
+def run_worker(args: list[str]) -> None:
+    """A worker of `launch`: the worker's ``main(args)``; a non-zero status exits with it."""
+    from hybridpar.train.__main__ import main
+
+    status = main(args)
+    if status:
+        raise SystemExit(status)
+
+
+def _start_time(pid: int | str) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), or None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]   # field 22, counted after the command's name
+
+
+@contextlib.contextmanager
+def registered_worker(run_dir: Path, rank: int) -> Iterator[None]:
+    """While inside: RUN_DIR/workers/<rank>.pid holds this process's pid and start time
+    (`worker_pids` reads it; a file left by a killed worker names a process that is gone)."""
+    started = _start_time("self")
+    if started is None:   # no /proc: nothing to note
+        yield
+        return
+    path = run_dir / "workers" / f"{rank}.pid"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{os.getpid()} {started}\n")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def worker_pids(run_dir: str | os.PathLike[str]) -> list[int]:
-    """The pids of this machine's workers of the run in `run_dir` (read from /proc; Linux)."""
-    needle = str(run_dir).encode()
+    """The pids of this machine's running workers of the run in `run_dir` (from their pid
+    files, each checked against /proc: the same pid and start time; Linux)."""
     pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # the process ended while we looked
-            continue
-        if b"hybridpar.train" in argv and needle in argv:
-            pids.append(int(proc.name))
+    for path in (Path(run_dir) / "workers").glob("*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pid, started = path.read_text().split()
+            if _start_time(pid) == started:
+                pids.append(int(pid))
     return sorted(pids)
