@@ -4,9 +4,10 @@ The mechanism is checked against its definition on one rank, bit for bit: a plai
 whose micro-batch gradients are summed in float32 by hand and whose float32 copies AdamW
 steps. The trainer's bf16 runs (the tiny GPT of test_zero, and a tied GPT-2) then train at
 pp2 x dp2 (1F1B, and ZBV, whose W passes accumulate too), tp2 x dp2 and pp2 x tp2 x dp2 as on
-one rank (float32 sums in another order: a bf16 weight may round the other way), zero = 1 exactly as zero = 0, near the float32 run;
-each rank holds 2 + 4 bytes per parameter plus 12 per parameter it owns; a checkpoint holds
-the float32 masters and resumes at another dp, zero and param_dtype.
+one rank (float32 sums in another order: a bf16 weight may round the other way), zero = 1
+exactly as zero = 0, near the float32 run (and fp32 weights at zero = 1 over 8 ranks as on
+one); each rank holds 2 + 4 bytes per parameter plus 12 per parameter it owns; a checkpoint
+holds the float32 masters and resumes at another dp, zero and param_dtype.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def _cases():
              "tied 1x1": (1, (gpt2(1, 1, 0, precision="bf16", param_dtype="bf16"),)),
              "tied pp2 x dp2 zero1": (4, (gpt2(2, 2, 1, precision="bf16", param_dtype="bf16"),)),
              "pp2 x tp2 x dp2 zero1": (8, (config(*BF16, *_layout(2, 2, 2, 1)),)),
+             "fp32 pp2 x tp2 x dp2 zero1": (8, (config(*_layout(2, 2, 2, 1)),)),
              "zbv pp2 x dp2 zero1": (4, (config(*BF16, *_layout(2, 1, 2, 1),
                                                "parallel.schedule=zbv"),))}
     for name, (pp, tp, dp) in {"pp2 x dp2": (2, 1, 2), "tp2 x dp2": (1, 2, 2)}.items():
@@ -127,6 +129,11 @@ def test_bf16_layouts_train_as_one_rank(runs, name):
     # bf16 weights: float32 gradients summed in another order may round a weight the other
     # way (measured: at most 9e-5; the tie's copies not summed over stages: 3e-3)
     assert losses[0] == pytest.approx(one, rel=5e-4, abs=0)
+
+
+def test_fp32_zero_1_at_pp2_x_tp2_x_dp2_trains_as_one_rank(runs):
+    losses = runs["fp32 pp2 x tp2 x dp2 zero1"][0][0]
+    assert losses == pytest.approx(runs["1x1 fp32"][0][0], rel=1e-5, abs=0)
 
 
 @pytest.mark.parametrize("name", ["pp2 x dp2", "tp2 x dp2"])
