@@ -4,7 +4,9 @@ Copyright 2019-2020 Kakao Brain), ported to hybridpar's `balance_by_time` / `bal
 Adapted: the imports; the CUDA-only size tests run on the CPU (hybridpar measures what a
 layer's forward keeps alive until backward there too); `test_balance_by_size_param_scale`
 expects the exact split where torchgpipe's approximate solver is off (the numbers are in
-it); `test_already_has_grad` checks hybridpar's behaviour (profiling leaves existing
+it); `test_balance_by_time_loop_resets_input` accepts either split (its point is that no
+round feeds a layer's output back in; the split itself is timing); `test_already_has_grad`
+checks hybridpar's behaviour (profiling leaves existing
 gradients as they were) where torchgpipe refuses the model; the tests of what profiling
 leaves as it was (`test_sandbox_during_profiling`, `test_not_training`,
 `test_already_has_grad`, `test_balance_tuple`) profile for 0.1 s instead of the default 1 s
@@ -38,9 +40,12 @@ def test_balance_by_time():
 
 
 def test_balance_by_time_loop_resets_input():
+    # every profiling round starts again from the sample: the Linear's (10, 10) output fed
+    # back into the Conv2d would fail; which split the times give is timing (torchgpipe
+    # expects [1, 2], which a loaded machine flips), so any valid split passes
     model = nn.Sequential(nn.Conv2d(3, 2, 1), nn.Flatten(), nn.Linear(128, 10))
     sample = torch.rand(10, 3, 8, 8)
-    assert balance_by_time(2, model, sample, device="cpu") == [1, 2]
+    assert balance_by_time(2, model, sample, device="cpu") in ([1, 2], [2, 1])
 
 
 class Expand(nn.Module):
