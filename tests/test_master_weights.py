@@ -26,6 +26,7 @@ from hybridpar import HybridPipe
 from hybridpar.optim import MasterWeights, deal, optimizer_state_tensors, owned_parameters
 from hybridpar.precision import grad_of, set_grad
 from hybridpar.train import ConfigError
+from hybridpar.train.export import read_state
 from hybridpar.train.trainer import _optimizer, build_pipe, train
 
 TIMEOUT = 120
@@ -214,6 +215,12 @@ def test_a_bf16_zero_1_checkpoint_resumes_at_another_dp_zero_and_param_dtype(tmp
             assert losses == ref_losses[2:], name     # the masters resume exactly
         else:
             assert losses == pytest.approx(ref_losses[2:], rel=rel, abs=0), name
+    # what `hybridpar export` reads: every tensor of the model, float32 (the masters), with
+    # the names of a checkpoint of fp32 weights
+    bf16_state = read_state(step2)
+    fp32_state = read_state(tmp_path / "fp32-weights" / "checkpoints" / "step-4")
+    assert bf16_state.keys() == fp32_state.keys()
+    assert {v.dtype for v in bf16_state.values() if v.is_floating_point()} == {torch.float32}
 
 
 # bad input ------------------------------------------------------------------------------------
