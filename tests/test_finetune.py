@@ -117,8 +117,10 @@ def test_finetune_llama_config_trains_at_pp2_tp2_and_exports_a_generating_model(
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert sorted(losses) == list(range(1, steps + 1))
-    first, last = [losses[s] for s in (1, 2, 3)], [losses[s] for s in (steps - 2, steps - 1, steps)]
-    assert sum(last) < sum(first), losses   # the loss falls (means of 3: one batch is noisy)
+    # the loss falls, measured on the same held-out batch each time (the training batches'
+    # losses differ by more than 8 steps move them: the docs this test tokenizes change)
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert sorted(evals) == [4, 8] and evals[8] < evals[4], (evals, losses)
     resolved = json.loads((run_dir / "config.json").read_text())
     assert resolved["parallel"]["pp"] == 2 and resolved["parallel"]["tp"] == 2
 
