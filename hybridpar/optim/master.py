@@ -97,6 +97,14 @@ class MasterWeights:
                           "params": owned})
         #: the optimizer over this rank's masters
         self.optim = optimizer_class(inner, **defaults)
+        # fixed for the optimizer's life: (parameter, its master) here, and each broadcast of
+        # the update: (owner, its parameters of one dtype), in the same order on every rank
+        self._owned = [(p, self.masters[id(p)]) for p in self.params if id(p) in self.masters]
+        self._shares: list[tuple[int, list[nn.Parameter]]] = []
+        for owner in range(self.ranks if self.ranks > 1 else 0):
+            share = [p for p, o in zip(self.params, self.owners) if o == owner]
+            for dtype in sorted({p.dtype for p in share}, key=str):
+                self._shares.append((owner, [p for p in share if p.dtype == dtype]))
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -125,10 +133,7 @@ class MasterWeights:
     @torch.no_grad()
     def step(self) -> None:
         """One update of the owned masters from the float32 gradients; the weights follow."""
-        for p in self.params:
-            master = self.masters.get(id(p))
-            if master is None:
-                continue
+        for p, master in self._owned:
             grad = grad_of(p)
             master.grad = None if grad is None else grad.to(master.dtype).view_as(master)
         self.optim.step()
@@ -140,36 +145,27 @@ class MasterWeights:
     def copy_to_params(self) -> None:
         """Each owned master into its parameter (cast), then each rank's share broadcast
         from it (one flat tensor per rank and dtype) when sharded."""
-        for p in self.params:
-            master = self.masters.get(id(p))
-            if master is not None:
-                p.copy_(master)
-        if self.ranks == 1:
-            return
-        assert self.group is not None
-        for owner in range(self.ranks):
-            share = [p for p, o in zip(self.params, self.owners) if o == owner]
-            for dtype in sorted({p.dtype for p in share}, key=str):
-                tensors = [p for p in share if p.dtype == dtype]
-                flat = torch.cat([p.reshape(-1) for p in tensors]) if owner == self.rank \
-                    else torch.empty(sum(p.numel() for p in tensors), dtype=dtype,
-                                     device=tensors[0].device)
-                with trace.collective("broadcast", flat.numel() * flat.element_size()):
-                    dist.broadcast(flat, src=dist.get_global_rank(self.group, owner),
-                                   group=self.group)
-                if owner != self.rank:
-                    offset = 0
-                    for p in tensors:
-                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                        offset += p.numel()
+        for p, master in self._owned:
+            p.copy_(master)
+        for owner, tensors in self._shares:   # none unless sharded
+            assert self.group is not None
+            flat = torch.cat([p.reshape(-1) for p in tensors]) if owner == self.rank else \
+                torch.empty(sum(p.numel() for p in tensors), dtype=tensors[0].dtype,
+                            device=tensors[0].device)
+            with trace.collective("broadcast", flat.numel() * flat.element_size()):
+                dist.broadcast(flat, src=dist.get_global_rank(self.group, owner),
+                               group=self.group)
+            if owner != self.rank:
+                offset = 0
+                for p in tensors:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
 
     @torch.no_grad()
     def copy_from_params(self) -> None:
         """Each owned master from its parameter (after the parameters were loaded)."""
-        for p in self.params:
-            master = self.masters.get(id(p))
-            if master is not None:
-                master.copy_(p)
+        for p, master in self._owned:
+            master.copy_(p)
 
 
 def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
