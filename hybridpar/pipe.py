@@ -31,6 +31,7 @@ from hybridpar.pipeline.build import (
 from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
 from hybridpar.pipeline.failure import PipelineError
+from hybridpar.pipeline.grad_shards import ShardedGradBuckets
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.loss import LossShare
 from hybridpar.pipeline.lowering import lower
@@ -53,7 +54,7 @@ from hybridpar.pipeline.stage_module import StageModule
 from hybridpar.pipeline.step import StepResult
 from hybridpar.pipeline.tied import Tie, TiedGroups, aliases, detach_other_stages, find_ties
 from hybridpar.pipeline.virtual import RankStages
-from hybridpar.precision import cast_parameters
+from hybridpar.precision import cast_parameters, set_grad
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.tensor_parallel.attrs import (
     get_parallel_dim,
@@ -160,9 +161,10 @@ class HybridPipe(StageModule):
         self._partial = PartialGrads([p for _, p in mine], topo.tp_group if topo.tp > 1
                                      else None)
         # dp averaging in buckets launched during each step's last backward (no-op at dp=1)
-        self._dp_buckets = GradBuckets(list(local.parameters()),
-                                       topo.dp_group if topo.dp > 1 else None,
-                                       grad_dtype=None if param_dtype is None else torch.float32)
+        self._dp_buckets: GradBuckets | ShardedGradBuckets = GradBuckets(
+            list(local.parameters()), topo.dp_group if topo.dp > 1 else None,
+            grad_dtype=None if param_dtype is None else torch.float32)
+        self._grads_here: set[int] | None = None   # zero 2: ids of the parameters owned
         self._route_pairs = [(r.src, r.dst) for r in routes]
         self._programs: dict[tuple[int, bool], list[Any]] = {}
         self._executor, self._rank_stages = self._build_executors(routes, watchdog=watchdog)
@@ -328,11 +330,11 @@ class HybridPipe(StageModule):
             if self._partial:
                 with self._guard("the all-reduce over tp of the gradients of replicated "
                                  "parameters used on shards", self.topology.tp_group):
-                    self._partial.reduce()
+                    self._partial.reduce(only=self._grads_here)
             if self._ties:
                 with self._guard("the all-reduce of tied parameters' gradients over stages",
                                  self.topology.pp_group):
-                    self._ties.reduce()
+                    self._ties.reduce(only=self._grads_here)
             return self._loss.share(result.loss)
 
     @torch.no_grad()
@@ -471,7 +473,27 @@ class HybridPipe(StageModule):
         with self._communicating("clip_grad_norm_"):
             return clip.clip_grad_norm_(self.parameters(), max_norm, self.topology,
                                         guard=self._guard, not_counted=self._ties.not_counted,
-                                        norm_type=norm_type)
+                                        norm_type=norm_type,
+                                        sharded=self._grads_here is not None)
+
+    def shard_gradients(self, owners: Mapping[int, int]) -> None:
+        """ZeRO-2 from the next step on: each gradient is reduced to the dp rank `owners`
+        names (``id(parameter) -> dp rank``, the same on every rank; ties' copies and partial
+        replicas with one owner over their groups: `hybridpar.optim.gradient_owners`) and
+        lives there only (`pipeline.grad_shards`). No-op at dp = 1."""
+        topo = self.topology
+        if topo.dp == 1:
+            return
+        old = self._dp_buckets
+        params = old.params
+        old.remove()
+        for p in params:                 # the old buckets' views: dropped with them
+            set_grad(p, None)
+            p.grad = None
+        self._dp_buckets = ShardedGradBuckets(
+            params, topo.dp_group, [owners.get(id(p), 0) for p in params],
+            grad_dtype=old.grad_dtype)
+        self._grads_here = {id(p) for p in params if owners.get(id(p), 0) == topo.dp_rank}
 
     def check_replicas(self, *, atol: float = 0.0) -> float:
         """Raise `ReplicaMismatchError` on every rank if the copies of a replicated parameter
@@ -484,8 +506,9 @@ class HybridPipe(StageModule):
         if topo.tp > 1:
             groups.append(ReplicaGroup("tp", topo.tp_group, [
                 (n, p) for n, p in named if get_parallel_dim(p) is None]))
-        if topo.dp > 1:
-            groups.append(ReplicaGroup("dp", topo.dp_group, named))
+        if topo.dp > 1:   # zero 2: each gradient on its owner only, the values compared
+            groups.append(ReplicaGroup("dp", topo.dp_group, named,
+                                       grads=self._grads_here is None))
         name_of = {id(p): n for n, p in named}
         groups += [ReplicaGroup("tie", group, [(name_of[id(p)], p) for p in params])
                    for group, params in self._ties.groups]

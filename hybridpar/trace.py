@@ -12,6 +12,7 @@ Two independent tools, both leaves that import nothing else of hybridpar:
       all_reduce      the tensor reduced                                   one per collective
       all_gather      the gathered result (full, unpadded)                 one per collective
       reduce_scatter  the whole tensor before the scatter                  one per collective
+      reduce          the tensor reduced to one rank (zero 2's gradients)  one per collective
       broadcast       the tensor broadcast                                 one per collective
 
   Counted where they happen: `comm` (P2P), `tensor_parallel.mappings` and `.loss` (tp
@@ -99,7 +100,7 @@ def reset_comm_stats() -> None:
 
 KINDS = ("step", "forward", "backward", "recompute", "send", "recv", "wait", "collective",
          "weight")
-OPS = ("", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "other")
+OPS = ("", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "other", "reduce")
 # One event is one row of int64s, so that rank 0 can gather them as a tensor:
 COLUMNS = ("kind", "op", "stage", "microbatch", "peer", "channel", "nbytes", "start", "end")
 _KIND_ID = {k: i for i, k in enumerate(KINDS)}

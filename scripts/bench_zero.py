@@ -1,6 +1,6 @@
-"""ZeRO-1 and bf16 weights: the state a rank holds per parameter, and what sharding costs in time.
+"""ZeRO-1 / 2 and bf16 weights: the state a rank holds per parameter, and what sharding costs.
 
-    python scripts/bench_zero.py [--dp 1 2 4] [--zero 0 1] [--param-dtype fp32 bf16]
+    python scripts/bench_zero.py [--dp 1 2 4] [--zero 0 1 2] [--param-dtype fp32 bf16]
         [--time-dp 2] [--steps 30] [--warmup 5] [--repeats 3] [--out results/bench_zero.json]
         [--smoke]
 
@@ -11,7 +11,9 @@ does: `train.trainer.build_pipe(config, topo)`, then `train.trainer._optimizer(p
 (AdamW; at ``parallel.zero = 1`` and dp > 1 torch's `ZeroRedundancyOptimizer`, which deals
 whole parameters to the dp ranks: `hybridpar.optim.zero`; with ``train.param_dtype = "bf16"``
 (and ``train.precision = "bf16"``) bf16 weights, float32 gradients and `MasterWeights`, which
-deals the float32 masters and moments the same way: `hybridpar.optim.master`).
+deals the float32 masters and moments the same way: `hybridpar.optim.master`; at
+``parallel.zero = 2`` `MasterWeights` in both dtypes, and each gradient reduced to its owner
+only: `hybridpar.pipeline.grad_shards`).
 
 1. Memory. Each (dp, zero) runs one full training step on every rank (a batch of
    `make_batches(config, split="train", dp_rank, dp)`, `pipe.train_step(x, y)`,
@@ -23,25 +25,31 @@ deals the float32 masters and moments the same way: `hybridpar.optim.master`).
     grads       gradients outside the dp buckets            4 at dp = 1,     0
                                                             else 0
     buckets     the dp buckets' flat buffers: the           0 at dp = 1,     4 (float32, at
-                gradients are views of them                 else 4           dp = 1 too)
+                gradients are views of them (zero 2: the    else 4;          dp = 1 too);
+                rank's own parameters' only)                zero 2: ~4 / dp  zero 2: ~4 / dp
     optimizer   AdamW's exp_avg and exp_avg_sq (and the     zero 0: 8        zero 0: 12
-                float32 masters) of the parameters the      zero 1: ~8 / dp  zero 1: ~12 / dp
-                rank owns, plus one 4-byte `step` per
+                float32 masters) of the parameters the      zero 1, 2:       zero 1, 2:
+                rank owns, plus one 4-byte `step` per       ~8 / dp          ~12 / dp
                 owned tensor (on a CPU rank torch keeps it
                 on the device); whole parameters are
                 dealt, so a rank's share is uneven
-    total       the four                                    16; 8 + 8/dp     18; 6 + 12/dp
+    total       the four                                    16; 8 + 8/dp;    18; 6 + 12/dp;
+                                                            4 + 12/dp        2 + 16/dp
+
+   Not in the table: zero 2's staging buffers (a bucket being filled and one reduce in flight,
+   at most 2 x 25 MiB: `grad_shards`), alive during the backward only.
 
    The worst rank (largest total) is shown with the spread of the totals over the ranks;
    "step counts" is what the `step` scalars add above the formula (4 bytes x tensors owned).
 
-2. Step time of zero = 1 against zero = 0 at dp = `--time-dp` (2), for each param dtype
+2. Step time of zero = 1 and 2 against zero = 0 at dp = `--time-dp` (2), for each param dtype
    (bf16 weights train under bf16 autocast, as ``hybridpar run`` does): each repeat spawns the two
    in turn (the order swapped every other repeat); a spawn runs `warmup` steps, then `steps`
    timed steps of zero_grad + batch + train_step + `pipe.clip_grad_norm_(1.0)` +
    `optimizer.step()`, each between two barriers (`bench.common.timed_round_robin`: BENCH.md),
    and reports the median step of its slowest rank. Reported: the median over the repeats of
-   each and of the per-repeat ratio zero1 / zero0, with the spread ((max - min) / median).
+   each and of the per-repeat ratios zero1 / zero0 and zero2 / zero0, with the spread
+   ((max - min) / median).
 
 Prints both tables, writes the numbers as JSON with the machine and its load. `--smoke` runs a
 tiny model, one repeat and a few steps: it checks the script, not the speed.
@@ -118,7 +126,7 @@ def _memory_rank(overrides: list[str]) -> dict[str, int]:
                owned_params=sum(p.numel() for p in trainable if id(p) in owned),
                owned_tensors=sum(1 for p in trainable if id(p) in owned),
                moments=tensor_bytes(v for s in state for k, v in s.items() if k != "step"),
-               masters=tensor_bytes(getattr(optimizer, "masters", {}).values()),
+               masters=tensor_bytes(optimizer.copies() if hasattr(optimizer, "copies") else []),
                step_counts=tensor_bytes(v for s in state for k, v in s.items() if k == "step"))
     pipe.close()
     return out
@@ -128,9 +136,12 @@ def _formula(dp: int, zero: int, dtype: str) -> tuple[float, str]:
     """The bytes per parameter the issue's formulas give, and how they read."""
     weights, state = (4, 8) if dtype == "fp32" else (2, 12)
     shards = dp if zero else 1
-    total = weights + 4 + state / shards
+    grads = 4 / dp if zero == 2 else 4
+    total = weights + grads + state / shards
     where = " (buckets)" if dp > 1 or dtype != "fp32" else ""
-    return total, f"{weights} + 4{where} + {state}{f'/{dp}' if shards > 1 else ''} = {total:g}"
+    per = f"/{dp}" if shards > 1 else ""
+    text = f"{weights} + 4{per if zero == 2 else ''}{where} + {state}{per} = {total:g}"
+    return total, text
 
 
 def memory(dps: list[int], zeros: list[int], dtypes: list[str], model: list[str]
@@ -183,16 +194,17 @@ def _time_rank(overrides: list[str], warmup: int, steps: int) -> dict[str, Any]:
 
 def step_time(dp: int, dtype: str, model: list[str], *, warmup: int, steps: int,
               repeats: int) -> dict[str, Any]:
-    samples: dict[int, list[float]] = {0: [], 1: []}
+    samples: dict[int, list[float]] = {0: [], 1: [], 2: []}
     for i in range(repeats):
-        for zero in (0, 1) if i % 2 == 0 else (1, 0):
+        for zero in (0, 1, 2) if i % 2 == 0 else (2, 1, 0):
             ranks = hybridpar.spawn(_time_rank, dp, args=(_overrides(dp, zero, dtype, model),
                                                           warmup, steps), timeout=600)
             samples[zero].append(ranks[0]["step_s"])   # the slowest rank's, on every rank
-    ratios = [z1 / z0 for z0, z1 in zip(samples[0], samples[1])]
+    ratios = {z: [t / t0 for t0, t in zip(samples[0], samples[z])] for z in (1, 2)}
     return {"dp": dp, "param_dtype": dtype, "warmup": warmup, "steps": steps,
             "repeats": repeats, "zero0_s": spread(samples[0]), "zero1_s": spread(samples[1]),
-            "ratio": spread(ratios)}
+            "zero2_s": spread(samples[2]), "ratio": spread(ratios[1]),
+            "ratio2": spread(ratios[2])}
 
 
 def memory_table(rows: list[dict[str, Any]]) -> str:
@@ -211,16 +223,17 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
 
 def time_table(times: list[dict[str, Any]]) -> str:
     return markdown_table(
-        ["weights", "dp", "zero 0 (ms / step)", "zero 1 (ms / step)", "zero 1 / zero 0",
-         "repeats"],
+        ["weights", "dp", "zero 0 (ms / step)", "zero 1 (ms / step)", "zero 2 (ms / step)",
+         "zero 1 / zero 0", "zero 2 / zero 0", "repeats"],
         [[t["param_dtype"], t["dp"], fmt(t["zero0_s"], 1e3), fmt(t["zero1_s"], 1e3),
-          fmt(t["ratio"], 1, 3), t["repeats"]] for t in times])
+          fmt(t["zero2_s"], 1e3), fmt(t["ratio"], 1, 3), fmt(t["ratio2"], 1, 3), t["repeats"]]
+         for t in times])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4], help="memory rows' dp")
-    p.add_argument("--zero", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
     p.add_argument("--param-dtype", nargs="+", default=["fp32", "bf16"],
                    choices=["fp32", "bf16"], help="train.param_dtype of the rows and times")
     p.add_argument("--time-dp", type=int, default=2, help="dp of the step-time comparison")

@@ -2,8 +2,9 @@
 (param dtype, dp, zero) row's bytes per parameter are the exact counts of the formulas (fp32:
 params 4, gradients 4 in the buckets at dp > 1, AdamW's moments 8; bf16 weights: params 2,
 float32 gradients 4 in the buckets at every dp, masters and moments 12; at zero = 1 the
-optimizer's part dealt over the dp ranks; plus one 4-byte `step` per tensor a rank owns), and
-every step time is measured."""
+optimizer's part dealt over the dp ranks, at zero = 2 the gradients too (each rank's buckets
+hold its own parameters' only); plus one 4-byte `step` per tensor a rank owns), and every
+step time is measured."""
 
 from __future__ import annotations
 
@@ -21,19 +22,23 @@ def test_the_zero_benchmark_counts_the_formulas_exactly_and_times_both(tmp_path)
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| weights | dp | zero | params | grads | buckets | optimizer |" in done.stdout
-    assert "zero 1 / zero 0" in done.stdout
+    assert "zero 1 / zero 0" in done.stdout and "zero 2 / zero 0" in done.stdout
     result = json.loads(out.read_text())
     rows = result["memory"]
     assert [(r["param_dtype"], r["dp"], r["zero"]) for r in rows] == [
-        (dtype, dp, zero) for dtype in ("fp32", "bf16") for dp in (1, 2, 4) for zero in (0, 1)]
+        (dtype, dp, zero) for dtype in ("fp32", "bf16") for dp in (1, 2, 4) for zero in (0, 1, 2)]
     for r in rows:
         dp, zero, n, ranks = r["dp"], r["zero"], r["n_params"], r["ranks"]
         weights, state = (4, 8) if r["param_dtype"] == "fp32" else (2, 12)
         buckets = dp > 1 or r["param_dtype"] == "bf16"    # float32 gradients live in them
         assert len(ranks) == dp and n > 0
+        sharded_grads = zero == 2 and dp > 1
         for k in ranks:
             assert k["n_params"] == n and k["params"] == weights * n
-            assert (k["grads"], k["buckets"]) == ((0, 4 * n) if buckets else (4 * n, 0))
+            if sharded_grads:    # float32 gradients of the parameters it owns only
+                assert (k["grads"], k["buckets"]) == (0, 4 * k["owned_params"])
+            else:
+                assert (k["grads"], k["buckets"]) == ((0, 4 * n) if buckets else (4 * n, 0))
             assert k["optimizer"] == k["moments"] + k["masters"] + k["step_counts"]
             assert k["moments"] + k["masters"] == state * k["owned_params"]
             assert k["step_counts"] == 4 * k["owned_tensors"]
@@ -43,6 +48,12 @@ def test_the_zero_benchmark_counts_the_formulas_exactly_and_times_both(tmp_path)
             for k in ranks:
                 assert k["owned_params"] == n
                 assert k["total"] - k["step_counts"] == (weights + 4 + state) * n
+        elif sharded_grads:        # weights + (4 + state) / dp: state and gradients dealt
+            assert r["formula"] == weights + (4 + state) / dp
+            assert sum(k["moments"] + k["masters"] for k in ranks) == state * n
+            assert sum(k["buckets"] for k in ranks) == 4 * n
+            assert sum(k["total"] - k["step_counts"] for k in ranks) == \
+                (weights * dp + 4 + state) * n
         else:                      # weights + 4 + state / dp: the state dealt over the ranks
             assert r["formula"] == weights + 4 + state / dp
             assert sum(k["moments"] + k["masters"] for k in ranks) == state * n
@@ -57,6 +68,6 @@ def test_the_zero_benchmark_counts_the_formulas_exactly_and_times_both(tmp_path)
     assert [(t["param_dtype"], t["dp"], t["repeats"]) for t in times] == [("fp32", 2, 1),
                                                                            ("bf16", 2, 1)]
     for t in times:
-        assert t["zero0_s"]["median"] > 0 and t["zero1_s"]["median"] > 0
-        assert t["ratio"]["median"] > 0
+        assert min(t[f"zero{z}_s"]["median"] for z in (0, 1, 2)) > 0
+        assert t["ratio"]["median"] > 0 and t["ratio2"]["median"] > 0
     assert result["machine"]["cpus"] >= 1 and result["smoke"] is True

@@ -23,7 +23,8 @@ Two things make a process's resident set follow its live tensors, as the estimat
 Sizes where the model dominates: the quick-start gpt at C = 512, 4 layers, dp2 x pp2 (the dp
 gradient buckets, which hold the gradients: 25 MiB a rank) and at dp2 with bf16 weights and
 zero 1 (bf16 weights, float32 buckets, float32 masters and moments of half the parameters per
-rank), and an HF Llama
+rank), at dp2 with zero 2 (each rank's gradient buffers of half the parameters, the staging
+buffers of the reduces in flight), and an HF Llama
 (configs/llama_tiny.toml at width 512, MLP 1408, 8 / 4 heads) at pp2. The test asserts 10%.
 Not at tp > 1: fake CPU ranks stop at the vocab-parallel loss's host check of its targets
 (docs/check.md, limits), and the fake GPUs' numbers are a GPU's (foreach AdamW, fused
@@ -68,6 +69,10 @@ CASES = {
                                     "parallel.pp=1", "parallel.dp=2", "parallel.zero=1",
                                     "train.precision=bf16", "train.param_dtype=bf16"],
                                    ["model.n_embd=64"]),
+    "gpt dp2 zero2": ("quickstart.toml",
+                      ["model.n_embd=512", "model.n_layer=4", "parallel.tp=1", "parallel.pp=1",
+                       "parallel.dp=2", "parallel.zero=2"],
+                      ["model.n_embd=64"]),
     "llama pp2": ("llama_tiny.toml",
                   ["model.hidden_size=512", "model.intermediate_size=1408",
                    "model.num_attention_heads=8", "model.num_key_value_heads=4", "parallel.tp=1"],
@@ -186,6 +191,16 @@ def test_the_dp_buckets_hold_the_gradients_and_are_counted_once(results):
         assert estimate["buckets"] > 0
         # without them the estimate would miss the gradients: more than 10% under
         assert peak - (estimate["peak"] - estimate["buckets"]) > 0.1 * peak
+
+
+def test_zero_2_holds_the_gradients_of_half_the_parameters(results):
+    dry, _ = results
+    for whole, half in zip(dry["gpt dp2 x pp2"], dry["gpt dp2 zero2"]):
+        assert half["grads"] == 0                             # views of its own buckets
+        assert abs(2 * half["buckets"] - half["params"]) < 0.05 * half["params"]
+        assert 0 <= half["optimizer"] - 2 * half["buckets"] < 1024   # moments of those
+    assert sum(r["buckets"] for r in dry["gpt dp2 zero2"]) == \
+        sum(r["params"] for r in dry["gpt dp2 zero2"]) // 2
 
 
 def test_a_7b_llama_is_checked_without_allocating_its_weights(results):

@@ -1,10 +1,11 @@
-"""parallel.zero = 1: the optimizer state sharded over dp trains as zero = 0 and reshards.
+"""parallel.zero = 1 and 2: optimizer state (and gradients) sharded over dp train as zero = 0
+and reshard.
 
 A tiny GPT (4 blocks, n_embd 32) on the embedded corpus, AdamW with weight decay on matrices
-(two parameter groups) and clipping, on gloo ranks: every layout's zero = 1 run has the losses
-of its zero = 0 run and each rank holds about 1 / dp of the optimizer state; a checkpoint of
-zero = 1 at dp = 2 resumes at dp = 1, at zero = 0 and under another pp with the losses of the
-uninterrupted run.
+(two parameter groups) and clipping, on gloo ranks: every layout's zero = 1 and 2 runs have
+the losses of its zero = 0 run and each rank holds about 1 / dp of the optimizer state; a
+checkpoint of zero = 1 at dp = 2 resumes at dp = 1, dp = 4 (zero 2), zero = 0 and under
+another pp x tp with the losses of the uninterrupted run, and one of zero = 2 at dp = 1.
 """
 
 from __future__ import annotations
@@ -96,10 +97,10 @@ def runs(tmp_path_factory):
     """Each layout at zero = 0 and 1 on one set of 4 ranks; zbv; a tied GPT-2 over 2 stages."""
     cases = {}
     for name, (pp, tp, dp) in LAYOUTS.items():
-        for zero in (0, 1):
+        for zero in (0, 1, 2):
             folder = tmp_path_factory.mktemp(f"{name.replace(' ', '')}-zero{zero}")
             cases[(name, zero)] = (config(*_layout(pp, tp, dp, zero)), str(folder))
-    for zero in (0, 1):
+    for zero in (0, 1, 2):
         folder = tmp_path_factory.mktemp(f"zbv-zero{zero}")
         cases[("zbv pp2 x dp2", zero)] = (config(*_layout(2, 1, 2, zero, "zbv")), str(folder))
         folder = tmp_path_factory.mktemp(f"gpt2-zero{zero}")
@@ -107,9 +108,10 @@ def runs(tmp_path_factory):
     return spawn_cases(_train, 4, cases, timeout=TIMEOUT * 3)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("name", [*LAYOUTS, "zbv pp2 x dp2", "tied gpt2 pp2 x dp2"])
-def test_zero_1_trains_with_the_losses_of_zero_0(runs, name):
-    plain, sharded = runs[(name, 0)], runs[(name, 1)]
+def test_zero_1_and_2_train_with_the_losses_of_zero_0(runs, name, zero):
+    plain, sharded = runs[(name, 0)], runs[(name, zero)]
     losses = [r[0] for r in sharded]
     assert all(loss == losses[0] for loss in losses)
     assert len(losses[0]) == 4
@@ -128,13 +130,13 @@ def test_each_dp_rank_holds_its_part_of_the_optimizer_state():
     assert max(owned) < 0.6 * sum(owned)                      # about half each
 
 
-def test_a_zero_1_checkpoint_resumes_at_another_dp_zero_and_pp(tmp_path):
+def test_a_zero_1_checkpoint_resumes_at_another_dp_zero_and_pp_x_tp(tmp_path):
     ref = tmp_path / "ref"
     (ref_losses, _), _ = spawn_cases(_train, 2, {"ref": (config(*_layout(1, 1, 2, 1)),
                                                          str(ref))}, timeout=TIMEOUT)["ref"]
     step2 = str(ref / "checkpoints" / "step-2")
-    cases = {"dp1 zero0": (1, _layout(1, 1, 1, 0)), "dp2 zero0": (2, _layout(1, 1, 2, 0)),
-             "pp2 dp2 zero1": (4, _layout(2, 1, 2, 1))}
+    cases = {"dp1 zero0": (1, _layout(1, 1, 1, 0)), "dp4 zero2": (4, _layout(1, 1, 4, 2)),
+             "pp2 x tp2": (4, _layout(2, 2, 1, 0)), "pp2 dp2 zero1": (4, _layout(2, 1, 2, 1))}
     for name, (ranks, overrides) in cases.items():
         folder = tmp_path / name.replace(" ", "-")
         shutil.copytree(step2, folder / "checkpoints" / "step-2")
@@ -145,11 +147,21 @@ def test_a_zero_1_checkpoint_resumes_at_another_dp_zero_and_pp(tmp_path):
         assert losses == pytest.approx(ref_losses[2:], abs=1e-5, rel=0), name
 
 
+def test_a_zero_2_checkpoint_resumes_at_dp_1_and_zero_0(tmp_path):
+    ref = tmp_path / "ref"
+    (ref_losses, _), _ = spawn_cases(_train, 2, {"ref": (config(*_layout(1, 1, 2, 2)),
+                                                         str(ref))}, timeout=TIMEOUT)["ref"]
+    folder = tmp_path / "dp1"
+    shutil.copytree(ref / "checkpoints" / "step-2", folder / "checkpoints" / "step-2")
+    losses, start = hybridpar.spawn(_train, 1, args=(config(*_layout(1, 1, 1, 0)), str(folder)),
+                                    timeout=TIMEOUT)[0]
+    assert start == 2
+    assert losses == pytest.approx(ref_losses[2:], abs=1e-5, rel=0)
+
+
 def test_zero_levels_and_unshardable_optimizers_are_refused():
-    with pytest.raises(ConfigError, match=r"parallel.zero must be one of 0, 1 .* got 2; 2 "
-                                          r"\(gradients reduce-scattered into the shard\) is "
-                                          r"not implemented"):
-        config("parallel.zero=2")
+    with pytest.raises(ConfigError, match=r"parallel.zero must be one of 0, 1, 2 .* got 3"):
+        config("parallel.zero=3")
     with pytest.raises(ConfigError, match=r"parallel\.zero must be >= 0"):
         config("parallel.zero=-1")
     with pytest.raises(ValueError, match="LBFGS cannot be sharded over data parallelism"):

@@ -4,16 +4,22 @@ With ``train.param_dtype = "bf16"`` the model holds bf16 weights and float32 gra
 (``main_grad``, `hybridpar.precision`); `MasterWeights` keeps a float32 copy of each weight
 it owns (its master), hands the optimizer those copies with the float32 gradients, and
 writes each updated master back into its bf16 weight. With ``shard=True`` (``parallel.zero
-= 1``) the parameters are dealt to the dp ranks whole, as ZeRO-1 deals them (largest first,
-each to the rank holding the fewest elements so far, per parameter group): a rank keeps
-masters and optimizer state of its own only, and each rank then broadcasts the bf16 weights
-it updated, in one flat message:
+>= 1``) the parameters are dealt to the dp ranks whole, as ZeRO-1 deals them (largest first,
+each to the rank holding the fewest elements so far, per parameter group; or by `owners`): a
+rank keeps masters and optimizer state of its own only, and each rank then broadcasts the
+weights it updated, in one flat message. A float32 (or float64) weight is its own master (no
+copy): so
+`MasterWeights` is also the fp32 optimizer of ``zero = 2``, whose gradients only the owner
+holds (`pipeline.grad_shards`):
 
-    per parameter (AdamW)    bf16 weight   float32 gradient   master + exp_avg + exp_avg_sq
-    zero 0                   2             4                  4 + 4 + 4 on every rank
-    zero 1                   2             4                  (4 + 4 + 4) / dp
+    per parameter (AdamW)    weight   float32 gradient   master + exp_avg + exp_avg_sq
+    bf16, zero 0             2        4                  4 + 4 + 4 on every rank
+    bf16, zero 1             2        4                  (4 + 4 + 4) / dp
+    bf16, zero 2             2        4 / dp             (4 + 4 + 4) / dp
+    fp32, zero 2             4        4 / dp             (the weight) + (4 + 4) / dp
 
-so 18 bytes at zero 0 and 6 + 12 / dp at zero 1 (the gradient buckets are the gradients).
+so 18 bytes at zero 0, 6 + 12 / dp at zero 1, 2 + 16 / dp at zero 2 (bf16) and 4 + 12 / dp
+(fp32; the gradient buckets are the gradients).
 
 A checkpoint holds the masters as the model's values (``model/<name>``, float32, written by
 their owner), so it resumes under either param_dtype, any dp, zero and layout, and exports
@@ -22,7 +28,7 @@ as a float32 run's does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,18 +43,32 @@ from hybridpar.precision import grad_of, set_grad
 __all__ = ["MasterWeights", "deal"]
 
 
-def deal(groups: list[list[Tensor]], ranks: int) -> list[int]:
+def deal(groups: list[list[Tensor]], ranks: int, *, pinned: Mapping[int, int] | None = None,
+         sizes: Mapping[int, int] | None = None) -> list[int]:
     """The owner of each tensor of `groups` (flattened in order): group by group, largest
     first, each to the rank holding the fewest elements so far over all groups (ties: the
-    lowest rank), as torch's ZeroRedundancyOptimizer deals them."""
-    owners: list[int] = []
+    lowest rank), as torch's ZeroRedundancyOptimizer deals them. `pinned` (``id`` -> rank)
+    fixes some owners beforehand (their elements count first); `sizes` (``id`` -> elements)
+    replaces a tensor's ``numel`` in the dealing."""
+    pinned = pinned or {}
+    sizes = sizes or {}
+
+    def size(t: Tensor) -> int:
+        return sizes.get(id(t), t.numel())
+
     load = [0] * ranks
     for group in groups:
-        mine = [0] * len(group)
-        for k in sorted(range(len(group)), key=lambda k: -group[k].numel()):
+        for t in group:
+            if id(t) in pinned:
+                load[pinned[id(t)]] += size(t)
+    owners: list[int] = []
+    for group in groups:
+        mine = [pinned.get(id(t), 0) for t in group]
+        free = [k for k in range(len(group)) if id(group[k]) not in pinned]
+        for k in sorted(free, key=lambda k: -size(group[k])):
             rank = min(range(ranks), key=lambda r: load[r])
             mine[k] = rank
-            load[rank] += group[k].numel()
+            load[rank] += size(group[k])
         owners.extend(mine)
     return owners
 
@@ -65,6 +85,7 @@ class MasterWeights:
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
                  group: ProcessGroup | None = None, shard: bool = False,
+                 owners: Sequence[int] | None = None,
                  master_dtype: torch.dtype = torch.float32, **defaults: Any) -> None:
         if not (isinstance(optimizer_class, type) and
                 issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -79,8 +100,13 @@ class MasterWeights:
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("a parameter is listed twice in the optimizer's parameters")
-        self.owners = deal([g["params"] for g in groups], self.ranks)
-        #: id(parameter) -> its float32 master (the parameters this rank owns)
+        if owners is not None and (not shard or len(owners) != len(self.params)):
+            raise ValueError(f"owners (one dp rank per parameter, {len(self.params)} here) "
+                             f"need shard=True, got {len(owners)} with shard={shard}")
+        self.owners = list(owners) if owners is not None and self.ranks > 1 else \
+            deal([g["params"] for g in groups], self.ranks)
+        #: id(parameter) -> its float32 master (the parameters this rank owns); a parameter
+        #: of `master_dtype` already is its own master
         self.masters: dict[int, nn.Parameter] = {}
         inner = []
         k = 0
@@ -88,8 +114,8 @@ class MasterWeights:
             owned = []
             for p in g["params"]:
                 if self.owners[k] == self.rank:
-                    master = nn.Parameter(p.detach().to(master_dtype, copy=True),
-                                          requires_grad=p.requires_grad)
+                    master = p if _is_own_master(p, master_dtype) else nn.Parameter(
+                        p.detach().to(master_dtype, copy=True), requires_grad=p.requires_grad)
                     self.masters[id(p)] = master
                     owned.append(master)
                 k += 1
@@ -99,7 +125,8 @@ class MasterWeights:
         self.optim = optimizer_class(inner, **defaults)
         # fixed for the optimizer's life: (parameter, its master) here, and each broadcast of
         # the update: (owner, its parameters of one dtype), in the same order on every rank
-        self._owned = [(p, self.masters[id(p)]) for p in self.params if id(p) in self.masters]
+        self._owned = [(p, self.masters[id(p)]) for p in self.params
+                       if id(p) in self.masters and self.masters[id(p)] is not p]
         self._shares: list[tuple[int, list[nn.Parameter]]] = []
         for owner in range(self.ranks if self.ranks > 1 else 0):
             share = [p for p, o in zip(self.params, self.owners) if o == owner]
@@ -114,6 +141,10 @@ class MasterWeights:
     def state(self) -> Mapping[Any, Any]:
         """The inner optimizer's state, keyed by master."""
         return self.optim.state
+
+    def copies(self) -> list[nn.Parameter]:
+        """The masters that are copies (of lower weights), not the parameters themselves."""
+        return [master for _, master in self._owned]
 
     def master_of(self, param: Tensor) -> nn.Parameter | None:
         """`param`'s master on this rank (None: another rank owns it)."""
@@ -137,14 +168,15 @@ class MasterWeights:
             grad = grad_of(p)
             master.grad = None if grad is None else grad.to(master.dtype).view_as(master)
         self.optim.step()
-        for m in self.masters.values():
-            m.grad = None
+        for _, master in self._owned:
+            master.grad = None
         self.copy_to_params()
 
     @torch.no_grad()
     def copy_to_params(self) -> None:
-        """Each owned master into its parameter (cast), then each rank's share broadcast
-        from it (one flat tensor per rank and dtype) when sharded."""
+        """Each owned master into its parameter (cast; a parameter that is its own master
+        already holds it), then each rank's share broadcast from it (one flat tensor per rank
+        and dtype) when sharded."""
         for p, master in self._owned:
             p.copy_(master)
         for owner, tensors in self._shares:   # none unless sharded
@@ -166,6 +198,12 @@ class MasterWeights:
         """Each owned master from its parameter (after the parameters were loaded)."""
         for p, master in self._owned:
             master.copy_(p)
+
+
+def _is_own_master(param: Tensor, master_dtype: torch.dtype) -> bool:
+    """Whether `param` is precise enough to be stepped as it is (float32, float64)."""
+    return not param.is_floating_point() or param.dtype == master_dtype or \
+        torch.finfo(param.dtype).bits > torch.finfo(master_dtype).bits
 
 
 def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 __all__ = ["ZERO_LEVELS", "check_shardable", "local_optimizer", "optimizer_state_tensors",
            "owned_parameters", "zero_optimizer"]
 
-ZERO_LEVELS = (0, 1)     # parallel.zero: 0 = replicated state, 1 = state sharded over dp
+ZERO_LEVELS = (0, 1, 2)  # parallel.zero: 0 = replicated, 1 = state sharded over dp, 2 = and grads
 
 # optimizers whose step needs every parameter at once (a closure over the whole model)
 _UNSHARDABLE = (torch.optim.LBFGS,)
@@ -84,8 +84,9 @@ def owned_parameters(optimizer: Any) -> set[int]:
 
 
 def optimizer_state_tensors(optimizer: Any) -> list[Tensor]:
-    """Every tensor of this rank's optimizer state (`MasterWeights`: the masters too)."""
+    """Every tensor of this rank's optimizer state (`MasterWeights`: the masters that are
+    copies too)."""
     local = local_optimizer(optimizer)
-    masters = list(getattr(optimizer, "masters", {}).values())
+    masters = optimizer.copies() if hasattr(optimizer, "copies") else []
     return [*masters, *(t for s in local.state.values() for t in s.values()
                         if isinstance(t, Tensor))]

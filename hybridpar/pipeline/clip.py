@@ -6,7 +6,8 @@
     a tie's copy on a later stage    not at all (the first owning stage counts it)
 
 The sum is all-reduced over tp, then over pp (dp replicas hold equal gradients after their
-reduction). The scale min(1, max_norm / norm) stays a tensor: no host synchronisation.
+reduction; at zero 2 each holds its share of them, and the sum is all-reduced over dp too).
+The scale min(1, max_norm / norm) stays a tensor: no host synchronisation.
 
 A few kernels, not a few per parameter: the gradients are grouped by (device, dtype, weight)
 and each group takes one `torch._foreach_norm` (float64 accumulation) and one stack of its
@@ -34,11 +35,12 @@ __all__ = ["clip_grad_norm_", "local_square_sum"]
 
 def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, topology: Topology, *,
                     guard: Guard, not_counted: Collection[int] = (),
-                    norm_type: float = 2.0) -> Tensor:
+                    norm_type: float = 2.0, sharded: bool = False) -> Tensor:
     """Scale the gradients of `params` so that their global norm is at most `max_norm`.
 
     Returns the norm before clipping (float32). `not_counted`: ids of parameters another
-    stage counts (copies of a tie).
+    stage counts (copies of a tie). `sharded`: each gradient lives on one dp rank (zero 2),
+    so the sum is all-reduced over dp too.
     """
     if norm_type != 2.0:
         raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type="
@@ -55,6 +57,10 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, topology: T
         with trace.collective("all_reduce", nbytes), guard(
                 "the all-reduce of the gradient norm over pp", topology.pp_group):
             dist.all_reduce(total, group=topology.pp_group)
+    if sharded and topology.dp > 1:
+        with trace.collective("all_reduce", nbytes), guard(
+                "the all-reduce of the gradient norm over dp", topology.dp_group):
+            dist.all_reduce(total, group=topology.dp_group)
     norm = total.sqrt()
     # in float64, so float64 models clip as on one device; a multiply by 1.0 leaves a
     # gradient as it was

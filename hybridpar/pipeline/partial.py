@@ -17,7 +17,7 @@ full activations costs nothing: with none on a rank, no collective is issued.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,10 +41,13 @@ class PartialGrads:
     def __bool__(self) -> bool:
         return bool(self.params)
 
-    def reduce(self) -> None:
-        """Sum every gradient over tp (`sum_grads`); no collective when there are none."""
-        if self.params:
-            sum_grads(self.params, self.group)
+    def reduce(self, *, only: Container[int] | None = None) -> None:
+        """Sum every gradient over tp (`sum_grads`); no collective when there are none.
+        `only`: the ids of the parameters whose gradients this rank holds (zero 2; the same
+        on every tp rank), the others skipped."""
+        params = self.params if only is None else [p for p in self.params if id(p) in only]
+        if params:
+            sum_grads(params, self.group)
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from hybridpar import trace
 from hybridpar.precision import MAIN_GRAD, grad_of, set_grad
 
-__all__ = ["GradBuckets"]
+__all__ = ["GradBuckets", "bucket_layout", "grad_dtype_of", "is_view"]
 
 # Bucket order and launch rule. Buckets are cut once, from the parameters in reverse
 # registration order (the order backward usually finishes them), one open bucket per
@@ -71,7 +71,7 @@ class GradBuckets:
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
         self.grad_dtype = grad_dtype
-        self._buckets = _layout(self.params, bucket_bytes, grad_dtype)
+        self._buckets = bucket_layout(self.params, bucket_bytes, grad_dtype)
         self._flats: list[Tensor | None] = [None] * len(self._buckets)
         self._unused: set[int] = set()          # attached from None, not accumulated since
         self._works: list[Work] = []
@@ -85,7 +85,7 @@ class GradBuckets:
         self._lock = threading.Lock()           # hooks may run on per-device autograd threads
         self._handles: list[RemovableHandle] = []
         #: parameters whose gradient accumulates in ``main_grad`` (of `grad_dtype`)
-        self._main = {i for i in self._where if self.params[i].dtype != _dtype(
+        self._main = {i for i in self._where if self.params[i].dtype != grad_dtype_of(
             self.params[i], grad_dtype)}
         for i in self._main:
             setattr(self.params[i], MAIN_GRAD, None)
@@ -123,7 +123,7 @@ class GradBuckets:
                     if grad is None:
                         view.zero_()
                         self._unused.add(i)
-                    elif not _is_view(grad, view):
+                    elif not is_view(grad, view):
                         view.copy_(grad)
                     set_grad(p, view)
                     if i in self._main and p.grad is not None:   # set from outside: fold it
@@ -135,8 +135,8 @@ class GradBuckets:
         params = [self.params[i] for i in self._buckets[b]]
         flat = self._flats[b]
         if flat is None:
-            flat = torch.empty(sum(p.numel() for p in params),
-                               dtype=_dtype(params[0], self.grad_dtype), device=params[0].device)
+            flat = torch.empty(sum(p.numel() for p in params), device=params[0].device,
+                               dtype=grad_dtype_of(params[0], self.grad_dtype))
             self._flats[b] = flat
         views, offset = [], 0
         for i, p in zip(self._buckets[b], params, strict=True):
@@ -231,7 +231,7 @@ class GradBuckets:
             grad = grad_of(p)
             if grad is None:                    # unused this step: zeros, and stays None
                 view.zero_()
-            elif not _is_view(grad, view):
+            elif not is_view(grad, view):
                 view.copy_(grad)
                 set_grad(p, view)
         flat = self._flats[b]
@@ -243,30 +243,31 @@ class GradBuckets:
         self._launched = b + 1
 
 
-def _is_view(grad: Tensor, view: Tensor) -> bool:
+def is_view(grad: Tensor, view: Tensor) -> bool:
     """Whether `grad` is `view` (the same memory, shape and strides)."""
     return (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
             and grad.stride() == view.stride())
 
 
-def _dtype(param: Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
+def grad_dtype_of(param: Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype `param`'s gradient accumulates in: `grad_dtype` for a floating parameter."""
     return grad_dtype if grad_dtype is not None and param.is_floating_point() else param.dtype
 
 
-def _layout(params: list[nn.Parameter], bucket_bytes: int,
-            grad_dtype: torch.dtype | None = None) -> list[list[int]]:
-    """Buckets of parameter indices: reverse order, per (gradient dtype, device), up to
-    `bucket_bytes`."""
+def bucket_layout(params: list[nn.Parameter], bucket_bytes: int,
+            grad_dtype: torch.dtype | None = None,
+            owners: Sequence[int] | None = None) -> list[list[int]]:
+    """Buckets of parameter indices: reverse order, per (gradient dtype, device, and owner
+    when `owners` gives one per parameter), up to `bucket_bytes`."""
     first: dict[int, int] = {}                  # a parameter listed twice counts once
     for i, p in enumerate(params):
         if p.requires_grad:
             first.setdefault(id(p), i)
     buckets: list[list[int]] = []
-    open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    open_: dict[tuple[torch.dtype, torch.device, int], tuple[list[int], int]] = {}
     for i in sorted(first.values(), reverse=True):
         p = params[i]
-        key = (_dtype(p, grad_dtype), p.device)
+        key = (grad_dtype_of(p, grad_dtype), p.device, 0 if owners is None else owners[i])
         nbytes = p.numel() * key[0].itemsize
         bucket, used = open_.get(key, ([], 0))
         if not bucket or used + nbytes > bucket_bytes:

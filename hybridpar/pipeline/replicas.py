@@ -60,6 +60,7 @@ class ReplicaGroup:
     kind: str                               # "tp", "dp" or "tie"
     group: ProcessGroup
     params: list[tuple[str, nn.Parameter]]
+    grads: bool = True                      # compare gradients too (not when dp-sharded)
 
 
 def _chunks(tensors: Sequence[tuple[str, Tensor]]) -> Iterator[list[tuple[str, Tensor]]]:
@@ -107,7 +108,7 @@ def check_replicas(groups: Sequence[ReplicaGroup], *, rank: int, world: int,
     for g in groups:
         ranks = dist.get_process_group_ranks(g.group)
         values = [(name, p) for name, p in g.params if p.is_floating_point()]
-        grads = [(name, grad_or_zeros(p)) for name, p in values]
+        grads = [(name, grad_or_zeros(p)) for name, p in values] if g.grads else []
         with guard(f"the replica check over {g.kind}", g.group):
             spreads = [(d, name, "values") for d, name in _spreads(values, g.group)] + \
                 [(d, name, "gradients") for d, name in _spreads(grads, g.group)]

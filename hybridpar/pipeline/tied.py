@@ -23,7 +23,7 @@ one tensor with one gradient; split over stages, each owning stage keeps its own
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,14 +153,17 @@ class TiedGroups:
             for p in params:
                 dist.broadcast(p.data, owner, group=group)
 
-    def reduce(self) -> None:
+    def reduce(self, *, only: Container[int] | None = None) -> None:
         """Sum the gradients of every tie over its owners, one all-reduce per group.
 
         A copy without a gradient (its stage did not use it this step) adds zeros and gets
-        the sum.
+        the sum. `only`: the ids of the copies whose gradients this rank holds (zero 2: a
+        tie's copies have one dp owner on every stage), the others skipped.
         """
         for group, _, params in self._groups:
-            sum_grads(params, group)
+            mine = params if only is None else [p for p in params if id(p) in only]
+            if mine:
+                sum_grads(mine, group)
 
 
 def check_kept(before: Mapping[int, list[str]], module: nn.Module) -> None:

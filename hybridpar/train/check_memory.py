@@ -86,7 +86,7 @@ __all__ = [
 ]
 
 GiB = 2**30
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
 _P2P = ("p2p_send", "p2p_recv")   # payloads: every step's (headers: new shapes only)
 
 

@@ -109,7 +109,8 @@ class ParallelConfig:
     # as copies are on CPU / gloo; non-deterministic GPU kernels may need a small tolerance
     zero: int = 0                 # 0: every dp replica holds the optimizer state; 1: each holds
     # the state of 1 / dp of the parameters, and broadcasts them after its update (ZeRO-1,
-    # `hybridpar.optim.zero`: AdamW 16 -> 8 + 8 / dp bytes per parameter in fp32)
+    # `hybridpar.optim.zero`: AdamW 16 -> 8 + 8 / dp bytes per parameter in fp32); 2: and
+    # only their gradients, reduced to it each micro-batch (`pipeline.grad_shards`: 4 + 12 / dp)
 
 
 @dataclass(frozen=True)

@@ -135,9 +135,8 @@ def check_layout(cfg: Config, where: Where) -> Config:
     _check_pack(cfg, where)
     if par.zero not in ZERO_LEVELS:
         raise where.error(f"parallel.zero must be one of {', '.join(map(str, ZERO_LEVELS))} "
-                          f"(0: the optimizer state on every dp replica, 1: sharded over dp), "
-                          f"got {par.zero}; 2 (gradients reduce-scattered into the shard) is not "
-                          "implemented", "parallel.zero")
+                          f"(0: the optimizer state on every dp replica, 1: sharded over dp, "
+                          f"2: the gradients too), got {par.zero}", "parallel.zero")
     if train.param_dtype != "fp32" and train.precision != train.param_dtype:
         raise where.error(f"train.param_dtype={train.param_dtype!r} needs train.precision="
                           f"{train.param_dtype!r} (the layers compute under autocast with "

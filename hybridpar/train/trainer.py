@@ -36,7 +36,7 @@ from hybridpar.data.windows import TokenWindows
 from hybridpar.device import pinned
 from hybridpar.models import generate
 from hybridpar.models.registry import takes_tokens
-from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters, zero_optimizer
+from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters, pipe_optimizer
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.replicas import ReplicaMismatchError
@@ -187,25 +187,20 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
 
 def _optimizer(pipe: HybridPipe, config: Config) -> Any:
     """AdamW over this rank's shards: weight decay on matrices, none on biases and norms;
-    with ``parallel.zero = 1`` and dp > 1 its state sharded over dp (`hybridpar.optim`); with
-    ``train.param_dtype = "bf16"`` over float32 master weights (`MasterWeights`)."""
+    with ``parallel.zero`` >= 1 and dp > 1 its state (and at 2 the gradients) sharded over
+    dp, over float32 master weights of bf16 ones (`hybridpar.optim.pipe_optimizer`)."""
     params = [p for p in pipe.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": config.train.weight_decay},
                           {"params": rest, "weight_decay": 0.0}) if g["params"]]
-    topo = pipe.topology
-    shard = bool(config.parallel.zero) and topo.dp > 1
-    if config.train.param_dtype != "fp32":
-        return MasterWeights(groups, torch.optim.AdamW, group=topo.dp_group if shard else None,
-                             shard=shard, lr=config.train.lr)
-    if shard:
-        return zero_optimizer(groups, torch.optim.AdamW, group=topo.dp_group,
-                              lr=config.train.lr)
-    if config.parallel.zero and topo.rank == 0:
-        log.warning("parallel.zero = %d at dp = 1: nothing to shard, the optimizer state is "
-                    "whole on every rank", config.parallel.zero)
-    return torch.optim.AdamW(groups, lr=config.train.lr)
+    zero = config.parallel.zero
+    if zero and pipe.topology.dp == 1:
+        if pipe.topology.rank == 0:
+            log.warning("parallel.zero = %d at dp = 1: nothing to shard, the optimizer state "
+                        "is whole on every rank", zero)
+        zero = 0
+    return pipe_optimizer(pipe, torch.optim.AdamW, groups, zero=zero, lr=config.train.lr)
 
 
 class _Run:
