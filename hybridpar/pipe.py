@@ -165,6 +165,9 @@ class HybridPipe(StageModule):
             list(local.parameters()), topo.dp_group if topo.dp > 1 else None,
             grad_dtype=None if param_dtype is None else torch.float32)
         self._grads_here: set[int] | None = None   # zero 2: ids of the parameters owned
+        #: called before the parameters are read outside a forward (the replica check): a
+        #: sharded optimizer's update still on the wire (`optim.update_broadcast`)
+        self.param_waiters: list[Callable[[], None]] = []
         self._route_pairs = [(r.src, r.dst) for r in routes]
         self._programs: dict[tuple[int, bool], list[Any]] = {}
         self._executor, self._rank_stages = self._build_executors(routes, watchdog=watchdog)
@@ -500,6 +503,8 @@ class HybridPipe(StageModule):
         (over tp, over dp, a tie's copies over stages) differ, in values or gradients, by
         more than `atol`; call it on every rank after a `train_step` (`pipeline.replicas`).
         Returns the largest difference."""
+        for wait in self.param_waiters:
+            wait()
         topo = self.topology
         named = list(dict(self.named_parameters()).items())
         groups = []

@@ -60,12 +60,12 @@ def pipe_optimizer(pipe: HybridPipe, optimizer_class: type[torch.optim.Optimizer
         owners = gradient_owners(pipe, groups)
         optimizer = MasterWeights(groups, optimizer_class, group=topo.dp_group, shard=True,
                                   owners=[owners[id(p)] for g in groups for p in g["params"]],
-                                  **defaults)
+                                  module=pipe, **defaults)
         pipe.shard_gradients(owners)
         return optimizer
     if lower:
         return MasterWeights(groups, optimizer_class, group=topo.dp_group if shard else None,
-                             shard=shard, **defaults)
+                             shard=shard, module=pipe, **defaults)
     if shard:
         return zero_optimizer(groups, optimizer_class, group=topo.dp_group, **defaults)
     return optimizer_class(groups, **defaults)

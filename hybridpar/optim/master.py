@@ -7,8 +7,8 @@ writes each updated master back into its bf16 weight. With ``shard=True`` (``par
 >= 1``) the parameters are dealt to the dp ranks whole, as ZeRO-1 deals them (largest first,
 each to the rank holding the fewest elements so far, per parameter group; or by `owners`): a
 rank keeps masters and optimizer state of its own only, and each rank then broadcasts the
-weights it updated, in one flat message. A float32 (or float64) weight is its own master (no
-copy): so
+weights it updated, in place, overlapped with the next step's forwards when given the module
+(`optim.update_broadcast`). A float32 (or float64) weight is its own master (no copy): so
 `MasterWeights` is also the fp32 optimizer of ``zero = 2``, whose gradients only the owner
 holds (`pipeline.grad_shards`):
 
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar import trace
+from hybridpar.optim.update_broadcast import UpdateBroadcast
 from hybridpar.optim.zero import check_shardable
 from hybridpar.precision import grad_of, set_grad
 
@@ -85,7 +85,7 @@ class MasterWeights:
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
                  group: ProcessGroup | None = None, shard: bool = False,
-                 owners: Sequence[int] | None = None,
+                 owners: Sequence[int] | None = None, module: nn.Module | None = None,
                  master_dtype: torch.dtype = torch.float32, **defaults: Any) -> None:
         if not (isinstance(optimizer_class, type) and
                 issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -123,15 +123,23 @@ class MasterWeights:
                           "params": owned})
         #: the optimizer over this rank's masters
         self.optim = optimizer_class(inner, **defaults)
-        # fixed for the optimizer's life: (parameter, its master) here, and each broadcast of
-        # the update: (owner, its parameters of one dtype), in the same order on every rank
+        # fixed for the optimizer's life: (parameter, its master) here
         self._owned = [(p, self.masters[id(p)]) for p in self.params
                        if id(p) in self.masters and self.masters[id(p)] is not p]
-        self._shares: list[tuple[int, list[nn.Parameter]]] = []
-        for owner in range(self.ranks if self.ranks > 1 else 0):
-            share = [p for p, o in zip(self.params, self.owners) if o == owner]
-            for dtype in sorted({p.dtype for p in share}, key=str):
-                self._shares.append((owner, [p for p in share if p.dtype == dtype]))
+        #: sharded: the update's broadcast, in `module`'s parameter order when given, whose
+        #: layers then wait for their own parameters only (`optim.update_broadcast`)
+        self.broadcast: UpdateBroadcast | None = None
+        if self.ranks > 1:
+            assert group is not None
+            owner_of = {id(p): o for p, o in zip(self.params, self.owners, strict=True)}
+            order = [p for p in module.parameters() if id(p) in owner_of] \
+                if module is not None else []
+            seen = {id(p) for p in order}
+            order += [p for p in self.params if id(p) not in seen]
+            self.broadcast = UpdateBroadcast(order, [owner_of[id(p)] for p in order], group)
+            if module is not None:
+                self._hooks = self.broadcast.attach(module)
+        self.overlap = module is not None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -161,37 +169,35 @@ class MasterWeights:
                 if grad is not None:
                     grad.zero_()
 
+    def wait_params(self) -> None:
+        """Finish the last update's broadcast (every parameter current on this rank)."""
+        if self.broadcast is not None:
+            self.broadcast.wait()
+
     @torch.no_grad()
     def step(self) -> None:
-        """One update of the owned masters from the float32 gradients; the weights follow."""
+        """One update of the owned masters from the float32 gradients; the weights follow
+        (with a `module`, the others' arrive during its next forwards)."""
+        self.wait_params()
         for p, master in self._owned:
             grad = grad_of(p)
             master.grad = None if grad is None else grad.to(master.dtype).view_as(master)
         self.optim.step()
         for _, master in self._owned:
             master.grad = None
-        self.copy_to_params()
+        self.copy_to_params(wait=not self.overlap)
 
     @torch.no_grad()
-    def copy_to_params(self) -> None:
+    def copy_to_params(self, *, wait: bool = True) -> None:
         """Each owned master into its parameter (cast; a parameter that is its own master
-        already holds it), then each rank's share broadcast from it (one flat tensor per rank
-        and dtype) when sharded."""
+        already holds it), then, sharded, each owner's parameters broadcast in place
+        (`UpdateBroadcast`; `wait=False`: left on the wire for the forwards to wait for)."""
         for p, master in self._owned:
             p.copy_(master)
-        for owner, tensors in self._shares:   # none unless sharded
-            assert self.group is not None
-            flat = torch.cat([p.reshape(-1) for p in tensors]) if owner == self.rank else \
-                torch.empty(sum(p.numel() for p in tensors), dtype=tensors[0].dtype,
-                            device=tensors[0].device)
-            with trace.collective("broadcast", flat.numel() * flat.element_size()):
-                dist.broadcast(flat, src=dist.get_global_rank(self.group, owner),
-                               group=self.group)
-            if owner != self.rank:
-                offset = 0
-                for p in tensors:
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+        if self.broadcast is not None:
+            self.broadcast.launch()
+            if wait:
+                self.broadcast.wait()
 
     @torch.no_grad()
     def copy_from_params(self) -> None:

@@ -241,6 +241,8 @@ class _Run:
         """Everything a resume needs, under layout-free keys (see `shards`)."""
         group = self._tp_group()
         tied = self.pipe.tied_aliases
+        if isinstance(self.optimizer, MasterWeights):   # the update's broadcast: all arrived
+            self.optimizer.wait_params()
         masters = getattr(self.optimizer, "masters", None)   # bf16 weights: float32 values
         state: dict[str, Entry] = {
             **model_entries(self.pipe, group, aliases=tied, masters=masters),
