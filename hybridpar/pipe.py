@@ -54,7 +54,7 @@ from hybridpar.pipeline.stage_module import StageModule
 from hybridpar.pipeline.step import StepResult
 from hybridpar.pipeline.tied import Tie, TiedGroups, aliases, detach_other_stages, find_ties
 from hybridpar.pipeline.virtual import RankStages
-from hybridpar.precision import cast_parameters, set_grad
+from hybridpar.precision import cast_parameters, check_dtype_runs, set_grad
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.tensor_parallel.attrs import (
     get_parallel_dim,
@@ -115,6 +115,8 @@ class HybridPipe(StageModule):
         checkpoint = check_checkpoint(checkpoint)   # any object whose str() is a mode
         topo = topology if topology is not None else current_topology()
         generation.check_usable(topo.generation, "HybridPipe(...)")
+        if param_dtype is not None:
+            check_dtype_runs(param_dtype, topo.device, what="HybridPipe(param_dtype=...)")
         if init_fn is None:   # a meta-built model: drawn by name, the same in every layout
             init_fn = KeyedInit(torch.initial_seed())
         #: the virtual stages of the model, where each lives (stage -> pp rank), the plan

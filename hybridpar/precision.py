@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MAIN_GRAD", "PARAM_DTYPES", "cast_parameters", "grad_of", "grad_or_zeros",
-           "has_main_grad", "set_grad"]
+__all__ = ["MAIN_GRAD", "PARAM_DTYPES", "cast_parameters", "check_dtype_runs", "grad_of",
+           "grad_or_zeros", "has_main_grad", "set_grad"]
 
 #: ``train.param_dtype`` -> the dtype of the model's parameters (None: as built)
 PARAM_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
@@ -54,6 +54,20 @@ def set_grad(param: nn.Parameter, grad: Tensor | None) -> None:
         setattr(param, MAIN_GRAD, grad)
     else:
         param.grad = grad
+
+
+def check_dtype_runs(dtype: torch.dtype, device: torch.device, *, what: str) -> None:
+    """A `ValueError` naming `what` if `device` cannot compute in `dtype` (bf16 on a GPU
+    before Ampere), or if `dtype` is not a low-precision weight dtype hybridpar trains."""
+    if dtype not in {d for d in PARAM_DTYPES.values() if d is not None}:
+        raise ValueError(f"{what}: {dtype} weights are not supported; use torch.bfloat16 "
+                         "(float16 weights need loss scaling, which hybridpar does not do)")
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"{what}: {torch.cuda.get_device_name(device)} (compute capability "
+                         f"{major}.{minor}) has no bf16 arithmetic (it needs 8.0, Ampere or "
+                         "later); train in fp32 (train.precision and train.param_dtype "
+                         "'fp32')")
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from test_zero import config, gpt2
 import hybridpar
 from hybridpar import HybridPipe
 from hybridpar.optim import MasterWeights, deal, optimizer_state_tensors, owned_parameters
-from hybridpar.precision import grad_of, set_grad
+from hybridpar.precision import check_dtype_runs, grad_of, set_grad
 from hybridpar.train import ConfigError
 from hybridpar.train.export import read_state
 from hybridpar.train.trainer import _optimizer, build_pipe, train
@@ -230,6 +230,33 @@ def test_bf16_weights_need_bf16_compute_and_a_known_dtype():
         config("train.param_dtype=bf16")
     with pytest.raises(ConfigError, match=r"train\.param_dtype"):
         config("train.param_dtype=fp16")
+
+
+def _pipe_with_weights(dtype):
+    topo = hybridpar.init(timeout=60)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    try:
+        HybridPipe(model, [1], topology=topo, loss_fn=F.mse_loss, param_dtype=dtype)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_weights_of_a_dtype_the_device_cannot_run_are_refused(monkeypatch):
+    # float16 weights: refused by the pipe, on its rank, before anything is built
+    error = hybridpar.spawn(_pipe_with_weights, 1, args=(torch.float16,), timeout=TIMEOUT)[0]
+    assert error is not None and "torch.float16 weights are not supported" in error
+    assert "use torch.bfloat16" in error
+    # bf16 on a GPU without bf16 arithmetic (a V100): what it is, and what to set instead
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100-SXM2-32GB")
+    with pytest.raises(ValueError, match=r"train\.precision = 'bf16': Tesla V100-SXM2-32GB "
+                                         r"\(compute capability 7\.0\) has no bf16 arithmetic "
+                                         r".*train in fp32"):
+        check_dtype_runs(torch.bfloat16, torch.device("cuda", 0),
+                         what="train.precision = 'bf16'")
+    check_dtype_runs(torch.bfloat16, torch.device("cpu"), what="cpu")   # CPUs run bf16
 
 
 def test_master_weights_refuse_what_they_cannot_shard():

@@ -41,7 +41,7 @@ from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.replicas import ReplicaMismatchError
 from hybridpar.pipeline.trace_report import TraceRequest, traced_step
-from hybridpar.precision import PARAM_DTYPES
+from hybridpar.precision import PARAM_DTYPES, check_dtype_runs
 from hybridpar.tensor_parallel.random import (
     get_rng_state_all,
     model_parallel_manual_seed,
@@ -160,6 +160,8 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     (balance profiling) does not move dropout.
     """
     par, name = config.parallel, config.model.name
+    if config.train.precision == "bf16":   # before the model is built, on every rank
+        check_dtype_runs(torch.bfloat16, topo.device, what="train.precision = 'bf16'")
     extra = dict(tp=par.tp, group=topo.tp_group) if par.tp > 1 and par.tp_plan is None else {}
     pretrained = config.model.args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)
