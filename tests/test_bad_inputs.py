@@ -737,13 +737,15 @@ def test_skip_drops_the_updates_of_non_finite_steps_and_goes_on(tmp_path):
     from hybridpar.train.shards import ShardLoadPlanner
 
     runs = {}
-    for poison in (("nan loss", 2), ("inf grad", 3)):
-        run_dir = tmp_path / poison[0].replace(" ", "-")
+    zero2 = {"parallel__pp": 1, "parallel__dp": 2, "parallel__zero": 2}   # sharded gradients
+    for poison, layout in ((("nan loss", 2), {}), (("inf grad", 3), {}),
+                           (("inf grad", 3), zero2)):
+        run_dir = tmp_path / (poison[0].replace(" ", "-") + ("-zero2" if layout else ""))
         result = hybridpar.spawn(_train, 2, args=(
             str(run_dir), {"train__steps": 4, "train__nonfinite": "skip",
-                           "checkpoint__every": 4}, poison), timeout=120)
-        runs[poison] = (run_dir, result)
-    for (kind, step), (run_dir, result) in runs.items():
+                           "checkpoint__every": 4, **layout}, poison), timeout=120)
+        runs[(*poison, bool(layout))] = (run_dir, result)
+    for (kind, step, _), (run_dir, result) in runs.items():
         assert all(r["steps"] == 4 for r in result)                     # it went on
         records = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
         assert sorted(records) == [1, 2, 3, 4]
