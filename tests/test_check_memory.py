@@ -24,7 +24,7 @@ Sizes where the model dominates: the quick-start gpt at C = 512, 4 layers, dp2 x
 gradient buckets, which hold the gradients: 25 MiB a rank) and at dp2 with bf16 weights and
 zero 1 (bf16 weights, float32 buckets, float32 masters and moments of half the parameters per
 rank), at dp2 with zero 2 (each rank's gradient buffers of half the parameters, the staging
-buffers of the reduces in flight), and an HF Llama
+buffers of the reduces in flight), at pp2 with checkpoint = "layers", and an HF Llama
 (configs/llama_tiny.toml at width 512, MLP 1408, 8 / 4 heads) at pp2. The test asserts 10%.
 Not at tp > 1: fake CPU ranks stop at the vocab-parallel loss's host check of its targets
 (docs/check.md, limits), and the fake GPUs' numbers are a GPU's (foreach AdamW, fused
@@ -73,6 +73,10 @@ CASES = {
                       ["model.n_embd=512", "model.n_layer=4", "parallel.tp=1", "parallel.pp=1",
                        "parallel.dp=2", "parallel.zero=2"],
                       ["model.n_embd=64"]),
+    "gpt pp2 layers": ("quickstart.toml",
+                       ["model.n_embd=512", "model.n_layer=4", "parallel.tp=1",
+                        "parallel.checkpoint=layers"],
+                       ["model.n_embd=64"]),
     "llama pp2": ("llama_tiny.toml",
                   ["model.hidden_size=512", "model.intermediate_size=1408",
                    "model.num_attention_heads=8", "model.num_key_value_heads=4", "parallel.tp=1"],
@@ -201,6 +205,14 @@ def test_zero_2_holds_the_gradients_of_half_the_parameters(results):
         assert 0 <= half["optimizer"] - 2 * half["buckets"] < 1024   # moments of those
     assert sum(r["buckets"] for r in dry["gpt dp2 zero2"]) == \
         sum(r["params"] for r in dry["gpt dp2 zero2"]) // 2
+
+
+def test_layer_checkpointing_keeps_a_fraction_of_the_activations(results):
+    dry, _ = results
+    # the same stages at twice the rows per replica (dp 1) keep under an eighth of what
+    # checkpoint = "except_last" keeps at dp 2: each layer's input instead of its activations
+    for layers, whole in zip(dry["gpt pp2 layers"], dry["gpt dp2 x pp2"]):
+        assert 0 < layers["activations"] < whole["activations"] / 4
 
 
 def test_a_7b_llama_is_checked_without_allocating_its_weights(results):

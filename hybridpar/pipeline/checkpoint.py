@@ -4,6 +4,10 @@
     "always"        all m
     "except_last"   the first m - 1 (the last one goes straight into backward)
     "never"         none
+    "layers"        none whole: every layer of every micro-batch on its own
+    "layers:K"      none whole: every K-th layer of every micro-batch on its own
+
+(the layer modes: `pipeline.layer_checkpoint`.)
 
 A checkpointed forward runs under `torch.no_grad()` inside torchgpipe's
 `enable_checkpointing()`; its backward first recomputes the forward inside
@@ -27,23 +31,38 @@ import torch
 from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 
 __all__ = ["CHECKPOINT_MODES", "RNGReplay", "check_checkpoint", "checkpoint_stop",
-           "is_checkpointed"]
+           "is_checkpointed", "layer_stride", "no_cast_cache"]
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+CHECKPOINT_MODES = ("always", "except_last", "never", "layers")   # and "layers:K", K >= 1
 
 
 def check_checkpoint(mode: object) -> str:
     """``str(mode)`` if it is a checkpoint mode (as torchgpipe, any object whose `str` is one),
     else a `ValueError` listing the modes."""
-    if str(mode) not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, "
-                         f"got {mode!r}")
-    return str(mode)
+    text = str(mode)
+    if text not in CHECKPOINT_MODES and _stride(text) is None:
+        raise ValueError(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))} "
+                         f"or 'layers:K' (every K-th layer, K >= 1), got {mode!r}")
+    return text
+
+
+def _stride(text: str) -> int | None:
+    """K of "layers:K" (a positive integer), else None."""
+    head, _, k = text.partition(":")
+    return int(k) if head == "layers" and k.isdigit() and int(k) >= 1 else None
+
+
+def layer_stride(mode: str) -> int | None:
+    """Every how many layers a layer mode checkpoints ("layers": 1); None for the
+    micro-batch modes."""
+    return 1 if mode == "layers" else _stride(mode)
 
 
 def checkpoint_stop(mode: str, microbatches: int) -> int:
-    """How many leading micro-batches are checkpointed under `mode`."""
+    """How many leading micro-batches are checkpointed whole under `mode`."""
     check_checkpoint(mode)
+    if layer_stride(mode) is not None:
+        return 0
     return {"always": microbatches, "except_last": microbatches - 1, "never": 0}[mode]
 
 
@@ -73,7 +92,7 @@ class RNGReplay:
     def first_forward(self) -> Iterator[Any]:
         """Run a checkpointed forward; yields the state to replay later."""
         state = self.get_state()
-        with torch.no_grad(), enable_checkpointing(), _no_cast_cache(self.device_type):
+        with torch.no_grad(), enable_checkpointing(), no_cast_cache(self.device_type):
             yield state
 
     @contextmanager
@@ -82,13 +101,13 @@ class RNGReplay:
         now = self.get_state()
         self.set_state(state)
         try:
-            with torch.enable_grad(), enable_recomputing(), _no_cast_cache(self.device_type):
+            with torch.enable_grad(), enable_recomputing(), no_cast_cache(self.device_type):
                 yield
         finally:
             self.set_state(now)
 
 
-def _no_cast_cache(device_type: str) -> contextlib.AbstractContextManager[Any]:
+def no_cast_cache(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """Autocast as it is, with its cast cache off (nothing when autocast is off)."""
     if not torch.is_autocast_enabled(device_type):
         return contextlib.nullcontext()

@@ -34,8 +34,9 @@ from torchgpipe.skip.skippable import Skippable
 from torchgpipe.skip.tracker import use_skip_tracker
 
 from hybridpar import comm, trace
-from hybridpar.pipeline.checkpoint import is_checkpointed
+from hybridpar.pipeline.checkpoint import is_checkpointed, layer_stride
 from hybridpar.pipeline.failure import PipelineError
+from hybridpar.pipeline.layer_checkpoint import run_layers
 from hybridpar.pipeline.messages import StageMessages
 from hybridpar.pipeline.schedule import (
     BACKWARD,
@@ -259,11 +260,17 @@ class StageExecutor(StageMessages):
         # a stage without @skippable layers needs no tracker: the compute starts sooner
         tracker = StageSkipTracker(self.spec.routes, self.spec.stage, mb.skips_in) \
             if self.skippable else None
+        every = layer_stride(self.spec.checkpoint) if self.step.train else None
         with microbatch_context(mb.key), \
                 use_skip_tracker(tracker) if tracker is not None else nullcontext(), \
                 SplitLinear() if self.step.split else nullcontext():
             # SplitLinear: linear layers' weight gradients can wait for W
-            out = self.spec.partition(mb.inputs)
+            if every is None:
+                out = self.spec.partition(mb.inputs)
+            else:                    # checkpoint = "layers" / "layers:K"
+                out = run_layers(self.spec.partition, mb.inputs, every=every,
+                                 replay=self.spec.replay,
+                                 split_mode=SplitLinear if self.step.split else None)
         if not self.last and not isinstance(out, (Tensor, tuple)):
             raise TypeError(f"stage {self.spec.stage} returned {type(out).__name__}; a stage "
                             "must return a Tensor or a tuple of Tensors")

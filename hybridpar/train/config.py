@@ -36,7 +36,6 @@ from hybridpar.balance import BALANCERS
 from hybridpar.files import atomic_write_text
 from hybridpar.models.registry import builder
 from hybridpar.packing import PACKS
-from hybridpar.pipeline.checkpoint import CHECKPOINT_MODES
 from hybridpar.pipeline.layout import NAMES as SCHEDULES
 from hybridpar.precision import PARAM_DTYPES
 from hybridpar.train.config_check import check_layout
@@ -92,7 +91,8 @@ class ParallelConfig:
     chunks: int = 1               # micro-batches per replica's batch
     schedule: str = "gpipe"       # the order of the steps (docs/schedules.md)
     virtual_stages: int | None = None   # stages per rank: interleaved (default 2), zbv (2)
-    checkpoint: str = "except_last"   # "always" | "except_last" | "never"
+    checkpoint: str = "except_last"   # "always" | "except_last" | "never" (whole stages, per
+    # micro-batch) | "layers" | "layers:K" (each / every K-th layer, `pipeline.layer_checkpoint`)
     balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
     tp_plan: dict[str, str | list[int]] | str | None = None   # None: the model's own tp
     # layers; "auto"; "hf" (an hf:<family> model's own plan, `hybridpar.hf.tp_plan`); or a
@@ -160,7 +160,7 @@ _CLASSES: dict[str, type] = {"data": DataConfig, "parallel": ParallelConfig,
 _CHOICES: dict[str, Sequence[str]] = {
     "data.source": ("synthetic", "text", "corpus", "tokens"), "data.pack": PACKS,
     "parallel.schedule": tuple(SCHEDULES),
-    "parallel.checkpoint": CHECKPOINT_MODES, "parallel.balance": BALANCERS,
+    "parallel.balance": BALANCERS,
     "parallel.tp_plan": ("auto", "hf"), "train.precision": ("fp32", "bf16"),
     "train.param_dtype": tuple(PARAM_DTYPES),
     "train.nonfinite": ("stop", "skip"), "model.init": INITS,

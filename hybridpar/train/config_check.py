@@ -23,6 +23,7 @@ from hybridpar.models.gpt import check_gpt_config
 from hybridpar.models.packing import pack_problem
 from hybridpar.models.registry import build, builder, has_synthetic_data, is_zoo, takes_tokens
 from hybridpar.optim.zero import ZERO_LEVELS
+from hybridpar.pipeline.checkpoint import check_checkpoint
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.partition import balance_problem
 from hybridpar.tensor_parallel.hf_plan import HF_STYLES
@@ -133,6 +134,10 @@ def check_layout(cfg: Config, where: Where) -> Config:
                           "learning rate decays from lr to min_lr: set min_lr <= lr",
                           "train.min_lr", "train.lr")
     _check_pack(cfg, where)
+    try:
+        check_checkpoint(par.checkpoint)
+    except ValueError as e:
+        raise where.error(f"parallel.{e}", "parallel.checkpoint") from None
     if par.zero not in ZERO_LEVELS:
         raise where.error(f"parallel.zero must be one of {', '.join(map(str, ZERO_LEVELS))} "
                           f"(0: the optimizer state on every dp replica, 1: sharded over dp, "

@@ -1,0 +1,119 @@
+"""checkpoint = "layers" / "layers:K": each (every K-th) layer recomputed on its own.
+
+The tensor-parallel GPT of test_pipe_tp trains as on one device with the layer modes, over
+schedules (GPipe, 1F1B, ZB-H1's split backward, ZBV) and layouts; with dropout, the masks of
+the one-device run (one micro-batch) and, over several micro-batches, exactly those of the
+same run without checkpointing (the recomputation replays each layer's RNG state). Each
+checkpointed layer runs once more in backward, with `is_recomputing()` true, and keeps only
+its input for backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from spawn_cases import spawn_by_world
+from test_pipe_tp import _gpt_worker, _reference
+from torch import nn
+from torchgpipe.checkpoint import is_recomputing
+
+import hybridpar
+
+LAYOUTS = [   # (pp, tp, dp), balance, options
+    ((1, 2, 1), [5], {"chunks": 2, "schedule": "gpipe", "checkpoint": "layers"}),
+    ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "1f1b", "checkpoint": "layers:2"}),
+    ((2, 2, 2), [2, 3], {"chunks": 2, "schedule": "zb-h1", "checkpoint": "layers"}),
+    ((2, 1, 1), [1, 2, 1, 1], {"chunks": 4, "schedule": "zbv", "checkpoint": "layers"}),
+]
+DROPOUT = [   # one stage, one micro-batch: the one-device masks
+    {"chunks": 1, "checkpoint": "layers"},
+    {"chunks": 1, "schedule": "zb-h1", "checkpoint": "layers:2"},
+]
+MODES = ["never", "always", "layers", "layers:2"]   # dropout over 4 micro-batches, pp2 x tp2
+
+
+def _case(*args):
+    return _gpt_worker(*args)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {}
+    for layout, balance, options in LAYOUTS:
+        cases[f"train {layout} {options}"] = (layout[0] * layout[1] * layout[2],
+                                              (layout, balance, options, 0.0))
+    for options in DROPOUT:
+        cases[f"dropout {options}"] = (2, ((1, 2, 1), [5], options, 0.2))
+    for mode in MODES:
+        cases[f"mode {mode}"] = (4, ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "1f1b",
+                                                         "checkpoint": mode}, 0.2))
+    return spawn_by_world(_case, cases, timeout=240)
+
+
+@pytest.mark.parametrize("layout,balance,options", LAYOUTS)
+def test_layer_checkpointing_trains_as_one_device(layout, balance, options, runs):
+    ref_losses, ref_norms, ref_state = _reference(0.0)
+    for r in runs[f"train {layout} {options}"]:
+        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("options", DROPOUT)
+def test_layer_checkpointing_keeps_the_one_device_dropout_masks(options, runs):
+    ref_losses, _, ref_state = _reference(0.2)
+    for r in runs[f"dropout {options}"]:
+        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_every_mode_replays_the_masks_of_the_run_without_checkpointing(mode, runs):
+    for plain, checkpointed in zip(runs["mode never"], runs[f"mode {mode}"], strict=True):
+        assert checkpointed["losses"] == plain["losses"]
+        for k, v in plain["state"].items():
+            torch.testing.assert_close(checkpointed["state"][k], v, atol=1e-12, rtol=0)
+
+
+class Counted(nn.Module):
+    """A Linear that counts its forwards, and those under recomputation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = {False: 0, True: 0}
+
+    def forward(self, x):
+        self.calls[is_recomputing()] += 1
+        return torch.tanh(self.fc(x))
+
+
+def _counting(mode):
+    topo = hybridpar.init(timeout=60)
+    torch.manual_seed(0)
+    layers = [Counted() for _ in range(4)]
+    pipe = hybridpar.HybridPipe(nn.Sequential(*layers), [4], chunks=2, topology=topo,
+                                loss_fn=F.mse_loss, checkpoint=mode)
+    pipe.train_step(torch.randn(4, 4), torch.randn(4, 4))
+    return [dict(layer.calls) for layer in layers]
+
+
+@pytest.mark.parametrize("mode,recomputed", [("layers", [2, 2, 2, 2]),
+                                             ("layers:2", [2, 0, 2, 0]),
+                                             ("never", [0, 0, 0, 0])])
+def test_each_checkpointed_layer_runs_again_recomputing(mode, recomputed):
+    calls = hybridpar.spawn(_counting, 1, args=(mode,), timeout=60)[0]
+    assert [c[True] for c in calls] == recomputed          # once per micro-batch (2)
+    assert [c[False] for c in calls] == [2, 2, 2, 2]
+
+
+def test_bad_layer_modes_are_refused():
+    from hybridpar.pipeline.checkpoint import check_checkpoint
+
+    for bad in ("layers:0", "layers:x", "layer", "layers:-1"):
+        with pytest.raises(ValueError, match=r"or 'layers:K' \(every K-th layer, K >= 1\)"):
+            check_checkpoint(bad)
+    assert check_checkpoint("layers:3") == "layers:3"
