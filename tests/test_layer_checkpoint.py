@@ -1,6 +1,7 @@
-"""checkpoint = "layers" / "layers:K": each (every K-th) layer recomputed on its own.
+"""checkpoint = "layers" / "layers:K": each (every K-th) layer recomputed on its own, and
+"selective": the attention core only.
 
-The tensor-parallel GPT of test_pipe_tp trains as on one device with the layer modes, over
+The tensor-parallel GPT of test_pipe_tp trains as on one device with these modes, over
 schedules (GPipe, 1F1B, ZB-H1's split backward, ZBV) and layouts; with dropout, the masks of
 the one-device run (one micro-batch) and, over several micro-batches, exactly those of the
 same run without checkpointing (the recomputation replays each layer's RNG state). Each
@@ -25,12 +26,15 @@ LAYOUTS = [   # (pp, tp, dp), balance, options
     ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "1f1b", "checkpoint": "layers:2"}),
     ((2, 2, 2), [2, 3], {"chunks": 2, "schedule": "zb-h1", "checkpoint": "layers"}),
     ((2, 1, 1), [1, 2, 1, 1], {"chunks": 4, "schedule": "zbv", "checkpoint": "layers"}),
+    ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "zb-h1", "checkpoint": "selective"}),
+    ((1, 2, 2), [5], {"chunks": 2, "schedule": "1f1b", "checkpoint": "selective"}),
 ]
 DROPOUT = [   # one stage, one micro-batch: the one-device masks
     {"chunks": 1, "checkpoint": "layers"},
     {"chunks": 1, "schedule": "zb-h1", "checkpoint": "layers:2"},
+    {"chunks": 1, "checkpoint": "selective"},
 ]
-MODES = ["never", "always", "layers", "layers:2"]   # dropout over 4 micro-batches, pp2 x tp2
+MODES = ["never", "always", "layers", "layers:2", "selective"]   # dropout, 4 micro-batches
 
 
 def _case(*args):
@@ -108,6 +112,88 @@ def test_each_checkpointed_layer_runs_again_recomputing(mode, recomputed):
     calls = hybridpar.spawn(_counting, 1, args=(mode,), timeout=60)[0]
     assert [c[True] for c in calls] == recomputed          # once per micro-batch (2)
     assert [c[False] for c in calls] == [2, 2, 2, 2]
+
+
+def _selective(mode):
+    """A one-rank gpt step under `mode`: the attention core's calls (recomputing or not)
+    and the bytes autograd saved outside checkpointed regions."""
+    from hybridpar.models import example_batch, gpt, gpt_loss
+    from hybridpar.models.gpt import CausalSelfAttention
+
+    topo = hybridpar.init(timeout=60)
+    torch.manual_seed(0)
+    model = gpt(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.1)
+    calls = {False: 0, True: 0}
+    for attn in (m for m in model.modules() if isinstance(m, CausalSelfAttention)):
+        core = attn._core
+
+        def counted(*args, core=core):
+            calls[is_recomputing()] += 1
+            return core(*args)
+
+        attn._core = counted
+    pipe = hybridpar.HybridPipe(model, [5], chunks=2, topology=topo, loss_fn=gpt_loss,
+                                checkpoint=mode)
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    x, y = example_batch("gpt", 4, seed=0, vocab_size=32, block_size=8)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = pipe.train_step(x, y).item()
+    return calls, saved[0], loss
+
+
+def test_selective_recomputes_only_the_attention_core():
+    out = {mode: hybridpar.spawn(_selective, 1, args=(mode,), timeout=60)[0]
+           for mode in ("never", "selective")}
+    (plain_calls, plain_saved, plain_loss), (calls, saved, loss) = out["never"], out["selective"]
+    assert plain_calls == {False: 4, True: 0}          # 2 layers x 2 micro-batches
+    assert calls == {False: 4, True: 4}                # each core once more, recomputing
+    assert loss == plain_loss
+    # not kept: per core the (2, 4, 8, 8) float32 probabilities, their dropout mask and
+    # the dropped-out ones (at least 3 x 2 KiB)
+    assert plain_saved - saved >= 4 * 3 * 2 * 4 * 8 * 8 * 4 * 0.9
+
+
+def _hf_worker(kind, layout, balance, schedule):
+    """A Hugging Face model trained under checkpoint = "selective" (test_hf_pipe's `_train`),
+    and how its sdpa calls ran (recomputing or not)."""
+    from test_hf_pipe import _train
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    calls = {False: 0, True: 0}
+
+    def counted(*args, **kwargs):
+        calls[is_recomputing()] += 1
+        return sdpa(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = counted          # in this rank's process only
+    pp, tp = layout
+    topo = hybridpar.init(pp=pp, tp=tp, timeout=60)
+    out = _train(kind, True, topo, balance, {"chunks": 2, "schedule": schedule,
+                                             "tp_plan": "auto" if tp > 1 else None,
+                                             "checkpoint": "selective"})
+    return {**out, "calls": calls}
+
+
+@pytest.mark.parametrize("kind,layout,balance,schedule", [
+    ("llama", (2, 2), [2, 3], "1f1b"), ("gpt2", (2, 1), [2, 1, 1, 1], "zbv")])
+def test_hugging_face_attention_is_recomputed_selectively(kind, layout, balance, schedule):
+    pytest.importorskip("transformers")
+    from test_hf_pipe import _assert_same, _reference
+
+    got = hybridpar.spawn(_hf_worker, layout[0] * layout[1],
+                          args=(kind, layout, balance, schedule), timeout=120)
+    ref = _reference(kind, True)
+    for r in got:
+        _assert_same(r, ref)                           # float64, every parameter to 1e-9
+        # each rank holds one decoder layer: 3 steps x 2 micro-batches, once more each,
+        # recomputing (the forwards also count the tp plan's look at the model)
+        assert r["calls"][True] == 6 and r["calls"][False] >= 6
 
 
 def test_bad_layer_modes_are_refused():

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from hybridpar.hf.attention import route_attention
 from hybridpar.hf.blocks import DecoderBlock, TokenPositionEmbedding
 from hybridpar.hf.families import attention_type, family_of, num_layers
 
@@ -41,6 +42,7 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
                         f"config), got {type(model).__name__}")
     config: Any = model.config
     family = family_of(config)
+    route_attention(config)   # checkpoint = "selective" recomputes its core (`hf.attention`)
     base = getattr(model, family.base, None)
     head = getattr(model, "lm_head", None)
     if base is None or not isinstance(head, nn.Module):

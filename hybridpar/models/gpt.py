@@ -33,6 +33,7 @@ from torch.distributed import ProcessGroup
 
 from hybridpar.keyed import keyed
 from hybridpar.packing import document_mask, split_positions
+from hybridpar.recompute import recompute_core
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
@@ -152,21 +153,26 @@ class CausalSelfAttention(nn.Module):
         """`mask`: None (causal), or (B, 1, T, T) bool, True where a query may attend a key."""
         B, T, _ = x.shape
         q, k, v = (self._heads(t, B, T) for t in self._qkv(x))  # (B, h, T, hd), h = H / tp
-        if self.training and self.attn_drop.p > 0:
-            # explicit: scaled_dot_product_attention's dropout cannot reproduce the masks
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, h, T, T)
-            allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() \
-                if mask is None else mask
-            att = att.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-            y = self._drop_attention(att) @ v                   # (B, h, T, hd)
-        elif mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, hd)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, h, T, hd)
+        # checkpoint = "selective": the core recomputed in backward, q, k, v kept
+        y = recompute_core(self._core, q, k, v, mask)            # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)   # (B, T, C / tp)
         if self.sharded:
             register_parallel_dim(y, -1)                        # this rank's heads' columns
         return self.resid_drop(self.proj(y))                    # (B, T, C)
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """softmax(q kᵀ / √hd) v with the attention dropout: (B, h, T, hd) each."""
+        T = q.shape[2]
+        if self.training and self.attn_drop.p > 0:
+            # explicit: scaled_dot_product_attention's dropout cannot reproduce the masks
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, h, T, T)
+            allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() \
+                if mask is None else mask
+            att = att.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+            return self._drop_attention(att) @ v                # (B, h, T, hd)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class MLP(nn.Module):

@@ -6,8 +6,9 @@
     "never"         none
     "layers"        none whole: every layer of every micro-batch on its own
     "layers:K"      none whole: every K-th layer of every micro-batch on its own
+    "selective"     none whole: the attention core of every layer (`hybridpar.recompute`)
 
-(the layer modes: `pipeline.layer_checkpoint`.)
+(the modes inside a stage: `pipeline.layer_checkpoint`.)
 
 A checkpointed forward runs under `torch.no_grad()` inside torchgpipe's
 `enable_checkpointing()`; its backward first recomputes the forward inside
@@ -33,7 +34,7 @@ from torchgpipe.checkpoint import enable_checkpointing, enable_recomputing
 __all__ = ["CHECKPOINT_MODES", "RNGReplay", "check_checkpoint", "checkpoint_stop",
            "is_checkpointed", "layer_stride", "no_cast_cache"]
 
-CHECKPOINT_MODES = ("always", "except_last", "never", "layers")   # and "layers:K", K >= 1
+CHECKPOINT_MODES = ("always", "except_last", "never", "layers", "selective")   # + "layers:K"
 
 
 def check_checkpoint(mode: object) -> str:
@@ -61,7 +62,7 @@ def layer_stride(mode: str) -> int | None:
 def checkpoint_stop(mode: str, microbatches: int) -> int:
     """How many leading micro-batches are checkpointed whole under `mode`."""
     check_checkpoint(mode)
-    if layer_stride(mode) is not None:
+    if layer_stride(mode) is not None or mode == "selective":
         return 0
     return {"always": microbatches, "except_last": microbatches - 1, "never": 0}[mode]
 

@@ -23,6 +23,7 @@ next action or break their waits. The step's data: `step.py`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -36,7 +37,7 @@ from torchgpipe.skip.tracker import use_skip_tracker
 from hybridpar import comm, trace
 from hybridpar.pipeline.checkpoint import is_checkpointed, layer_stride
 from hybridpar.pipeline.failure import PipelineError
-from hybridpar.pipeline.layer_checkpoint import run_layers
+from hybridpar.pipeline.layer_checkpoint import contexts, run_layers
 from hybridpar.pipeline.messages import StageMessages
 from hybridpar.pipeline.schedule import (
     BACKWARD,
@@ -68,6 +69,7 @@ from hybridpar.pipeline.step import (
     scalar_loss,
 )
 from hybridpar.pipeline.watchdog import Watchdog
+from hybridpar.recompute import selective
 
 __all__ = ["PipelineError", "StageExecutor", "StageSpec", "current_microbatch"]
 
@@ -261,7 +263,10 @@ class StageExecutor(StageMessages):
         tracker = StageSkipTracker(self.spec.routes, self.spec.stage, mb.skips_in) \
             if self.skippable else None
         every = layer_stride(self.spec.checkpoint) if self.step.train else None
-        with microbatch_context(mb.key), \
+        split_mode = SplitLinear if self.step.split else None
+        cores = selective(functools.partial(contexts, self.spec.replay, split_mode)) \
+            if self.step.train and self.spec.checkpoint == "selective" else nullcontext()
+        with microbatch_context(mb.key), cores, \
                 use_skip_tracker(tracker) if tracker is not None else nullcontext(), \
                 SplitLinear() if self.step.split else nullcontext():
             # SplitLinear: linear layers' weight gradients can wait for W
@@ -269,8 +274,7 @@ class StageExecutor(StageMessages):
                 out = self.spec.partition(mb.inputs)
             else:                    # checkpoint = "layers" / "layers:K"
                 out = run_layers(self.spec.partition, mb.inputs, every=every,
-                                 replay=self.spec.replay,
-                                 split_mode=SplitLinear if self.step.split else None)
+                                 replay=self.spec.replay, split_mode=split_mode)
         if not self.last and not isinstance(out, (Tensor, tuple)):
             raise TypeError(f"stage {self.spec.stage} returned {type(out).__name__}; a stage "
                             "must return a Tensor or a tuple of Tensors")

@@ -1,4 +1,5 @@
-"""Checkpointing layer by layer inside a stage (``checkpoint = "layers"`` / ``"layers:K"``).
+"""Checkpointing inside a stage: layer by layer (``checkpoint = "layers"`` / ``"layers:K"``)
+and the attention core (``"selective"``, through `hybridpar.recompute`).
 
 The micro-batch modes (`pipeline.checkpoint`) drop a whole stage's activations and recompute
 the whole stage in backward, so the backward of a checkpointed micro-batch holds every
@@ -17,6 +18,9 @@ forward's), with `is_recomputing()` true, autocast's cast cache off, and under a
 backward's `SplitLinear` when the first forward ran under it (the same operations save the
 same tensors). A `@skippable` layer is never checkpointed here: its stash and pop happen in
 the stage's forward, not in a recomputation.
+
+    "selective"   each layer's activations but its attention core's   the core of one layer
+                  (q, k, v kept; not the (B, h, T, T) probabilities)  at a time
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from torchgpipe.skip.skippable import Skippable
 
 from hybridpar.pipeline.checkpoint import RNGReplay, no_cast_cache
 
-__all__ = ["run_layers"]
+__all__ = ["contexts", "run_layers"]
 
 
 def run_layers(layers: nn.Sequential, x: Any, *, every: int, replay: RNGReplay,
@@ -46,15 +50,21 @@ def run_layers(layers: nn.Sequential, x: Any, *, every: int, replay: RNGReplay,
         if k % every or isinstance(layer, Skippable):
             x = layer(x)
             continue
-        contexts = (_FirstForward(replay), _Recompute(replay, replay.get_state(), split_mode))
         x = checkpoint(layer, x, use_reentrant=False, preserve_rng_state=False,
-                       context_fn=functools.partial(_given, contexts))
+                       context_fn=functools.partial(_given, contexts(replay, split_mode)))
     return x
 
 
-def _given(contexts: tuple[Any, Any]) -> tuple[Any, Any]:
+def contexts(replay: RNGReplay, split_mode: Callable[[], AbstractContextManager[Any]] | None
+             ) -> tuple[Any, Any]:
+    """The contexts of a checkpointed region starting now: its first forward's, and its
+    recomputation's (this moment's RNG state replayed)."""
+    return _FirstForward(replay), _Recompute(replay, replay.get_state(), split_mode)
+
+
+def _given(made: tuple[Any, Any]) -> tuple[Any, Any]:
     """`checkpoint`'s `context_fn`: the (first forward, recomputation) contexts made."""
-    return contexts
+    return made
 
 
 class _FirstForward:

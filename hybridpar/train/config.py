@@ -93,6 +93,7 @@ class ParallelConfig:
     virtual_stages: int | None = None   # stages per rank: interleaved (default 2), zbv (2)
     checkpoint: str = "except_last"   # "always" | "except_last" | "never" (whole stages, per
     # micro-batch) | "layers" | "layers:K" (each / every K-th layer, `pipeline.layer_checkpoint`)
+    # | "selective" (the attention core, `hybridpar.recompute`)
     balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
     tp_plan: dict[str, str | list[int]] | str | None = None   # None: the model's own tp
     # layers; "auto"; "hf" (an hf:<family> model's own plan, `hybridpar.hf.tp_plan`); or a
