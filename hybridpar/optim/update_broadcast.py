@@ -12,9 +12,9 @@ parameters in place (no copy, as ZeroRedundancyOptimizer's ``parameters_as_bucke
 
 `launch` starts every message's broadcast, in that order on every rank, and returns; `wait`
 finishes the messages that hold given parameters. `attach(module)` makes each layer of the
-module wait, in a forward pre-hook, for the messages of its own parameters: the first
-forwards of the next step run while later messages are still on the wire (the last stage's
-layers wait least). Reading parameters otherwise (``state_dict``, a checkpoint, the replica
+module (each of a pipe's stage layers) wait, in a forward pre-hook, for the messages of its
+own parameters: the first forwards of the next step run while later messages are still on
+the wire. Reading parameters otherwise (``state_dict``, a checkpoint, the replica
 check) waits for everything first (`wait` with no argument; ``state_dict`` does it itself).
 """
 
@@ -99,14 +99,16 @@ class UpdateBroadcast:
             self._works.pop(m).wait()
 
     def attach(self, module: nn.Module) -> list[Any]:
-        """Forward pre-hooks on `module`'s layers that hold parameters of a message (each
-        waits for its own), and a ``state_dict`` pre-hook that waits for all; the handles."""
+        """Forward pre-hooks on `module`'s layers (its children: a pipe's stage layers) that
+        hold parameters of a message (each waits for its own), and a ``state_dict`` pre-hook
+        that waits for all; the handles. The hooks run eager (`torch.compiler.disable`): in a
+        compiled block they are one break before its graph, never part of a guard."""
         handles = []
-        for layer in module.modules():
-            own = [p for p in layer.parameters(recurse=False) if id(p) in self._message_of]
+        for layer in module.children():
+            own = [p for p in layer.parameters() if id(p) in self._message_of]
             if own:
                 handles.append(layer.register_forward_pre_hook(
-                    lambda _layer, _args, own=own: self.wait(own)))
+                    torch.compiler.disable(lambda _layer, _args, own=own: self.wait(own))))
         handles.append(module.register_state_dict_pre_hook(
             lambda *_: self.wait()))
         waiters = getattr(module, "param_waiters", None)   # HybridPipe's other readers
