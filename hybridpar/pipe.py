@@ -17,6 +17,7 @@ from hybridpar import comm, generation
 from hybridpar import trace as tracing
 from hybridpar.agreement import fail_together
 from hybridpar.balance.choose import choose_balance
+from hybridpar.compile import block_classes, compile_blocks
 from hybridpar.device import cuda, is_cuda
 from hybridpar.keyed import KeyedInit
 from hybridpar.pipeline import clip, consolidate
@@ -98,6 +99,10 @@ class HybridPipe(StageModule):
     ``trace=True`` (or setting ``pipe.trace = True`` between steps) records the timeline of
     every `train_step`, `eval_step` and forward, keeping the last one; `write_trace` then
     writes it for all ranks (Chrome trace, Gantt chart, bubble table). Off, it costs nothing.
+
+    ``compile=True``: each of the stage's blocks (a layer class with parameters that the model
+    repeats) compiled in place with `torch.compile`, once per class (`hybridpar.compile`); a
+    string names the backend instead of ``"inductor"`` (``"aot_eager"``: no C++ compiler).
     """
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int] | str, *, chunks: int = 1,
@@ -108,7 +113,7 @@ class HybridPipe(StageModule):
                  watchdog: bool | float | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
                  virtual_stages: int | None = None,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, compile: bool | str = False) -> None:
         super().__init__()
         check_sequential(module)
         chunks = as_chunks(chunks)
@@ -148,6 +153,10 @@ class HybridPipe(StageModule):
         local = self._keep_stage(module, counts, ties, init_fn=init_fn)
         if param_dtype is not None:   # low-precision weights, float32 gradients (`precision`)
             cast_parameters(local, param_dtype)
+        #: the layers compiled (`hybridpar.compile`: the model's repeated blocks, in place)
+        self.compiled_blocks = compile_blocks(
+            local, classes=block_classes(module),
+            backend=compile if isinstance(compile, str) else "inductor") if compile else []
         # copies of a parameter tied across stages: equal at the start, gradients summed
         self._ties = TiedGroups(ties, dict(local.named_parameters(remove_duplicate=False)),
                                 topo, placement=self.layout.placement)

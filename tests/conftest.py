@@ -52,7 +52,8 @@ SLOW_FIRST = ("test_run_cli.py", "test_examples.py", "test_check_hf.py",
               "test_run_any_model.py", "test_zero.py", "test_nccl_order_plans.py",
               "test_check.py", "test_memory_bound.py", "test_virtual_parity.py",
               "test_hf_layouts.py", "test_watchdog.py", "test_trace.py", "test_loopback.py",
-              "test_bad_inputs.py", "test_p2p_order.py", "test_gpu_microbatch_smoke.py")
+              "test_bad_inputs.py", "test_p2p_order.py", "test_gpu_microbatch_smoke.py",
+              "test_compile.py", "test_layer_checkpoint.py", "test_zero_parity.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

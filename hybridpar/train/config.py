@@ -134,6 +134,7 @@ class TrainConfig:
     # gradients and master weights, `hybridpar.optim.master`: 18 -> 6 + 12 / dp bytes with zero 1)
     sample_tokens: int = 200      # gpt: tokens sampled at the end; 0: none
     nonfinite: str = "stop"       # a NaN / inf loss or grad norm: "stop" (raise) | "skip" the step
+    compile: bool = False         # torch.compile each repeated block, once (`hybridpar.compile`)
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,8 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
                           schedule=par.schedule, virtual_stages=par.virtual_stages,
                           checkpoint=par.checkpoint, loss_fn=loss, tp_plan=par.tp_plan,
                           deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample,
-                          init_fn=init, param_dtype=PARAM_DTYPES[config.train.param_dtype])
+                          init_fn=init, param_dtype=PARAM_DTYPES[config.train.param_dtype],
+                          compile=config.train.compile)
     if pretrained is not None:
         from hybridpar.hf import load_hf_shards
 
