@@ -9,6 +9,8 @@ message is on the wire, the first layer's forward waits for its own messages onl
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from spawn_cases import spawn_cases
@@ -68,7 +70,7 @@ def test_the_update_overlaps_the_next_forwards():
     names = [n for _, params in messages for n in params]
     # runs of consecutive parameters of one owner, in the model's order (both owners send)
     assert names == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
-    assert all(a[0] != b[0] for a, b in zip(messages, messages[1:]))
+    assert all(a[0] != b[0] for a, b in itertools.pairwise(messages))
     assert {owner for owner, _ in messages} == {0, 1} and len(messages) >= 3
     assert r0["views"] and r1["views"]
     for r in results["forward"]:
