@@ -14,6 +14,16 @@ Dropout masks are the one-device masks too (`ParallelDropout`, parity=True), so 
 losses and gradients match one device in train mode as well. `gpt_loss` takes the sharded
 logits without gathering them; `generate` samples from any callable giving full logits.
 
+With ``sequence_parallel=True`` (tp > 1, Megatron's sequence parallelism) the activations
+between the blocks' tensor-parallel regions are sharded on the sequence, (B, T / tp, C)
+tagged `SEQUENCE`: the LayerNorms, dropouts and residual adds run on 1 / tp of the tokens,
+each column-parallel input is all-gathered along T (its gradient reduce-scattered) and each
+row-parallel output reduce-scattered along T (its gradient all-gathered) instead of
+all-reduced; the embedding reduce-scatters its vocab-parallel parts and the head gathers
+before its column-parallel projection. The LayerNorm weights, the row-parallel biases and the
+position table see 1 / tp of the tokens on each rank: their gradients are summed over tp
+(`register_partial_grad`).
+
 Packed documents (`hybridpar.packing`): given (ids, positions) instead of ids, `Embeddings`
 reads the positions from there and returns (x, positions), each `Block` attends inside each
 document (block-diagonal causal mask) and passes (x, positions) on, but the last one
@@ -34,10 +44,24 @@ from torch.distributed import ProcessGroup
 from hybridpar.keyed import keyed
 from hybridpar.packing import document_mask, split_positions
 from hybridpar.recompute import recompute_core
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.tensor_parallel.attrs import (
+    SEQUENCE,
+    get_parallel_dim,
+    register_parallel_dim,
+    register_partial_grad,
+)
+from hybridpar.tensor_parallel.functional import parallel_embedding
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
-from hybridpar.tensor_parallel.mappings import all_gather_along, copy_to_group, group_size
+from hybridpar.tensor_parallel.mappings import (
+    all_gather_along,
+    copy_to_group,
+    gather_grad_scatter,
+    group_rank,
+    group_size,
+    reduce_scatter_group,
+    shard_range,
+)
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.topology import default_tp_group
 
@@ -47,6 +71,7 @@ __all__ = [
     "CausalSelfAttention",
     "Embeddings",
     "Head",
+    "SequenceLayerNorm",
     "check_gpt_config",
     "generate",
     "gpt",
@@ -81,12 +106,16 @@ class Embeddings(nn.Module):
     (ids, positions) -> ((B, T, C), positions): packed documents, positions given."""
 
     def __init__(self, vocab_size: int, block_size: int, n_embd: int, *, dropout: float = 0.0,
-                 tp: int | None = None, group: ProcessGroup | None = None) -> None:
+                 tp: int | None = None, group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok = ParallelEmbedding(vocab_size, n_embd, dim=_dims(tp)[2], group=group)
         self.pos = nn.Embedding(block_size, n_embd)   # replicated: small, read by every rank
         self.drop = ParallelDropout(dropout, group=group)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:   # each rank looks up its own positions: a part of the gradient
+            register_partial_grad(self.pos.weight)
 
     def forward(self, idx: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
         ids, positions = split_positions(idx)
@@ -96,10 +125,29 @@ class Embeddings(nn.Module):
                              f"{self.block_size}; crop the input to its last "
                              f"{self.block_size} tokens or build gpt(block_size={T})")
         if positions is not None:                                # packed: (B, T), restarting
+            if self.sequence_parallel:
+                raise ValueError("gpt(sequence_parallel=True) does not take packed documents "
+                                 "(ids, positions) yet; turn sequence parallelism off for them")
             return self.drop(self.tok(ids) + self.pos(positions)), positions
+        if self.sequence_parallel:
+            return self.drop(self._sequence_shard(ids))          # (B, T / tp, C)
         pos = torch.arange(T, device=ids.device)                 # (T,)
         x = self.tok(ids) + self.pos(pos)                        # (B, T, C)
         return self.drop(x)
+
+    def _sequence_shard(self, ids: Tensor) -> Tensor:
+        """This rank's tokens of the embedding, (B, T / tp, C) tagged `SEQUENCE`."""
+        group = self.tok.group if self.tok.group is not None else default_tp_group()
+        tp, T = group_size(group), ids.shape[1]
+        if T % tp:
+            raise ValueError(f"sequence parallelism splits the {T} tokens of a sequence over "
+                             f"tp={tp} ranks; use a sequence length divisible by {tp}")
+        x = parallel_embedding(ids, self.tok.weight, num_embeddings=self.tok.num_embeddings,
+                               dim=0, group=group, sequence=True)            # (B, T / tp, C)
+        start, stop = shard_range(T, tp, group_rank(group))
+        x = x + self.pos(torch.arange(start, stop, device=ids.device))       # this rank's
+        register_parallel_dim(x, SEQUENCE)
+        return x
 
 
 class CausalSelfAttention(nn.Module):
@@ -107,10 +155,11 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, n_embd: int, n_head: int, *, dropout: float = 0.0,
                  tp: int | None = None, group: ProcessGroup | None = None,
-                 bias: bool = True) -> None:
+                 bias: bool = True, sequence_parallel: bool = False) -> None:
         super().__init__()
         col, row, _ = _dims(tp)
         self.sharded = col is not None
+        self.sequence_parallel = sequence_parallel
         self.heads = n_head // (tp or 1)                         # heads on this rank
         self.head_dim = n_embd // n_head
         self.q = ParallelLinear(n_embd, n_embd, bias, dim=col, group=group)
@@ -145,17 +194,24 @@ class CausalSelfAttention(nn.Module):
         if not self.sharded:
             return self.q(x), self.k(x), self.v(x)
         group = self.q.group if self.q.group is not None else default_tp_group()
-        x = copy_to_group(x, group)                             # backward: one all-reduce
+        if self.sequence_parallel:                              # (B, T / tp, C) -> (B, T, C)
+            x = gather_grad_scatter(x, group, dim=-2)           # backward: reduce-scatter
+        else:
+            x = copy_to_group(x, group)                         # backward: one all-reduce
         q, k, v = (F.linear(x, m.weight, m.bias) for m in (self.q, self.k, self.v))
         return q, k, v
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """`mask`: None (causal), or (B, 1, T, T) bool, True where a query may attend a key."""
-        B, T, _ = x.shape
-        q, k, v = (self._heads(t, B, T) for t in self._qkv(x))  # (B, h, T, hd), h = H / tp
+        """`mask`: None (causal), or (B, 1, T, T) bool, True where a query may attend a key.
+        Sequence parallel: x and the output are (B, T / tp, C) tagged `SEQUENCE`."""
+        q, k, v = self._qkv(x)                                   # (B, T, C / tp) each
+        B, T, _ = q.shape
+        q, k, v = (self._heads(t, B, T) for t in (q, k, v))      # (B, h, T, hd), h = H / tp
         # checkpoint = "selective": the core recomputed in backward, q, k, v kept
         y = recompute_core(self._core, q, k, v, mask)            # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)   # (B, T, C / tp)
+        if self.sequence_parallel:
+            return self.resid_drop(_row_to_sequence(y, self.proj))       # (B, T / tp, C)
         if self.sharded:
             register_parallel_dim(y, -1)                        # this rank's heads' columns
         return self.resid_drop(self.proj(y))                    # (B, T, C)
@@ -179,7 +235,8 @@ class MLP(nn.Module):
     """Column-parallel (C -> 4C) -> GELU -> row-parallel (4C -> C) -> dropout."""
 
     def __init__(self, n_embd: int, *, dropout: float = 0.0, tp: int | None = None,
-                 group: ProcessGroup | None = None, bias: bool = True) -> None:
+                 group: ProcessGroup | None = None, bias: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         col, row, _ = _dims(tp)
         self.fc = ParallelLinear(n_embd, 4 * n_embd, bias, dim=col, group=group)
@@ -187,8 +244,14 @@ class MLP(nn.Module):
         self.tag = RegisterParallelDim(col)                     # GELU drops the tag
         self.proj = ParallelLinear(4 * n_embd, n_embd, bias, dim=row, group=group)
         self.drop = ParallelDropout(dropout, group=group)
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:                              # (B, T / tp, C) in and out
+            group = self.fc.group if self.fc.group is not None else default_tp_group()
+            x = gather_grad_scatter(x, group, dim=-2)           # (B, T, C)
+            h = self.act(F.linear(x, self.fc.weight, self.fc.bias))      # (B, T, 4C / tp)
+            return self.drop(_row_to_sequence(h, self.proj))    # (B, T / tp, C)
         h = self.tag(self.act(self.fc(x)))                      # (B, T, 4C / tp)
         return self.drop(self.proj(h))                          # (B, T, C)
 
@@ -203,34 +266,74 @@ class Block(nn.Module):
 
     def __init__(self, n_embd: int, n_head: int, *, dropout: float = 0.0,
                  tp: int | None = None, group: ProcessGroup | None = None,
-                 bias: bool = True) -> None:
+                 bias: bool = True, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout=dropout, tp=tp, group=group,
-                                        bias=bias)
+                                        bias=bias, sequence_parallel=sequence_parallel)
         self.ln2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout=dropout, tp=tp, group=group, bias=bias)
+        self.mlp = MLP(n_embd, dropout=dropout, tp=tp, group=group, bias=bias,
+                       sequence_parallel=sequence_parallel)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:   # the norms and the row-parallel biases see this rank's
+            # tokens only: partial gradients, summed over tp
+            biases = [b for b in (self.attn.proj.bias, self.mlp.proj.bias) if b is not None]
+            for p in (*self.ln1.parameters(), *self.ln2.parameters(), *biases):
+                register_partial_grad(p)
 
     def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
         h, positions = split_positions(x)
+        if positions is not None and self.sequence_parallel:
+            raise ValueError("gpt(sequence_parallel=True) does not take packed documents yet")
         if positions is not None:                               # packed documents
             h = h + self.attn(self.ln1(h), document_mask(positions))    # (B, T, C)
             h = h + self.mlp(self.ln2(h))                       # (B, T, C)
             return (h, positions) if self.keep_positions else h
         h = h + self.attn(self.ln1(h))                          # (B, T, C)
-        return h + self.mlp(self.ln2(h))                        # (B, T, C)
+        h = h + self.mlp(self.ln2(h))                           # (B, T, C)
+        if self.sequence_parallel:                              # (B, T / tp, C): the sum
+            register_parallel_dim(h, SEQUENCE)                  # lost the tag
+        return h
 
 
 class Head(nn.Module):
     """The language-model head: (B, T, C) -> logits (B, T, V / tp), tagged -1 when sharded."""
 
     def __init__(self, n_embd: int, vocab_size: int, *, tp: int | None = None,
-                 group: ProcessGroup | None = None) -> None:
+                 group: ProcessGroup | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.proj = ParallelLinear(n_embd, vocab_size, False, dim=_dims(tp)[0], group=group)
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:                              # (B, T / tp, C) -> (B, T, C)
+            group = self.proj.group if self.proj.group is not None else default_tp_group()
+            logits = F.linear(gather_grad_scatter(x, group, dim=-2), self.proj.weight)
+            register_parallel_dim(logits, -1)
+            return logits                                       # (B, T, V / tp)
         return self.proj(x)                                     # (B, T, V / tp)
+
+
+class SequenceLayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` whose output keeps the input's parallel tag (a sequence shard stays
+    one across a stage boundary)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        register_parallel_dim(out, get_parallel_dim(x))
+        return out
+
+
+def _row_to_sequence(x: Tensor, layer: ParallelLinear) -> Tensor:
+    """A row-parallel `layer` on this rank's features `x` (B, T, in / tp): the partial
+    products reduce-scattered along T, then the full bias: (B, T / tp, out) tagged
+    `SEQUENCE` (the all-reduce of `parallel_linear`, split in two)."""
+    group = layer.group if layer.group is not None else default_tp_group()
+    out = reduce_scatter_group(F.linear(x, layer.weight), group, dim=-2)
+    if layer.bias is not None:
+        out = out + layer.bias
+    register_parallel_dim(out, SEQUENCE)
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -266,7 +369,8 @@ def check_gpt_config(*, vocab_size: int, block_size: int, n_layer: int, n_head: 
 
 def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head: int = 4,
         n_embd: int = 64, dropout: float = 0.0, tp: int | None = None,
-        group: ProcessGroup | None = None, bias: bool = True) -> nn.Sequential:
+        group: ProcessGroup | None = None, bias: bool = True,
+        sequence_parallel: bool = False) -> nn.Sequential:
     """A GPT as ``nn.Sequential(Embeddings, Block × n_layer, LayerNorm, Head)``.
 
     Input (B, T) int64 token ids with T <= block_size; output logits (B, T, V), or
@@ -277,12 +381,20 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
     check_gpt_config(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
                      n_head=n_head, n_embd=n_embd, dropout=dropout, tp=tp)
     tp = _tp_size(tp, group)
+    if sequence_parallel and tp is None:
+        raise ValueError("gpt(sequence_parallel=True) shards the sequence over the tp group: "
+                         "it needs tp > 1 (or drop sequence_parallel)")
+    sp = {"sequence_parallel": sequence_parallel}
     layers: list[nn.Module] = [Embeddings(vocab_size, block_size, n_embd, dropout=dropout,
-                                          tp=tp, group=group)]
-    layers += [Block(n_embd, n_head, dropout=dropout, tp=tp, group=group, bias=bias)
+                                          tp=tp, group=group, **sp)]
+    layers += [Block(n_embd, n_head, dropout=dropout, tp=tp, group=group, bias=bias, **sp)
                for _ in range(n_layer)]
-    layers.append(nn.LayerNorm(n_embd, bias=bias))
-    layers.append(Head(n_embd, vocab_size, tp=tp, group=group))
+    norm = (SequenceLayerNorm if sequence_parallel else nn.LayerNorm)(n_embd, bias=bias)
+    if sequence_parallel:
+        for p in norm.parameters():
+            register_partial_grad(p)
+    layers.append(norm)
+    layers.append(Head(n_embd, vocab_size, tp=tp, group=group, **sp))
     return keyed(torch.initial_seed(), nn.Sequential(*layers))
 
 

@@ -3,7 +3,9 @@
 An activation or parameter may carry two Python attributes (torchshard's convention):
 
     attribute           values          meaning
-    parallel_dim        None, 0, 1, -1  the layer dim it is sharded on (None: replicated)
+    parallel_dim        None, 0, 1, -1  the layer dim it is sharded on (None: replicated);
+                        -2 (SEQUENCE)   an activation (*, T / tp, C) sharded on its tokens
+                                        (sequence parallelism)
     tp_partial_grad     True            (a replicated parameter) it is used on a shard, so a
                                         rank's gradient is its shard's part: HybridPipe sums
                                         it over the tp group after each step
@@ -24,6 +26,7 @@ __all__ = [
     "ORDER_TYPE_ATTR",
     "PARALLEL_DIM_ATTR",
     "PARTIAL_GRAD_ATTR",
+    "SEQUENCE",
     "get_order_type",
     "get_parallel_dim",
     "has_partial_grad",
@@ -36,14 +39,16 @@ __all__ = [
 PARALLEL_DIM_ATTR = "parallel_dim"   # torchshard's names: code written for it reads them
 ORDER_TYPE_ATTR = "order_type"
 PARTIAL_GRAD_ATTR = "tp_partial_grad"
-_VALID_DIMS = (None, 0, 1, -1)
+SEQUENCE = -2   # an activation sharded on its sequence dim, (*, T / tp, C): never a layer dim
+_VALID_DIMS = (None, 0, 1, -1, SEQUENCE)
 
 
 def _check_dim(parallel_dim: int | None) -> None:
     if parallel_dim not in _VALID_DIMS:
         raise ValueError(
-            f"parallel dim must be one of None, 0, 1, -1, got {parallel_dim!r} "
-            "(None: replicated, 0: row / vocab, 1 or -1: column / feature)"
+            f"parallel dim must be one of None, 0, 1, -1, -2, got {parallel_dim!r} "
+            "(None: replicated, 0: row / vocab, 1 or -1: column / feature, -2: the sequence "
+            "of an activation)"
         )
 
 

@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.tensor_parallel.attrs import SEQUENCE, get_parallel_dim, register_parallel_dim
 from hybridpar.tensor_parallel.mappings import (
     copy_to_group,
     gather_from_group,
     group_rank,
     group_size,
     reduce_from_group,
+    reduce_scatter_group,
     scatter_to_group,
     shard_range,
 )
@@ -125,7 +126,8 @@ class _ScaleGrad(torch.autograd.Function):
 def _vocab_parallel_embedding(input: Tensor, weight: Tensor, padding_idx: int | None,
                               max_norm: float | None, norm_type: float,
                               scale_grad_by_freq: bool, sparse: bool,
-                              num_embeddings: int | None, group: ProcessGroup | None) -> Tensor:
+                              num_embeddings: int | None, group: ProcessGroup | None, *,
+                              sequence: bool = False) -> Tensor:
     """Rows [start, stop) of the table live here; every rank sees all ids.
 
         ids     3  7  0  9        (vocabulary 10 over 4 ranks: rows 0-2 | 3-5 | 6-7 | 8-9)
@@ -162,6 +164,8 @@ def _vocab_parallel_embedding(input: Tensor, weight: Tensor, padding_idx: int | 
         scale = (1.0 / counts.to(output.dtype))[inverse].unsqueeze(-1)  # (*, 1)
         output = _ScaleGrad.apply(output, scale)
     output = output.masked_fill(~owned.unsqueeze(-1), 0.0)          # (*, D) this rank's part
+    if sequence:                                                    # (*, T / tp, D) summed
+        return reduce_scatter_group(output, group, dim=-2)
     return reduce_from_group(output, group)                         # (*, D) full
 
 
@@ -188,11 +192,13 @@ def parallel_embedding(input: Tensor, weight: Tensor, padding_idx: int | None = 
                        scale_grad_by_freq: bool = False, sparse: bool = False,
                        num_embeddings: int | None = None, dim: int | None = None, *,
                        embedding_dim: int | None = None,
-                       group: ProcessGroup | None = None) -> Tensor:
+                       group: ProcessGroup | None = None, sequence: bool = False) -> Tensor:
     """`F.embedding` over a vocab-sharded (dim=0) or feature-sharded (dim=1 / -1) table.
 
     dim=0: `weight` holds rows ``shard_range(num_embeddings, tp, rank)`` of the full table;
-    `num_embeddings` is the full vocabulary (required when tp > 1). dim=1 / -1: `weight`
+    `num_embeddings` is the full vocabulary (required when tp > 1). With `sequence` (dim=0,
+    ids (*, T)) the ranks' parts are reduce-scattered along T instead of all-reduced: this
+    rank's (*, T / tp, D) tokens, tagged `SEQUENCE` (sequence parallelism). dim=1 / -1: `weight`
     holds this rank's columns; the output is all-gathered to the full ``embedding_dim``
     (pass `embedding_dim` when it does not divide evenly over tp). Ids outside the
     vocabulary are not checked in the vocab-parallel mode (they embed to zeros).
@@ -204,9 +210,16 @@ def parallel_embedding(input: Tensor, weight: Tensor, padding_idx: int | None = 
         return F.embedding(input, weight, padding_idx, max_norm, norm_type,
                            scale_grad_by_freq, sparse)
     g = _group(dim, group)
+    if sequence and dim != 0:
+        raise ValueError(f"parallel_embedding(sequence=True) needs the vocab-parallel table "
+                         f"(dim=0), got dim={dim}")
     if dim == 0:
         output = _vocab_parallel_embedding(input, weight, padding_idx, max_norm, norm_type,
-                                           scale_grad_by_freq, sparse, num_embeddings, g)
+                                           scale_grad_by_freq, sparse, num_embeddings, g,
+                                           sequence=sequence)
+        if sequence:
+            register_parallel_dim(output, SEQUENCE)
+            return output
     else:
         if max_norm is not None:   # renormalize by the rows' full norms, as F.embedding
             _renorm_feature_shard(weight, input, max_norm, norm_type, g)

@@ -33,6 +33,7 @@ from torch.distributed import ProcessGroup
 from hybridpar.device import cuda, has_cuda, is_cuda
 from hybridpar.tensor_parallel.attrs import (
     ORDER_TYPE_ATTR,
+    SEQUENCE,
     get_order_type,
     get_parallel_dim,
     register_parallel_attribute,
@@ -219,13 +220,15 @@ class ParallelDropout(nn.Dropout):
 
     Untagged (replicated) input: plain dropout on the default stream, so every tp rank draws
     the same mask (given `model_parallel_manual_seed`). Input tagged sharded on its last dim
-    (parallel dim -1 or 1), shape ``(*, C / tp)``:
+    (parallel dim -1 or 1), shape ``(*, C / tp)``, or on its sequence (-2, sequence
+    parallelism), shape ``(*, T / tp, C)``:
 
         parity  mask                                             communication
-        True    full (*, C) mask from the default stream,        all-reduce of the widths
-                this rank's [start, stop) slice kept              (C and start; uneven ok)
-        False   local (*, C / tp) mask in get_rng_tracker()      none
-                .fork() (Megatron; distinct per rank)
+        True    full (*, C) / (*, T, C) mask from the default     all-reduce of the widths
+                stream, this rank's [start, stop) slice of the    (C or T and start; uneven
+                sharded dim kept                                  ok)
+        False   local mask in get_rng_tracker().fork()            none
+                (Megatron; distinct per rank)
 
     The output keeps the input's tag. In eval mode (or p=0) the input is returned as is.
     Parity assumes the one-device activation is contiguous (on CUDA, the fused kernel assigns
@@ -238,9 +241,9 @@ class ParallelDropout(nn.Dropout):
         super().__init__(p, inplace)
         self.parity = parity
         self.group = group
-        # (local width, group) -> (full width, start): read on the host once per layer, not
-        # in every forward (where it would synchronise a GPU per micro-batch)
-        self._layouts: dict[tuple[int, str], tuple[int, int]] = {}
+        # (sharded dim, local width, group) -> (full width, start): read on the host once per
+        # layer, not in every forward (where it would synchronise a GPU per micro-batch)
+        self._layouts: dict[tuple[int, int, str], tuple[int, int]] = {}
 
     def extra_repr(self) -> str:
         return f"p={self.p}, inplace={self.inplace}, parity={self.parity}"
@@ -248,7 +251,8 @@ class ParallelDropout(nn.Dropout):
     def forward(self, input: Tensor) -> Tensor:
         if not self.training or self.p == 0:
             return input
-        if get_parallel_dim(input) not in (-1, 1):
+        tag = get_parallel_dim(input)
+        if tag not in (-1, 1, SEQUENCE):
             return F.dropout(input, self.p, True, self.inplace)
         if not self.parity:
             with _TRACKER.fork():
@@ -256,15 +260,18 @@ class ParallelDropout(nn.Dropout):
         group = self.group if self.group is not None else default_tp_group()
         if group_size(group) == 1:
             return _retag(F.dropout(input, self.p, True, self.inplace), input)
-        width = input.shape[-1]
-        key = (width, str(group.group_name))
+        dim = -2 if tag == SEQUENCE else -1           # the sharded dim of the activation
+        width = input.shape[dim]
+        key = (dim, width, str(group.group_name))
         if key not in self._layouts:
             self._layouts[key] = _sharded_layout(width, group, input.device)
         full, start = self._layouts[key]
         # F.dropout of ones is exactly its scaled mask (0 or 1 / (1 - p)), drawn by the same
         # kernel and the same amount of randomness as F.dropout of the full activation.
-        mask = F.dropout(input.new_ones((*input.shape[:-1], full)), self.p, True)  # (*, C)
-        mask = mask.narrow(-1, start, width)                                       # (*, C/tp)
+        shape = list(input.shape)
+        shape[dim] = full
+        mask = F.dropout(input.new_ones(shape), self.p, True)       # (*, C) or (*, T, C)
+        mask = mask.narrow(dim, start, width)                       # this rank's slice
         if input.dtype in (torch.float16, torch.bfloat16) and self.p < 1 and \
                 is_cuda(input, branch="dropout scale"):
             # CUDA's fused kernel scales half inputs in float32, rounding once:

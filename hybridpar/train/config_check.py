@@ -82,6 +82,28 @@ def _check_tp(model: ModelConfig, tp: int, where: Where) -> None:
                           "parallel.tp", *[f"model.{k}" for k in args]) from None
 
 
+def _check_sequence_parallel(cfg: Config, where: Where) -> None:
+    """parallel.sequence_parallel: the built-in gpt's own tp layers, tp > 1, whole documents,
+    sequences divisible by tp."""
+    model, par, data = cfg.model, cfg.parallel, cfg.data
+    key = "parallel.sequence_parallel"
+    if par.tp == 1:
+        raise where.error(f"{key} = true shards the sequence over the tp ranks: it needs "
+                          "parallel.tp > 1 (or set it false)", key, "parallel.tp")
+    if model.name != "gpt" or par.tp_plan is not None:
+        raise where.error(f"{key} is implemented for the built-in gpt (model.name = 'gpt') with "
+                          f"its own tp layers, not yet for model {model.name!r} with "
+                          f"parallel.tp_plan = {par.tp_plan!r}; set it false", key, "model.name")
+    if data.pack == "documents":
+        raise where.error(f"{key} does not take packed documents yet (data.pack = "
+                          "'documents'); set one of them off", key, "data.pack")
+    length = data.seq_len or model.args.get("block_size", 64)
+    if length % par.tp:
+        raise where.error(f"{key} splits each sequence of {length} tokens over tp={par.tp} "
+                          f"ranks; use a data.seq_len divisible by {par.tp}", key,
+                          "data.seq_len")
+
+
 def check_layout(cfg: Config, where: Where) -> Config:
     """`cfg` checked across its fields and against its model; `data.seq_len` resolved."""
     model, par, data, train = cfg.model, cfg.parallel, cfg.data, cfg.train
@@ -92,6 +114,8 @@ def check_layout(cfg: Config, where: Where) -> Config:
                               "parallel layers; set parallel.tp_plan = \"auto\" (or a table of "
                               "layer globs), or parallel.tp = 1", "parallel.tp")
         _check_tp(model, par.tp, where)
+    if par.sequence_parallel:
+        _check_sequence_parallel(cfg, where)
     if par.tp_plan == "hf" and not model.name.startswith("hf:"):
         raise where.error(f"parallel.tp_plan = 'hf' is a Hugging Face model's own plan; model "
                           f"{model.name!r} is not one (model.name = 'hf:...'): use 'auto'",

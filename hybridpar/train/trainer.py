@@ -162,7 +162,10 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     par, name = config.parallel, config.model.name
     if config.train.precision == "bf16":   # before the model is built, on every rank
         check_dtype_runs(torch.bfloat16, topo.device, what="train.precision = 'bf16'")
-    extra = dict(tp=par.tp, group=topo.tp_group) if par.tp > 1 and par.tp_plan is None else {}
+    extra: dict[str, Any] = dict(tp=par.tp, group=topo.tp_group) \
+        if par.tp > 1 and par.tp_plan is None else {}
+    if par.sequence_parallel:
+        extra["sequence_parallel"] = True
     pretrained = config.model.args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)

@@ -1,0 +1,162 @@
+"""Sequence parallelism (gpt(sequence_parallel=True), parallel.sequence_parallel): exact.
+
+The tensor-parallel GPT of test_pipe_tp with its LayerNorms, dropouts and residuals on 1 / tp
+of the tokens trains as the one-device model (SGD, float32 to 1e-5) over layouts, schedules
+and checkpoint modes; with dropout, the one-device masks (one micro-batch) and, over several,
+exactly the masks of the same layout without sequence parallelism. Stage boundaries carry
+each rank's (B, T / tp, C) shard; one block moves the bytes of the all-reduces it replaces
+(an all-gather and a reduce-scatter of the same tensor each) and keeps 1 / tp of the
+LayerNorm and dropout activations.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from spawn_cases import spawn_by_world
+from test_pipe_tp import BATCH, SMALL, _batches, _reference
+
+import hybridpar
+from hybridpar.models import gpt, gpt_loss
+from hybridpar.models.gpt import Block
+from hybridpar.tensor_parallel.attrs import SEQUENCE, get_parallel_dim
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _worker(layout, balance, options, dropout, sequence_parallel=True):
+    pp, tp, dp = layout
+    topo = hybridpar.init(pp=pp, tp=tp, dp=dp, timeout=60)
+    torch.manual_seed(0)
+    model = gpt(**SMALL, dropout=dropout, tp=tp, sequence_parallel=sequence_parallel)
+    pipe = hybridpar.HybridPipe(model, balance, topology=topo, loss_fn=gpt_loss, **options)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses, norms = [], []
+    rows = BATCH // dp
+    for x, y in _batches(BATCH):
+        part = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
+        opt.zero_grad()
+        losses.append(pipe.train_step(x[part], y[part]).item())
+        pipe.check_replicas()
+        norms.append(pipe.clip_grad_norm_(0.5).item())
+        opt.step()
+    return {"losses": losses, "norms": norms, "state": pipe.consolidated_state_dict(),
+            "partial": pipe.partial_grads}
+
+
+LAYOUTS = [   # (pp, tp, dp), balance, options
+    ((1, 2, 1), [5], {"chunks": 2, "schedule": "gpipe", "checkpoint": "except_last"}),
+    ((2, 2, 1), [2, 3], {"chunks": 4, "schedule": "1f1b", "checkpoint": "always"}),
+    ((2, 2, 2), [2, 3], {"chunks": 2, "schedule": "zb-h1", "checkpoint": "never"}),
+    ((2, 2, 1), [1, 2, 1, 1], {"chunks": 4, "schedule": "zbv", "checkpoint": "layers"}),
+    ((2, 2, 2), [3, 2], {"chunks": 2, "schedule": "1f1b", "checkpoint": "selective"}),
+]
+DROPOUT = [{"chunks": 1}, {"chunks": 1, "schedule": "zb-h1", "checkpoint": "always"}]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {}
+    for layout, balance, options in LAYOUTS:
+        cases[f"train {layout} {options}"] = (layout[0] * layout[1] * layout[2],
+                                              (layout, balance, options, 0.0))
+    for options in DROPOUT:
+        cases[f"dropout {options}"] = (2, ((1, 2, 1), [5], options, 0.2))
+    for sp in (False, True):   # dropout over 4 micro-batches: sp against tp alone
+        cases[f"masks {sp}"] = (4, ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "1f1b",
+                                                        "checkpoint": "except_last"}, 0.2, sp))
+    return spawn_by_world(_worker, cases, timeout=240)
+
+
+@pytest.mark.parametrize("layout,balance,options", LAYOUTS)
+def test_sequence_parallel_gpt_trains_as_one_device(layout, balance, options, runs):
+    ref_losses, ref_norms, ref_state = _reference(0.0)
+    for r in runs[f"train {layout} {options}"]:
+        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+        # the norms, row-parallel biases, position table: their gradients summed over tp
+        assert r["partial"] and all(n.endswith(("ln1.weight", "ln1.bias", "ln2.weight",
+                                                "ln2.bias", "proj.bias", "pos.weight")) or
+                                    n.split(".")[0] == str(SMALL["n_layer"] + 1)
+                                    for n in r["partial"])
+
+
+@pytest.mark.parametrize("options", DROPOUT)
+def test_sequence_parallel_dropout_masks_are_the_one_device_ones(options, runs):
+    ref_losses, _, ref_state = _reference(0.2)
+    for r in runs[f"dropout {options}"]:
+        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+
+
+def test_sequence_parallel_draws_the_masks_of_tensor_parallelism_alone(runs):
+    for plain, sharded in zip(runs["masks False"], runs["masks True"], strict=True):
+        assert sharded["losses"] == pytest.approx(plain["losses"], abs=1e-6)
+        for k, v in plain["state"].items():
+            torch.testing.assert_close(sharded["state"][k], v, atol=1e-6, rtol=0)
+
+
+def _one_block(sequence_parallel):
+    """Forward and backward of one Block at tp=2 on this rank's input: the collectives'
+    bytes, the bytes autograd saved, the output's shape and tag."""
+    topo = hybridpar.init(tp=2, timeout=60)
+    torch.manual_seed(0)
+    block = Block(32, 4, dropout=0.1, tp=2, sequence_parallel=sequence_parallel)
+    B, T, C = 2, 16, 32
+    x = torch.randn(B, T, C)
+    if sequence_parallel:
+        x = x.narrow(1, topo.tp_rank * T // 2, T // 2).clone()
+        from hybridpar.tensor_parallel.attrs import register_parallel_dim
+        register_parallel_dim(x, SEQUENCE)
+    x.requires_grad_()
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    hybridpar.reset_comm_stats()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    out.sum().backward()
+    return {"comm": hybridpar.comm_stats(), "saved": saved[0], "shape": tuple(out.shape),
+            "tag": get_parallel_dim(out)}
+
+
+def test_a_block_moves_the_all_reduces_bytes_and_keeps_less():
+    plain = hybridpar.spawn(_one_block, 2, args=(False,), timeout=60)[0]
+    sharded = hybridpar.spawn(_one_block, 2, args=(True,), timeout=60)[0]
+    assert plain["shape"] == (2, 16, 32) and plain["tag"] is None
+    assert sharded["shape"] == (2, 8, 32) and sharded["tag"] == SEQUENCE
+    # 4 all-reduces of (2, 16, 32) float32 (forward: attention and MLP outputs; backward:
+    # their inputs' gradients), each replaced by one all-gather and one reduce-scatter of the
+    # same tensor: the same bytes on the wire
+    full = 2 * 16 * 32 * 4
+    assert plain["comm"]["all_reduce"] == {"bytes": 4 * full, "calls": 4}
+    assert "all_reduce" not in sharded["comm"]
+    for kind in ("all_gather", "reduce_scatter"):
+        assert sharded["comm"][kind] == {"bytes": 4 * full, "calls": 4}
+    # the LayerNorms' inputs and the residual dropouts' masks: (2, 8, 32) instead of
+    # (2, 16, 32) on each rank (2 norms + 2 masks: 4 x half a full tensor, at least)
+    assert plain["saved"] - sharded["saved"] >= 4 * full // 2
+
+
+def test_what_sequence_parallelism_cannot_take_is_refused():
+    from config_errors import error_of
+
+    quick = ROOT / "configs" / "quickstart.toml"
+    sp = "parallel.sequence_parallel=true"
+    assert "needs parallel.tp > 1" in error_of(quick, sp, "parallel.tp=1")
+    assert "not yet for model 'hf:llama'" in error_of(
+        ROOT / "configs" / "llama_tiny.toml", sp, "parallel.tp=2")
+    assert "use a data.seq_len divisible by 2" in error_of(quick, sp, "data.seq_len=15")
+    assert "does not take packed documents yet" in error_of(quick, sp, "data.pack=documents",
+                                                            "data.source=corpus")
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\) shards the sequence over "
+                                         r"the tp group: it needs tp > 1"):
+        gpt(**SMALL, sequence_parallel=True)
