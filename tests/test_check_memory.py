@@ -209,10 +209,12 @@ def test_zero_2_holds_the_gradients_of_half_the_parameters(results):
 
 def test_layer_checkpointing_keeps_a_fraction_of_the_activations(results):
     dry, _ = results
-    # the same stages at twice the rows per replica (dp 1) keep under an eighth of what
-    # checkpoint = "except_last" keeps at dp 2: each layer's input instead of its activations
-    for layers, whole in zip(dry["gpt pp2 layers"], dry["gpt dp2 x pp2"]):
-        assert 0 < layers["activations"] < whole["activations"] / 4
+    # the same stage at twice the rows per replica (dp 1) keeps under a third of what
+    # checkpoint = "except_last" keeps at dp 2 (under a sixth at equal rows): each layer's
+    # input instead of its activations
+    whole = {r["stage"]: r["activations"] for r in dry["gpt dp2 x pp2"]}
+    for layers in dry["gpt pp2 layers"]:
+        assert 0 < layers["activations"] < whole[layers["stage"]] / 3
 
 
 def test_a_7b_llama_is_checked_without_allocating_its_weights(results):

@@ -97,19 +97,21 @@ def runs(tmp_path_factory):
     """Each layout at zero = 0 and 1 on one set of 4 ranks; zbv; a tied GPT-2 over 2 stages."""
     cases = {}
     for name, (pp, tp, dp) in LAYOUTS.items():
-        for zero in (0, 1, 2):
+        for zero in (0, 1, 2) if tp > 1 else (0, 1):   # zero 2: test_zero_parity, float64
             folder = tmp_path_factory.mktemp(f"{name.replace(' ', '')}-zero{zero}")
             cases[(name, zero)] = (config(*_layout(pp, tp, dp, zero)), str(folder))
     for zero in (0, 1, 2):
-        folder = tmp_path_factory.mktemp(f"zbv-zero{zero}")
-        cases[("zbv pp2 x dp2", zero)] = (config(*_layout(2, 1, 2, zero, "zbv")), str(folder))
+        if zero < 2:
+            folder = tmp_path_factory.mktemp(f"zbv-zero{zero}")
+            cases[("zbv pp2 x dp2", zero)] = (config(*_layout(2, 1, 2, zero, "zbv")),
+                                              str(folder))
         folder = tmp_path_factory.mktemp(f"gpt2-zero{zero}")
         cases[("tied gpt2 pp2 x dp2", zero)] = (gpt2(2, 2, zero), str(folder))
     return spawn_cases(_train, 4, cases, timeout=TIMEOUT * 3)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-@pytest.mark.parametrize("name", [*LAYOUTS, "zbv pp2 x dp2", "tied gpt2 pp2 x dp2"])
+@pytest.mark.parametrize("name,zero", [(name, 1) for name in (*LAYOUTS, "zbv pp2 x dp2")] + [
+    ("tp2 x dp2", 2), ("tied gpt2 pp2 x dp2", 1), ("tied gpt2 pp2 x dp2", 2)])
 def test_zero_1_and_2_train_with_the_losses_of_zero_0(runs, name, zero):
     plain, sharded = runs[(name, 0)], runs[(name, zero)]
     losses = [r[0] for r in sharded]
