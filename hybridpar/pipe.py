@@ -100,6 +100,10 @@ class HybridPipe(StageModule):
     every `train_step`, `eval_step` and forward, keeping the last one; `write_trace` then
     writes it for all ranks (Chrome trace, Gantt chart, bubble table). Off, it costs nothing.
 
+    ``sequence_parallel=True`` (tp > 1): a Hugging Face decoder (`hybridpar.hf.to_sequential`
+    with a tp plan) runs its norms and residuals on 1 / tp of the tokens (`hf.sequence`); the
+    built-in gpt takes it at build time instead (``gpt(sequence_parallel=True)``).
+
     ``compile=True``: each of the stage's blocks (a layer class with parameters that the model
     repeats) compiled in place with `torch.compile`, once per class (`hybridpar.compile`); a
     string names the backend instead of ``"inductor"`` (``"aot_eager"``: no C++ compiler).
@@ -113,7 +117,8 @@ class HybridPipe(StageModule):
                  watchdog: bool | float | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
                  virtual_stages: int | None = None,
-                 param_dtype: torch.dtype | None = None, compile: bool | str = False) -> None:
+                 param_dtype: torch.dtype | None = None, compile: bool | str = False,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         check_sequential(module)
         chunks = as_chunks(chunks)
@@ -127,6 +132,10 @@ class HybridPipe(StageModule):
         #: the virtual stages of the model, where each lives (stage -> pp rank), the plan
         self.layout = Layout.of(schedule, topo.pp, virtual_stages)
         module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)
+        if sequence_parallel and topo.tp > 1:   # a Hugging Face decoder (`hf.sequence`)
+            from hybridpar.hf.sequence import sequence_parallel as shard_sequence
+
+            shard_sequence(module, topo.tp_group)
         partial = {n for n, p in module.named_parameters(remove_duplicate=False)
                    if has_partial_grad(p)}   # (kept by name: a meta build loses attributes)
         if isinstance(balance, str):

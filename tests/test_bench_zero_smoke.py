@@ -18,15 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_zero_benchmark_counts_the_formulas_exactly_and_times_both(tmp_path):
     out = tmp_path / "bench_zero.json"
-    done = subprocess.run([sys.executable, "scripts/bench_zero.py", "--smoke", "--out",
-                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # dp 1 and 2 (dp 4's rows are the benchmark's, docs/benchmarks.md §13: 4 ranks a row)
+    done = subprocess.run([sys.executable, "scripts/bench_zero.py", "--smoke", "--dp", "1", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| weights | dp | zero | params | grads | buckets | optimizer |" in done.stdout
     assert "zero 1 / zero 0" in done.stdout and "zero 2 / zero 0" in done.stdout
     result = json.loads(out.read_text())
     rows = result["memory"]
     assert [(r["param_dtype"], r["dp"], r["zero"]) for r in rows] == [
-        (dtype, dp, zero) for dtype in ("fp32", "bf16") for dp in (1, 2, 4) for zero in (0, 1, 2)]
+        (dtype, dp, zero) for dtype in ("fp32", "bf16") for dp in (1, 2) for zero in (0, 1, 2)]
     for r in rows:
         dp, zero, n, ranks = r["dp"], r["zero"], r["n_params"], r["ranks"]
         weights, state = (4, 8) if r["param_dtype"] == "fp32" else (2, 12)

@@ -24,7 +24,7 @@ import hybridpar
 LAYOUTS = [   # (pp, tp, dp), balance, options
     ((1, 2, 1), [5], {"chunks": 2, "schedule": "gpipe", "checkpoint": "layers"}),
     ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "1f1b", "checkpoint": "layers:2"}),
-    ((2, 2, 2), [2, 3], {"chunks": 2, "schedule": "zb-h1", "checkpoint": "layers"}),
+    ((2, 2, 1), [2, 3], {"chunks": 2, "schedule": "zb-h1", "checkpoint": "layers"}),
     ((2, 1, 1), [1, 2, 1, 1], {"chunks": 4, "schedule": "zbv", "checkpoint": "layers"}),
     ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "zb-h1", "checkpoint": "selective"}),
     ((1, 2, 2), [5], {"chunks": 2, "schedule": "1f1b", "checkpoint": "selective"}),

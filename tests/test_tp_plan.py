@@ -343,8 +343,8 @@ def test_tp1_changes_nothing(direct):
 
 @pytest.mark.parametrize("plan,match", [
     ({"0.0": "col"}, r"tp_plan\['0.0'\] = 'col' is not a style; valid styles"),
-    ({"0.0": "sequence_parallel"}, r"'sequence_parallel' is a Hugging Face style hybridpar "
-                                   r"does not support; supported: colwise"),
+    ({"0.0": "packed_rowwise"}, r"'packed_rowwise' is a Hugging Face style hybridpar "
+                                r"does not support; supported: colwise"),
     ({"0.*.x": "colwise"}, r"key '0.\*.x' \('colwise', a Hugging Face style: '\*' is one "
                            r"layer index\) matches no module"),
     ({"*.1": "colwise"}, r"'colwise' does not apply to '0.1' \(ReLU\)"),

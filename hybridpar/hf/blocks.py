@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.packing import document_segments, split_positions
+from hybridpar.tensor_parallel.attrs import SEQUENCE, register_parallel_dim
 
 __all__ = ["DecoderBlock", "TokenPositionEmbedding"]
 
@@ -55,6 +56,9 @@ class DecoderBlock(nn.Module):
     hf_layer: nn.Module
     hf_rotary: nn.Module | None
     keep_positions: bool = True
+    #: sequence parallelism (`hf.sequence`): the tp group's size; the hidden states are
+    #: (B, T / tp, D) and the mask and positions those of the full T (0: off)
+    sequence_parallel: int = 0
 
     def __init__(self, layer: nn.Module, *, config: Any, attention_type: str,
                  rotary: nn.Module | None = None) -> None:
@@ -85,16 +89,24 @@ class DecoderBlock(nn.Module):
         # trace) per block; packed documents say their segments themselves
         same_document = None if packed is None else \
             masking_utils.packed_sequence_mask_function(document_segments(packed))
-        mask = make_mask(config=self.config, inputs_embeds=states, attention_mask=None,
+        full = states                                           # (B, T, D), as the mask sees
+        if self.sequence_parallel:                              # (B, T / tp, D): this rank's
+            if packed is not None:
+                raise ValueError("sequence parallelism does not take packed documents yet")
+            B, T, D = states.shape
+            full = states.new_empty((B, 1, 1)).expand(B, T * self.sequence_parallel, D)
+        mask = make_mask(config=self.config, inputs_embeds=full, attention_mask=None,
                          past_key_values=None, position_ids=None,
                          and_mask_function=same_document)
-        positions = torch.arange(states.shape[1], device=states.device).unsqueeze(0) \
+        positions = torch.arange(full.shape[1], device=states.device).unsqueeze(0) \
             if packed is None else packed                       # (1, T) or (B, T)
         kwargs: dict[str, Any] = {}
         if self.hf_rotary is not None:
             kwargs["position_embeddings"] = self.hf_rotary(states, positions)  # cos, sin
         out: Tensor = self.hf_layer(states, attention_mask=mask, position_ids=positions,
                                     **kwargs)
+        if self.sequence_parallel:                              # the residual sum lost it
+            register_parallel_dim(out, SEQUENCE)
         if packed is None or not self.keep_positions:
             return out
         return out, packed

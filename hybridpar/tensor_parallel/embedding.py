@@ -128,11 +128,15 @@ class ParallelEmbedding(ParallelLayer):
         register_ddp_parameters_to_ignore(converted)
         return converted
 
+    #: sequence parallelism: the vocab-parallel parts reduce-scattered along T (dim=0 only)
+    sequence: bool = False
+
     def forward(self, x: Tensor) -> Tensor:
         return parallel_embedding(
             x, self.weight, self.padding_idx, self.max_norm, self.norm_type,
             self.scale_grad_by_freq, self.sparse, num_embeddings=self.num_embeddings,
-            dim=self.dim, embedding_dim=self.embedding_dim, group=self.group)
+            dim=self.dim, embedding_dim=self.embedding_dim, group=self.group,
+            sequence=self.sequence)
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"

@@ -28,6 +28,7 @@ from hybridpar.tensor_parallel.attrs import SEQUENCE, get_parallel_dim, register
 from hybridpar.tensor_parallel.mappings import (
     copy_to_group,
     gather_from_group,
+    gather_grad_scatter,
     group_rank,
     group_size,
     reduce_from_group,
@@ -37,7 +38,7 @@ from hybridpar.tensor_parallel.mappings import (
 )
 from hybridpar.topology import default_tp_group
 
-__all__ = ["check_parallel_dim", "parallel_embedding", "parallel_linear"]
+__all__ = ["SEQUENCE_MODES", "check_parallel_dim", "parallel_embedding", "parallel_linear"]
 
 _COLUMN = (1, -1)
 
@@ -60,16 +61,35 @@ def _group(dim: int | None, group: ProcessGroup | None) -> ProcessGroup | None:
 
 # linear -------------------------------------------------------------------------------------
 
+SEQUENCE_MODES = (None, "gathered", "gather", "scatter")
+
+
 def parallel_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None,
-                    dim: int | None = None, *, group: ProcessGroup | None = None) -> Tensor:
+                    dim: int | None = None, *, group: ProcessGroup | None = None,
+                    sequence: str | None = None) -> Tensor:
     """`F.linear` with a column- (dim=1 / -1) or row-parallel (dim=0) weight shard.
 
     Column: the input is used whole (its gradient is all-reduced); the output holds this
     rank's ``out / tp`` features and is tagged parallel dim -1. Row: an input tagged -1 / 1
     is taken as this rank's ``in / tp`` features, an untagged one of width ``in`` is split
     first; partial products are all-reduced and the full bias is added once, after the sum.
+
+    `sequence` (sequence parallelism, input / output ``(*, T, C)``):
+
+        sequence     layer    input                           output
+        "gathered"   column   (*, T, in), all-gathered by     as without
+                              its region (whose backward
+                              reduce-scatters the gradient)
+        "gather"     column   (*, T / tp, in): all-gathered   as without
+                              along T here
+        "scatter"    row      as without                      (*, T / tp, out) tagged SEQUENCE:
+                                                              reduce-scattered along T, + bias
     """
     check_parallel_dim(dim, "parallel_linear")
+    if sequence not in SEQUENCE_MODES or (sequence is not None and (dim in _COLUMN) != (
+            sequence in ("gathered", "gather"))):
+        raise ValueError(f"parallel_linear(sequence={sequence!r}) with dim={dim}: 'gathered' "
+                         "and 'gather' are column modes (dim=-1), 'scatter' a row mode (dim=0)")
     if weight.dim() != 2:
         raise ValueError(f"weight must be two-dimensional, got a {weight.dim()}D tensor")
     if dim is None:
@@ -79,13 +99,19 @@ def parallel_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None,
     tag = get_parallel_dim(input)
     width = input.shape[-1] if input.dim() > 0 else 0
     if dim in _COLUMN:
+        if sequence == "gather":
+            width = input.shape[-1]
         if width != weight.shape[1]:
             hint = (" (the input is tagged as sharded on its last dim: a column-parallel layer "
                     "needs the full features; use dim=0 to consume a sharded input)"
                     if tag in _COLUMN else "")
             raise ValueError(f"column-parallel linear expects input width (in_features) "
                              f"{weight.shape[1]}, got {width}{hint}")
-        output = F.linear(copy_to_group(input, g), weight, bias)     # (*, out / tp)
+        if sequence == "gather":                                     # (*, T / tp, in)
+            input = gather_grad_scatter(input, g, dim=-2)            # (*, T, in)
+        elif sequence is None:
+            input = copy_to_group(input, g)                          # backward: all-reduce
+        output = F.linear(input, weight, bias)                       # (*, out / tp)
         register_parallel_dim(output, -1)
         return output
     # row-parallel: y = sum over ranks of x_r @ W_r^T, then + b
@@ -100,10 +126,13 @@ def parallel_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None,
                              f"in_features = {weight.shape[1] * tp} (or one tagged as sharded "
                              f"of width {weight.shape[1]}), got {width}")
         local = scatter_to_group(input, g, dim=-1)                   # (*, in / tp)
-    output = reduce_from_group(F.linear(local, weight), g)           # (*, out)
+    if sequence == "scatter":                                        # (*, T / tp, out)
+        output = reduce_scatter_group(F.linear(local, weight), g, dim=-2)
+    else:
+        output = reduce_from_group(F.linear(local, weight), g)       # (*, out)
     if bias is not None:
         output = output + bias
-    register_parallel_dim(output, None)
+    register_parallel_dim(output, SEQUENCE if sequence == "scatter" else None)
     return output
 
 

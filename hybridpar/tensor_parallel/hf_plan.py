@@ -11,8 +11,10 @@
     replicate                              replicate
     replicated_with_grad_allreduce         replicate_sum_grad (replicated, used on a shard:
                                            its gradient summed over tp, e.g. Qwen3's q_norm)
+    sequence_parallel                      replicate (a norm's weights; the activations'
+                                           sharding is parallel.sequence_parallel's)
 
-Other styles (sequence_parallel, packed_rowwise, all_reduce, moe_*, local_params,
+Other styles (packed_rowwise, all_reduce, moe_*, local_params,
 mla_kv_a_proj) raise ValueError. A key is a module name in which ``*`` stands for one layer
 index (``layers.*.self_attn.q_proj``); a ``base_model_tp_plan`` key is relative to the base
 model, so a key matching nothing from the root is tried under ``model.base_model_prefix``.
@@ -31,8 +33,11 @@ HF_STYLES = {
     "packed_colwise": "column_fused2", "embedding_rowwise": "vocab",
     "embedding_colwise": "embedding_feature", "replicate": "replicate",
     "replicated_with_grad_allreduce": "replicate_sum_grad",
+    # a norm over sequence-sharded activations: its weights replicated here; the activations'
+    # sharding is parallel.sequence_parallel's (`hf.sequence`), on or off
+    "sequence_parallel": "replicate",
 }
-UNSUPPORTED_HF_STYLES = ("sequence_parallel", "packed_rowwise", "all_reduce", "moe_tp_experts",
+UNSUPPORTED_HF_STYLES = ("packed_rowwise", "all_reduce", "moe_tp_experts",
                          "moe_identity_expert", "local_params", "mla_kv_a_proj", "local_colwise",
                          "local_rowwise", "local_packed_rowwise", "local", "gather",
                          "isolate", "ep_router", "grouped_gemm")

@@ -134,8 +134,12 @@ class ParallelLinear(ParallelLayer):
             if self.bias is not None and bias is not None:
                 self.bias.copy_(slice_of(bias, self.bias, self.group))
 
+    #: sequence parallelism's mode of this layer (`parallel_linear`'s `sequence`); None: off
+    sequence: str | None = None
+
     def forward(self, x: Tensor) -> Tensor:
-        return parallel_linear(x, self.weight, self.bias, self.dim, group=self.group)
+        return parallel_linear(x, self.weight, self.bias, self.dim, group=self.group,
+                               sequence=self.sequence)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -264,8 +268,12 @@ class ParallelConv1D(ParallelLinear):
                                              dtype=self.weight.dtype))
         init_from_full(self, full, _conv1d_init, group=self.group)
 
+    #: sequence parallelism's mode of this layer (`parallel_linear`'s `sequence`); None: off
+    sequence: str | None = None
+
     def forward(self, x: Tensor) -> Tensor:
-        return parallel_linear(x, self.weight.t(), self.bias, self.dim, group=self.group)
+        return parallel_linear(x, self.weight.t(), self.bias, self.dim, group=self.group,
+                               sequence=self.sequence)
 
 
 def _conv1d_init(conv: Any) -> None:

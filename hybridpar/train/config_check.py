@@ -82,6 +82,9 @@ def _check_tp(model: ModelConfig, tp: int, where: Where) -> None:
                           "parallel.tp", *[f"model.{k}" for k in args]) from None
 
 
+SEQUENCE_PARALLEL_HF = ("hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3")   # `hf.sequence`
+
+
 def _check_sequence_parallel(cfg: Config, where: Where) -> None:
     """parallel.sequence_parallel: the built-in gpt's own tp layers, tp > 1, whole documents,
     sequences divisible by tp."""
@@ -90,14 +93,16 @@ def _check_sequence_parallel(cfg: Config, where: Where) -> None:
     if par.tp == 1:
         raise where.error(f"{key} = true shards the sequence over the tp ranks: it needs "
                           "parallel.tp > 1 (or set it false)", key, "parallel.tp")
-    if model.name != "gpt" or par.tp_plan is not None:
-        raise where.error(f"{key} is implemented for the built-in gpt (model.name = 'gpt') with "
-                          f"its own tp layers, not yet for model {model.name!r} with "
-                          f"parallel.tp_plan = {par.tp_plan!r}; set it false", key, "model.name")
+    hf = model.name in SEQUENCE_PARALLEL_HF
+    if not ((model.name == "gpt" and par.tp_plan is None) or (hf and par.tp_plan is not None)):
+        raise where.error(f"{key} is implemented for the built-in gpt (model.name = 'gpt', its "
+                          f"own tp layers) and the Hugging Face {', '.join(SEQUENCE_PARALLEL_HF)}"
+                          f" under a tp plan; not yet for model {model.name!r} with "
+                          f"parallel.tp_plan = {par.tp_plan!r}: set it false", key, "model.name")
     if data.pack == "documents":
         raise where.error(f"{key} does not take packed documents yet (data.pack = "
                           "'documents'); set one of them off", key, "data.pack")
-    length = data.seq_len or model.args.get("block_size", 64)
+    length = data.seq_len or (model.args.get("block_size", 64) if model.name == "gpt" else 0)
     if length % par.tp:
         raise where.error(f"{key} splits each sequence of {length} tokens over tp={par.tp} "
                           f"ranks; use a data.seq_len divisible by {par.tp}", key,

@@ -164,7 +164,7 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
         check_dtype_runs(torch.bfloat16, topo.device, what="train.precision = 'bf16'")
     extra: dict[str, Any] = dict(tp=par.tp, group=topo.tp_group) \
         if par.tp > 1 and par.tp_plan is None else {}
-    if par.sequence_parallel:
+    if par.sequence_parallel and not name.startswith("hf:"):   # hf: HybridPipe applies it
         extra["sequence_parallel"] = True
     pretrained = config.model.args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)
@@ -179,7 +179,8 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
                           checkpoint=par.checkpoint, loss_fn=loss, tp_plan=par.tp_plan,
                           deferred_batch_norm=par.deferred_batch_norm, balance_sample=sample,
                           init_fn=init, param_dtype=PARAM_DTYPES[config.train.param_dtype],
-                          compile=config.train.compile)
+                          compile=config.train.compile,
+                          sequence_parallel=par.sequence_parallel and name.startswith("hf:"))
     if pretrained is not None:
         from hybridpar.hf import load_hf_shards
 
