@@ -65,8 +65,8 @@ def runs():
     for options in DROPOUT:
         cases[f"dropout {options}"] = (2, ((1, 2, 1), [5], options, 0.2))
     for sp in (False, True):   # dropout over 4 micro-batches: sp against tp alone
-        cases[f"masks {sp}"] = (4, ((2, 2, 1), [3, 2], {"chunks": 4, "schedule": "1f1b",
-                                                        "checkpoint": "except_last"}, 0.2, sp))
+        cases[f"masks {sp}"] = (2, ((1, 2, 1), [5], {"chunks": 4, "schedule": "1f1b",
+                                                     "checkpoint": "except_last"}, 0.2, sp))
     return spawn_by_world(_worker, cases, timeout=240)
 
 
