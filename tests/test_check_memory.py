@@ -217,6 +217,16 @@ def test_layer_checkpointing_keeps_a_fraction_of_the_activations(results):
         assert 0 < layers["activations"] < whole[layers["stage"]] / 3
 
 
+def test_layer_checkpointing_is_refused_on_fake_gpus_with_what_to_do():
+    from hybridpar.train.check import dry_run
+
+    for mode in ("layers", "layers:2", "selective"):
+        with pytest.raises(ValueError, match=rf"cannot dry-run parallel.checkpoint = '{mode}' "
+                                             r"on fake GPUs .* --device cpu"):
+            dry_run(CONFIGS / "quickstart.toml", overrides=[f"parallel.checkpoint={mode}"],
+                    isolate=False)
+
+
 def test_a_7b_llama_is_checked_without_allocating_its_weights(results):
     dry, _ = results
     report = dry["7b"]["report"]

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridpar.pipeline.checkpoint import layer_stride
 from hybridpar.train.check_failure import CheckError
 from hybridpar.train.check_memory import CheckReport, RankReport
 from hybridpar.train.check_ranks import DryRun
@@ -66,6 +67,14 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    mode = cfg.parallel.checkpoint
+    if device == "cuda" and (layer_stride(mode) is not None or mode == "selective"):
+        # torch's non-reentrant checkpoint recomputes inside autograd's backward, and that
+        # aborts the process on the fake GPU (PrivateUse1; std::terminate in the engine, its
+        # cause not traced yet); on fake CPU ranks it runs
+        raise ValueError(f"hybridpar check cannot dry-run parallel.checkpoint = {mode!r} on fake "
+                         "GPUs (torch's checkpoint aborts on the fake device); check it with "
+                         "--device cpu (fake CPU ranks), or check with 'always' / 'never'")
     if not isolate:
         return DryRun(cfg, device=device, memory_gib=memory_gib, model=model).all_ranks()
     job = {"config": cfg.to_dict(), "device": device, "memory_gib": memory_gib, "model": model}
