@@ -114,7 +114,7 @@ def test_each_checkpointed_layer_runs_again_recomputing(mode, recomputed):
     assert [c[False] for c in calls] == [2, 2, 2, 2]
 
 
-def _selective(mode):
+def _selective(mode, dropout=0.1):
     """A one-rank gpt step under `mode`: the attention core's calls (recomputing or not)
     and the bytes autograd saved outside checkpointed regions."""
     from hybridpar.models import example_batch, gpt, gpt_loss
@@ -122,7 +122,7 @@ def _selective(mode):
 
     topo = hybridpar.init(timeout=60)
     torch.manual_seed(0)
-    model = gpt(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.1)
+    model = gpt(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=dropout)
     calls = {False: 0, True: 0}
     for attn in (m for m in model.modules() if isinstance(m, CausalSelfAttention)):
         core = attn._core
@@ -156,22 +156,39 @@ def test_selective_recomputes_only_the_attention_core():
     # not kept: per core the (2, 4, 8, 8) float32 probabilities, their dropout mask and
     # the dropped-out ones (at least 3 x 2 KiB)
     assert plain_saved - saved >= 4 * 3 * 2 * 4 * 8 * 8 * 4 * 0.9
+    # without attention dropout the core is fused sdpa, which keeps no probabilities:
+    # nothing to gain, so it is not recomputed
+    calls, _, _ = hybridpar.spawn(_selective, 1, args=("selective", 0.0), timeout=60)[0]
+    assert calls == {False: 4, True: 0}
+
+
+def _eager_tiny(*args, **kwargs):
+    """hf_models.tiny with eager attention (it keeps (B, h, T, T): selective recomputes it)."""
+    from hf_models import tiny
+
+    model = tiny(*args, **kwargs)
+    model.config._attn_implementation = "eager"
+    return model
 
 
 def _hf_worker(kind, layout, balance, schedule):
-    """A Hugging Face model trained under checkpoint = "selective" (test_hf_pipe's `_train`),
-    and how its sdpa calls ran (recomputing or not)."""
-    from test_hf_pipe import _train
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    """A Hugging Face model with eager attention trained under checkpoint = "selective"
+    (test_hf_pipe's `_train`), and how its attention calls ran (recomputing or not)."""
+    import importlib
 
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    import test_hf_pipe
+    from test_hf_pipe import _train
+
+    test_hf_pipe.tiny = _eager_tiny                    # in this rank's process only
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    attention = module.eager_attention_forward
     calls = {False: 0, True: 0}
 
     def counted(*args, **kwargs):
         calls[is_recomputing()] += 1
-        return sdpa(*args, **kwargs)
+        return attention(*args, **kwargs)
 
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = counted          # in this rank's process only
+    module.eager_attention_forward = counted
     pp, tp = layout
     topo = hybridpar.init(pp=pp, tp=tp, timeout=60)
     out = _train(kind, True, topo, balance, {"chunks": 2, "schedule": schedule,
@@ -182,13 +199,16 @@ def _hf_worker(kind, layout, balance, schedule):
 
 @pytest.mark.parametrize("kind,layout,balance,schedule", [
     ("llama", (2, 2), [2, 3], "1f1b"), ("gpt2", (2, 1), [2, 1, 1, 1], "zbv")])
-def test_hugging_face_attention_is_recomputed_selectively(kind, layout, balance, schedule):
+def test_hugging_face_attention_is_recomputed_selectively(kind, layout, balance, schedule,
+                                                         monkeypatch):
     pytest.importorskip("transformers")
+    import test_hf_pipe
     from test_hf_pipe import _assert_same, _reference
 
     got = hybridpar.spawn(_hf_worker, layout[0] * layout[1],
                           args=(kind, layout, balance, schedule), timeout=120)
-    ref = _reference(kind, True)
+    monkeypatch.setattr(test_hf_pipe, "tiny", _eager_tiny)
+    ref = _reference(kind, True)                       # the eager model on one device
     for r in got:
         _assert_same(r, ref)                           # float64, every parameter to 1e-9
         # each rank holds one decoder layer: 3 steps x 2 micro-batches, once more each,

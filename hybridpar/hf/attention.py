@@ -11,7 +11,9 @@ function wrapped in `hybridpar.recompute.recompute_core`, with the same mask fun
 
 Outside ``checkpoint = "selective"`` `recompute_core` calls the function as it is, so the
 numbers are the same in every mode; under it the softmax(QKᵀ)V of each layer is recomputed in
-backward instead of kept (q, k, v are). The eager function is the model's own module's (each
+backward instead of kept (q, k, v are), where that saves memory: eager attention (it keeps
+the (B, h, T, T) probabilities) and sdpa with attention dropout; fused sdpa without dropout
+keeps only its output and log-sum-exp, so it runs as it is. The eager function is the model's own module's (each
 family defines one). Flash and flex attention keep their names (Hugging Face's code tests
 them) and are not recomputed.
 """
@@ -56,4 +58,6 @@ def _attention(impl: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     eager = sys.modules[type(module).__module__].eager_attention_forward
     inner = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+    if impl == "sdpa" and not kwargs.get("dropout"):   # fused: keeps no (B, h, T, T)
+        return inner(module, *args, **kwargs)         # probabilities, nothing to gain
     return recompute_core(inner, module, *args, **kwargs)

@@ -207,8 +207,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self._qkv(x)                                   # (B, T, C / tp) each
         B, T, _ = q.shape
         q, k, v = (self._heads(t, B, T) for t in (q, k, v))      # (B, h, T, hd), h = H / tp
-        # checkpoint = "selective": the core recomputed in backward, q, k, v kept
-        y = recompute_core(self._core, q, k, v, mask)            # (B, h, T, hd)
+        # checkpoint = "selective": the explicit core (attention dropout: it keeps the
+        # (B, h, T, T) probabilities) recomputed in backward, q, k, v kept; the fused one
+        # keeps no probabilities, nothing to gain
+        explicit = self.training and self.attn_drop.p > 0
+        y = recompute_core(self._core, q, k, v, mask) if explicit else \
+            self._core(q, k, v, mask)                            # (B, h, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)   # (B, T, C / tp)
         if self.sequence_parallel:
             return self.resid_drop(_row_to_sequence(y, self.proj))       # (B, T / tp, C)
