@@ -13,9 +13,9 @@ Outside ``checkpoint = "selective"`` `recompute_core` calls the function as it i
 numbers are the same in every mode; under it the softmax(QKᵀ)V of each layer is recomputed in
 backward instead of kept (q, k, v are), where that saves memory: eager attention (it keeps
 the (B, h, T, T) probabilities) and sdpa with attention dropout; fused sdpa without dropout
-keeps only its output and log-sum-exp, so it runs as it is. The eager function is the model's own module's (each
-family defines one). Flash and flex attention keep their names (Hugging Face's code tests
-them) and are not recomputed.
+keeps only its output and log-sum-exp, so it runs as it is. The eager function is the
+model's own module's (each family defines one). Flash and flex attention keep their names
+(Hugging Face's code tests them) and are not recomputed.
 """
 
 from __future__ import annotations
