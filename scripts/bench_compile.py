@@ -37,7 +37,15 @@ from typing import Any
 import hybridpar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.common import fmt, load, machine, markdown_table, spread, write_json
+from bench.common import (
+    fmt,
+    load,
+    machine,
+    machine_line,
+    markdown_table,
+    spread,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.toml"
@@ -162,9 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"(median of {args.steps} steps per repeat, median of {args.repeats} repeats, "
           f"± half the range):\n")
     print(table(rows))
-    print(f"\nmachine: {result['machine']['processor']}, {result['machine']['cpus']} CPUs, "
-          f"torch {result['machine']['torch']}; load {load_before} -> {result['load_after']}; "
-          f"{result['seconds']} s")
+    print(f"\n{machine_line(result)}")
     write_json(args.out, result)
     return result
 

@@ -1,7 +1,8 @@
 """ZeRO-1 / 2 and bf16 weights: the state a rank holds per parameter, and what sharding costs.
 
     python scripts/bench_zero.py [--dp 1 2 4] [--zero 0 1 2] [--param-dtype fp32 bf16]
-        [--time-dp 2] [--steps 30] [--warmup 5] [--repeats 3] [--out results/bench_zero.json]
+        [--time-dp 2] [--time-param-dtype fp32 bf16] [--steps 30] [--warmup 5]
+        [--repeats 3] [--out results/bench_zero.json]
         [--smoke]
 
 The model: the quick-start GPT (configs/quickstart.toml: n_embd 64, 4 layers, 4 heads, block
@@ -66,7 +67,15 @@ from typing import Any
 import hybridpar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.common import fmt, load, machine, markdown_table, spread, write_json
+from bench.common import (
+    fmt,
+    load,
+    machine,
+    machine_line,
+    markdown_table,
+    spread,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.toml"
@@ -237,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--param-dtype", nargs="+", default=["fp32", "bf16"],
                    choices=["fp32", "bf16"], help="train.param_dtype of the rows and times")
     p.add_argument("--time-dp", type=int, default=2, help="dp of the step-time comparison")
+    p.add_argument("--time-param-dtype", nargs="+", choices=["fp32", "bf16"],
+                   help="param dtypes of the step-time comparison (default: --param-dtype)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per spawn")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per spawn")
     p.add_argument("--repeats", type=int, default=3, help="spawns of each zero, alternating")
@@ -251,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started, load_before = time.perf_counter(), load()
     rows = memory(args.dp, args.zero, args.param_dtype, model)
     timing = [step_time(args.time_dp, dtype, model, warmup=args.warmup, steps=args.steps,
-                        repeats=args.repeats) for dtype in args.param_dtype]
+                        repeats=args.repeats)
+              for dtype in args.time_param_dtype or args.param_dtype]
     result = {"memory": rows, "step_time": timing, "model_overrides": model,
               "config": str(QUICKSTART.relative_to(ROOT)), "smoke": args.smoke,
               "machine": machine(), "load_before": load_before, "load_after": load(),
@@ -263,9 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nstep time at dp = {args.time_dp} (median of {args.steps} steps per spawn, "
           f"median of {args.repeats} spawns each, ± half the range):\n")
     print(time_table(timing))
-    print(f"\nmachine: {result['machine']['processor']}, {result['machine']['cpus']} CPUs, "
-          f"torch {result['machine']['torch']}; load {load_before} -> {result['load_after']}; "
-          f"{result['seconds']} s")
+    print(f"\n{machine_line(result)}")
     write_json(args.out, result)
     return result
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_cases import spawn_by_world
-from test_pipe_tp import BATCH, SMALL, _batches, _reference
+from test_pipe_tp import BATCH, SMALL, _batches, assert_like_one_device
 
 import hybridpar
 from hybridpar.models import gpt, gpt_loss
@@ -72,12 +72,8 @@ def runs():
 
 @pytest.mark.parametrize("layout,balance,options", LAYOUTS)
 def test_sequence_parallel_gpt_trains_as_one_device(layout, balance, options, runs):
-    ref_losses, ref_norms, ref_state = _reference(0.0)
+    assert_like_one_device(runs[f"train {layout} {options}"])
     for r in runs[f"train {layout} {options}"]:
-        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
-        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
-        for k, v in ref_state.items():
-            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
         # the norms, row-parallel biases, position table: their gradients summed over tp
         assert r["partial"] and all(n.endswith(("ln1.weight", "ln1.bias", "ln2.weight",
                                                 "ln2.bias", "proj.bias", "pos.weight")) or
@@ -87,11 +83,7 @@ def test_sequence_parallel_gpt_trains_as_one_device(layout, balance, options, ru
 
 @pytest.mark.parametrize("options", DROPOUT)
 def test_sequence_parallel_dropout_masks_are_the_one_device_ones(options, runs):
-    ref_losses, _, ref_state = _reference(0.2)
-    for r in runs[f"dropout {options}"]:
-        assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
-        for k, v in ref_state.items():
-            torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
+    assert_like_one_device(runs[f"dropout {options}"], 0.2)
 
 
 def test_sequence_parallel_draws_the_masks_of_tensor_parallelism_alone(runs):
@@ -201,7 +193,7 @@ def _hf_worker(kind, layout, balance, schedule, plan):
     return {**out, "tags": sorted(tags, key=str)}
 
 
-HF_LAYOUTS = [("llama", (1, 2), [5], "gpipe", "auto"), ("qwen3", (1, 2), [5], "1f1b", "hf"),
+HF_LAYOUTS = [("qwen3", (1, 2), [5], "gpipe", "hf"),
               ("mistral", (2, 2), [2, 3], "1f1b", "auto"), ("llama", (2, 2), [2, 1, 1, 1],
                                                              "zbv", "hf")]
 

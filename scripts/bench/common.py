@@ -106,6 +106,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
 
 
+def machine_line(result: dict[str, Any]) -> str:
+    """The closing line of a benchmark's output: machine, torch, load before -> after, time
+    (`result` holds ``machine``, ``load_before``, ``load_after`` and ``seconds``)."""
+    m = result["machine"]
+    return (f"machine: {m['processor']}, {m['cpus']} CPUs, torch {m['torch']}; load "
+            f"{result['load_before']} -> {result['load_after']}; {result['seconds']} s")
+
+
 def write_json(path: str | os.PathLike[str], result: dict[str, Any]) -> Path:
     """Write `result` (plus date and machine when missing) as indented JSON, atomically."""
     out = Path(path)
