@@ -138,16 +138,21 @@ class ShardedGradBuckets:
         """This rank's gradient buffers (its owned buckets'), kept between steps."""
         return list(self._owned.values())
 
-    def _owned_views(self, b: int) -> list[tuple[int, Tensor]]:
-        """(parameter index, its slice of owned bucket `b`'s buffer shaped as it)."""
-        params = [self.params[i] for i in self._buckets[b]]
+    def _owned_buffer(self, b: int) -> Tensor:
+        """Owned bucket `b`'s gradient buffer (made, zeroed, the first time)."""
         flat = self._owned.get(b)
         if flat is None:
-            flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device,
-                               dtype=grad_dtype_of(params[0], self.grad_dtype))
+            first = self.params[self._buckets[b][0]]
+            flat = torch.zeros(sum(self.params[i].numel() for i in self._buckets[b]),
+                               device=first.device, dtype=grad_dtype_of(first, self.grad_dtype))
             self._owned[b] = flat
+        return flat
+
+    def _owned_views(self, b: int) -> list[tuple[int, Tensor]]:
+        """(parameter index, its slice of owned bucket `b`'s buffer shaped as it)."""
+        flat = self._owned_buffer(b)
         return [(i, flat[self._offsets[i]:self._offsets[i] + p.numel()].view_as(p))
-                for i, p in zip(self._buckets[b], params, strict=True)]
+                for i, p in ((i, self.params[i]) for i in self._buckets[b])]
 
     def attach(self) -> None:
         """Start a step: each gradient present is kept for the sum (see the class), every
@@ -260,6 +265,5 @@ class ShardedGradBuckets:
         while len(self._works) > limit:
             work, b, flat = self._works.popleft()
             work.wait()
-            if self.owner_of_bucket(b) == self.rank:
-                self._owned_views(b)                # its buffer exists
-                self._owned[b].add_(flat, alpha=1 / self.size)
+            if self.owner_of_bucket(b) == self.rank:   # no views made on this path
+                self._owned_buffer(b).add_(flat, alpha=1 / self.size)
