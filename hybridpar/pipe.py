@@ -100,7 +100,7 @@ class HybridPipe(StageModule):
     every `train_step`, `eval_step` and forward, keeping the last one; `write_trace` then
     writes it for all ranks (Chrome trace, Gantt chart, bubble table). Off, it costs nothing.
 
-    ``sequence_parallel=True`` (tp > 1): a Hugging Face decoder (`hybridpar.hf.to_sequential`
+    ``sequence_parallel=True`` (tp > 1): a Hugging Face model (`hybridpar.hf.to_sequential`
     with a tp plan) runs its norms and residuals on 1 / tp of the tokens (`hf.sequence`); the
     built-in gpt takes it at build time instead (``gpt(sequence_parallel=True)``).
 

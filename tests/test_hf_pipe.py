@@ -15,7 +15,7 @@ import hybridpar
 from hybridpar.hf import hf_state_dict, init_fn, load_hf_checkpoint, to_sequential
 from hybridpar.nn import CausalLMLoss
 
-STEPS, BATCH, SEQ, TOL = 3, 4, 8, 1e-9
+STEPS, BATCH, SEQ, TOL, SEED = 3, 4, 8, 1e-9, 11
 
 
 def _next_token_loss(logits, targets):
@@ -36,11 +36,21 @@ def _batches(ignore):
     return out
 
 
-def _reference(kind, ignore):
+def residual_dropout(model, p):
+    """`model` (tiny) with dropout `p` everywhere but inside the attention core (GPT-2: the
+    embedding's and the residual branches'; Llama-style models have none there)."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Dropout) and not name.endswith("attn_dropout"):
+            m.p = p
+    return model
+
+
+def _reference(kind, ignore, dropout=0.0):
     """The HF model on one device: losses and final state dict."""
-    model = tiny(kind)
+    model = residual_dropout(tiny(kind), dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
+    torch.manual_seed(SEED)                   # the dropout masks' stream, as `_train`'s
     for ids, y in _batches(ignore):
         opt.zero_grad()
         logits = model(ids).logits                                   # (B, T, V)
@@ -55,14 +65,15 @@ def _reference(kind, ignore):
     return losses, model.state_dict()
 
 
-def _train(kind, ignore, topo, balance, options):
+def _train(kind, ignore, topo, balance, options, dropout=0.0):
     """HybridPipe training of `kind`; the replica check after every step (`check_replicas`)."""
-    model = tiny(kind)
+    model = residual_dropout(tiny(kind), dropout)
     loss_fn = CausalLMLoss() if ignore else _next_token_loss
     pipe = hybridpar.HybridPipe(to_sequential(model), balance, topology=topo, loss_fn=loss_fn,
                                 **options)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
+    torch.manual_seed(SEED)                   # the dropout masks' stream, as `_reference`'s
     for ids, y in _batches(ignore):
         opt.zero_grad()
         if ignore:

@@ -144,17 +144,9 @@ def test_what_sequence_parallelism_cannot_take_is_refused():
     quick = ROOT / "configs" / "quickstart.toml"
     sp = "parallel.sequence_parallel=true"
     assert "needs parallel.tp > 1" in error_of(quick, sp, "parallel.tp=1")
-    assert "not yet for model 'gpt' with parallel.tp_plan = 'auto'" in error_of(
+    assert ("the Hugging Face hf:llama, hf:mistral, hf:qwen2, hf:qwen3, hf:gpt2 under a tp "
+            "plan; not yet for model 'gpt' with parallel.tp_plan = 'auto'") in error_of(
         quick, sp, "parallel.tp_plan=auto")
-    from hybridpar.train import Config, ConfigError
-
-    with pytest.raises(ConfigError, match=r"and the Hugging Face hf:llama, hf:mistral, "
-                                          r"hf:qwen2, hf:qwen3 under a tp plan; not yet for "
-                                          r"model 'hf:gpt2'"):
-        Config.from_dict({"model": {"name": "hf:gpt2", "vocab_size": 256, "n_embd": 32,
-                                    "n_layer": 2, "n_head": 4, "n_positions": 16},
-                          "data": {"source": "corpus", "seq_len": 16},
-                          "parallel": {"tp": 2, "tp_plan": "auto", "sequence_parallel": True}})
     assert "use a data.seq_len divisible by 2" in error_of(quick, sp, "data.seq_len=15")
     assert "does not take packed documents yet" in error_of(quick, sp, "data.pack=documents",
                                                             "data.source=corpus")
@@ -169,9 +161,10 @@ def test_what_sequence_parallelism_cannot_take_is_refused():
 
 # Hugging Face decoders ----------------------------------------------------------------------
 
-def _hf_worker(kind, layout, balance, schedule, plan):
-    """test_hf_pipe's `_train` of `kind` with sequence parallelism; how the hidden states
-    crossed the blocks (their tags)."""
+def _hf_worker(kind, layout, balance, schedule, plan, dropout=0.0):
+    """test_hf_pipe's `_train` of `kind` with sequence parallelism (with dropout: one
+    micro-batch, whose masks are the one-device ones); how the hidden states crossed the blocks
+    (their tags)."""
     from test_hf_pipe import _train
 
     from hybridpar.hf.blocks import DecoderBlock
@@ -188,14 +181,18 @@ def _hf_worker(kind, layout, balance, schedule, plan):
         return out
 
     DecoderBlock.forward = forward                      # this rank's process only
-    out = _train(kind, True, topo, balance, {"chunks": 2, "schedule": schedule,
-                                             "tp_plan": plan, "sequence_parallel": True})
+    out = _train(kind, True, topo, balance, {"chunks": 1 if dropout else 2, "schedule": schedule,
+                                             "tp_plan": plan, "sequence_parallel": True},
+                 dropout)
     return {**out, "tags": sorted(tags, key=str)}
 
 
-HF_LAYOUTS = [("qwen3", (1, 2), [5], "gpipe", "hf"),
-              ("mistral", (2, 2), [2, 3], "1f1b", "auto"), ("llama", (2, 2), [2, 1, 1, 1],
-                                                             "zbv", "hf")]
+HF_LAYOUTS = [("qwen3", (1, 2), [5], "gpipe", "hf"), ("mistral", (2, 2), [2, 3], "1f1b", "auto"),
+              ("llama", (2, 2), [2, 1, 1, 1], "zbv", "hf"),
+              ("gpt2", (2, 2), [2, 3], "1f1b", "auto")]
+
+
+GPT2_DROPOUT = 0.1   # GPT-2's embedding and residual dropouts (its attention's stays 0)
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +201,7 @@ def hf_runs():
     cases = {f"{kind} {layout} {schedule} {plan}": (layout[0] * layout[1],
                                                     (kind, layout, balance, schedule, plan))
              for kind, layout, balance, schedule, plan in HF_LAYOUTS}
+    cases["gpt2 dropout"] = (2, ("gpt2", (1, 2), [5], "gpipe", "auto", GPT2_DROPOUT))
     return spawn_by_world(_hf_worker, cases, timeout=300)
 
 
@@ -219,4 +217,17 @@ def test_hugging_face_decoders_train_sequence_parallel_as_one_device(
         # stage took them from the embedding or over the boundary, tagged alike)
         assert r["tags"] and all(t_in == t_out == SEQUENCE and shape[1] == 8 // 2
                                  for t_in, t_out, shape in r["tags"])
-        assert any(n.endswith("input_layernorm.weight") for n in r["partial"])
+        assert any(n.endswith(("input_layernorm.weight", "ln_1.weight")) for n in r["partial"])
+
+
+def test_gpt2_sequence_parallel_draws_the_one_device_dropout_masks(hf_runs):
+    from test_hf_pipe import _assert_same, _reference
+
+    ref = _reference("gpt2", True, GPT2_DROPOUT)
+    for r in hf_runs["gpt2 dropout"]:
+        _assert_same(r, ref)                # the masks of the embedding and of each branch
+        assert r["tags"] and all(t_in == t_out == SEQUENCE for t_in, t_out, _ in r["tags"])
+        # the norms, the row layers' biases (c_proj), the position table (replicated: its
+        # split's backward gathers the gradient, so whole on every rank) as the plan left them
+        assert any(n.endswith("attn.c_proj.bias") for n in r["partial"])
+        assert any(n.endswith("ln_1.weight") for n in r["partial"])

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.packing import document_segments, split_positions
-from hybridpar.tensor_parallel.attrs import SEQUENCE, register_parallel_dim
+from hybridpar.tensor_parallel.attrs import SEQUENCE, get_parallel_dim, register_parallel_dim
 
 __all__ = ["DecoderBlock", "TokenPositionEmbedding"]
 
@@ -16,7 +16,8 @@ __all__ = ["DecoderBlock", "TokenPositionEmbedding"]
 class TokenPositionEmbedding(nn.Module):
     """GPT-2's input layer: token + learned position embeddings, then dropout.
 
-    ``(B, T)`` token ids -> ``(B, T, D)``, positions ``0 .. T-1`` (no padding, no cache). Holds
+    ``(B, T)`` token ids -> ``(B, T, D)``, positions ``0 .. T-1`` (no padding, no cache); under
+    sequence parallelism (`hf.sequence`) both tables give this rank's ``T / tp`` tokens. Holds
     the model's own ``wte`` / ``wpe`` / ``drop`` modules, so ``"0.wte.weight"`` is the model's
     ``transformer.wte.weight`` (and the head's tied weight).
     """
@@ -27,7 +28,10 @@ class TokenPositionEmbedding(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
-        hidden = self.wte(input_ids) + self.wpe(positions)            # (B, T, D)
+        tokens = self.wte(input_ids)
+        hidden = tokens + self.wpe(positions)                         # (B, T, D)
+        if get_parallel_dim(tokens) == SEQUENCE:    # sequence parallelism: (B, T / tp, D)
+            register_parallel_dim(hidden, SEQUENCE)
         return self.drop(hidden)
 
 

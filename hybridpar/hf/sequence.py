@@ -8,10 +8,14 @@ model in place, layer by layer:
     layer                     becomes
     embedding, vocab-parallel its parts reduce-scattered along T (not all-reduced)
     embedding, replicated     its output split along T (backward: all-gathered)
+    GPT-2's input             its token and position tables each as the embedding above,
+                              their sum tagged SEQUENCE, its dropout the one-device mask's
+                              slice (`ParallelDropout`)
     DecoderBlock              mask and positions of the full T; in each child holding tp
                               layers (self_attn, mlp) the input all-gathered along T once
                               (backward: reduce-scattered), its column layers taking it as
-                              is, its row layers reduce-scattering their output (+ bias);
+                              is, its row layers reduce-scattering their output (+ bias, a
+                              partial gradient), its dropouts the one-device masks' slices;
                               the other children's parameters (the norms) get partial
                               gradients; output tagged SEQUENCE
     final norm                partial gradients; output keeps the tag
@@ -19,9 +23,10 @@ model in place, layer by layer:
     head, replicated          its input all-gathered along T (gradient: this rank's slice)
 
 Partial gradients (a replicated parameter that saw 1 / tp of the tokens) are summed over tp
-after each step by the pipe (`register_partial_grad`, `pipeline.partial`). Supported: the
-rotary families (Llama, Mistral, Qwen2, Qwen3) under "auto" and "hf" plans; GPT-2 (learned
-positions, Conv1D, dropout inside its blocks) is not yet.
+after each step by the pipe (`register_partial_grad`, `pipeline.partial`). Supported: every
+family of `hf.families` (Llama, Mistral, Qwen2, Qwen3, GPT-2) under "auto" and "hf" (or
+dict) plans. Dropout inside the attention core (GPT-2's ``attn_pdrop``) draws per-rank masks
+under tp with or without sequence parallelism (docs/tensor-parallel.md, Limits).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from hybridpar.tensor_parallel.mappings import (
     gather_grad_scatter,
     scatter_to_group,
 )
+from hybridpar.tensor_parallel.random import as_parallel_dropout
 
 __all__ = ["sequence_parallel"]
 
@@ -62,11 +68,12 @@ def sequence_parallel(model: nn.Sequential, group: ProcessGroup) -> None:
                          "gives it: embedding, decoder blocks, final norm, head")
     embedding, norm, head = layers[0], layers[-2], layers[-1]
     blocks = [b for b in layers[1:-2] if isinstance(b, DecoderBlock)]
-    if isinstance(embedding, TokenPositionEmbedding):
-        raise ValueError("sequence parallelism does not take GPT-2 yet (its learned positions "
-                         "and in-block dropouts); use a rotary family (Llama, Mistral, Qwen2, "
-                         "Qwen3) or turn it off")
-    _embedding(embedding, group)
+    if isinstance(embedding, TokenPositionEmbedding):     # GPT-2: tokens + positions
+        _embedding(embedding.wte, group)
+        _embedding(embedding.wpe, group)
+        _swap_dropouts(embedding, group)
+    else:
+        _embedding(embedding, group)
     for block in blocks:
         _block(block, group)
     for p in norm.parameters():
@@ -106,16 +113,35 @@ def _block(block: DecoderBlock, group: ProcessGroup) -> None:
                 m.sequence = "gathered"
             elif m.dim == 0:
                 m.sequence = "scatter"
+                if m.bias is not None:       # added to this rank's tokens only
+                    register_partial_grad(m.bias)
             else:
                 raise ValueError(f"sequence parallelism: '{name}' of a decoder block holds a "
                                  f"replicated linear layer ({type(m).__name__}); its region "
                                  "must be column -> row parallel")
-        for other in child.modules():        # a plain Linear beside them: refused as well
-            if isinstance(other, nn.Linear) and not isinstance(other, _LINEARS):
+        for other in child.modules():        # a plain Linear / Conv1D beside them: refused
+            if isinstance(other, (nn.Linear, _conv1d())) and not isinstance(other, _LINEARS):
                 raise ValueError(f"sequence parallelism: '{name}' of a decoder block holds a "
-                                 "replicated nn.Linear; its region must be column -> row "
-                                 "parallel")
+                                 f"replicated {type(other).__name__}; its region must be "
+                                 "column -> row parallel")
+        _swap_dropouts(child, group)         # after a row layer: this rank's tokens
         child.register_forward_pre_hook(_Gather(group), with_kwargs=True)
+
+
+def _conv1d() -> type[nn.Module]:
+    """Hugging Face's Conv1D (GPT-2's linear layers, weight stored transposed)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
+
+def _swap_dropouts(root: nn.Module, group: ProcessGroup) -> None:
+    """Each exact nn.Dropout in `root` as `ParallelDropout`: on a SEQUENCE-tagged input it
+    keeps this rank's slice of the one-device mask; on any other input it is plain dropout."""
+    for name, m in list(root.named_modules()):
+        if type(m) is nn.Dropout:
+            owner, _, attr = name.rpartition(".")
+            setattr(root.get_submodule(owner), attr, as_parallel_dropout(m, group))
 
 
 class _Gather:

@@ -46,7 +46,7 @@ from hybridpar.tensor_parallel.flow_ops import is_conv1d
 from hybridpar.tensor_parallel.hooks import GatherOutput, KeepTag, TagNarrowInput, TagShardedInput
 from hybridpar.tensor_parallel.layer_graph import ELEMENTWISE
 from hybridpar.tensor_parallel.layers import ParallelConv1D, ParallelLinear, RegisterParallelDim
-from hybridpar.tensor_parallel.random import ParallelDropout
+from hybridpar.tensor_parallel.random import ParallelDropout, as_parallel_dropout
 
 __all__ = ["RUN_ORDER", "SIBLINGS", "Link", "LinkRules", "convert_layer", "gather_unlinked",
            "link_shards", "shard_in", "shard_out"]
@@ -127,8 +127,7 @@ def _pass_on(root: nn.Module, name: str, m: nn.Module, group: ProcessGroup, widt
              tag_width: bool) -> None:
     """Let the module `name` (between two linked layers) pass the shard on, tagged."""
     if type(m) is nn.Dropout:  # exactly nn.Dropout: no parameter, no state
-        new = ParallelDropout(m.p, m.inplace, parity=True, group=group)
-        new.train(m.training)
+        new = as_parallel_dropout(m, group)
         owner, _, attr = name.rpartition(".")
         setattr(root.get_submodule(owner), attr, new)
         m = new

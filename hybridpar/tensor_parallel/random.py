@@ -46,6 +46,7 @@ __all__ = [
     "MODEL_PARALLEL_RNG",
     "ParallelDropout",
     "RNGStatesTracker",
+    "as_parallel_dropout",
     "get_rng_state_all",
     "get_rng_tracker",
     "model_parallel_manual_seed",
@@ -282,3 +283,10 @@ class ParallelDropout(nn.Dropout):
         else:
             out = input.mul_(mask) if self.inplace else input * mask
         return _retag(out, input)
+
+
+def as_parallel_dropout(m: nn.Dropout, group: ProcessGroup | None) -> ParallelDropout:
+    """`m` as a `ParallelDropout(parity=True)` of `group`: same p, inplace and mode."""
+    new = ParallelDropout(m.p, m.inplace, parity=True, group=group)
+    new.train(m.training)
+    return new

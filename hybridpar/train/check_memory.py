@@ -19,7 +19,9 @@ What is measured (`RankReport`, `CheckReport`), in bytes of the rank's device:
                   steady state: checked against --memory
     p2p           pipeline payloads sent + received (not the      hybridpar.comm_stats()
                   headers of new shapes: ``comm["p2p_header"]``)
-    collectives   all-reduce, all-gather, reduce-scatter, bcast   hybridpar.comm_stats()
+    collectives   all-reduce, all-gather, reduce-scatter, bcast:  hybridpar.comm_stats()
+                  the full tensor's bytes per call (a ring all-
+                  reduce moves twice what the others do)
 
 The peak (`LiveBytes`): every fake tensor an operation returns on the rank's device during the
 first step and its update is keyed by its storage (a view and its base count once), over

@@ -99,8 +99,9 @@ class ParallelConfig:
     # layers; "auto"; "hf" (an hf:<family> model's own plan, `hybridpar.hf.tp_plan`); or a
     # table: layer glob = "style" (ours or Hugging Face's), parameter name = [slices per dim]
     deferred_batch_norm: bool = False   # BatchNorm statistics of the whole mini-batch
-    sequence_parallel: bool = False   # tp > 1, the built-in gpt or an hf: rotary decoder:
-    # norms, dropouts and residuals on 1 / tp of the tokens (Megatron's sequence parallelism)
+    sequence_parallel: bool = False   # tp > 1, the built-in gpt or an hf: model under a tp
+    # plan: norms, dropouts and residuals on 1 / tp of the tokens (Megatron's sequence
+    # parallelism)
     timeout: float = 600.0        # seconds any rank waits for another before failing
     check_replicas: int = 0       # 0: off; N: after the backward of steps N, 2N, ... (before
     # clipping), check that the copies of every replicated parameter (over tp, over dp, a tie's

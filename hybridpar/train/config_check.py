@@ -82,7 +82,8 @@ def _check_tp(model: ModelConfig, tp: int, where: Where) -> None:
                           "parallel.tp", *[f"model.{k}" for k in args]) from None
 
 
-SEQUENCE_PARALLEL_HF = ("hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3")   # `hf.sequence`
+# the Hugging Face families `hf.sequence` takes
+SEQUENCE_PARALLEL_HF = ("hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gpt2")
 
 
 def _check_sequence_parallel(cfg: Config, where: Where) -> None:
