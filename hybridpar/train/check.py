@@ -69,9 +69,10 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     mode = cfg.parallel.checkpoint
     if device == "cuda" and (layer_stride(mode) is not None or mode == "selective"):
-        # torch's non-reentrant checkpoint recomputes inside autograd's backward, and that
-        # aborts the process on the fake GPU (PrivateUse1; std::terminate in the engine, its
-        # cause not traced yet); on fake CPU ranks it runs
+        # torch's non-reentrant checkpoint recomputes inside autograd's backward, on the
+        # engine's device thread, whose stream guard then ends the process on the fake GPU
+        # (std::terminate in PythonDeviceGuard::exchangeStream, which Python cannot
+        # override; docs/check.md); on fake CPU ranks it runs
         raise ValueError(f"hybridpar check cannot dry-run parallel.checkpoint = {mode!r} on fake "
                          "GPUs (torch's checkpoint aborts on the fake device); check it with "
                          "--device cpu (fake CPU ranks), or check with 'always' / 'never'")
