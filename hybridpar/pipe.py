@@ -33,6 +33,7 @@ from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.executor import StageExecutor, StageSpec
 from hybridpar.pipeline.failure import PipelineError
 from hybridpar.pipeline.grad_shards import ShardedGradBuckets
+from hybridpar.pipeline.kept import SavedActivations
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.loss import LossShare
 from hybridpar.pipeline.lowering import lower
@@ -377,14 +378,20 @@ class HybridPipe(StageModule):
             commit_deferred_batch_norms(self)   # a forward in training mode: as torchgpipe
             return self._loss.share(result.loss)
 
-    def _recording(self, what: str, microbatches: int) -> contextlib.AbstractContextManager[None]:
-        """Record this step's timeline when `trace` is on (replacing the previous one)."""
+    @contextlib.contextmanager
+    def _recording(self, what: str, microbatches: int) -> Iterator[None]:
+        """Record this step's timeline when `trace` is on (replacing the previous one), and
+        the peak bytes it kept for backward (`pipeline.kept`: "kept" in the trace's table)."""
         if not self.trace:
-            return contextlib.nullcontext()
+            yield
+            return
         clock = tracing.DeviceClock() if is_cuda(self.device, branch="trace clock") else None
-        return self.recorder.recording(what=what, microbatches=microbatches,
-                                      schedule=self.schedule, checkpoint=self.checkpoint,
-                                      clock=clock)
+        kept = SavedActivations(exclude=[*self.parameters(), *self.buffers()])
+        with self.recorder.recording(what=what, microbatches=microbatches,
+                                     schedule=self.schedule, checkpoint=self.checkpoint,
+                                     clock=clock), kept.track():
+            yield
+        self.recorder.meta["kept"] = kept.peak
 
     def write_trace(self, folder: str | os.PathLike[str], *,
                     show: bool = True) -> TraceReport | None:

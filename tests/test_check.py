@@ -150,6 +150,9 @@ JOBS = {
                              model=f"{__file__}:mlp_with_int16_counts", isolate=False),
     "int16 on cpu": lambda: dry_run(small_mlp(balance="uniform"), device="cpu",
                                     model=f"{__file__}:mlp_with_int16_counts", isolate=False),
+    # pp2 x tp2 on fake CPU ranks: the vocab-parallel loss's target check skips fake tensors
+    "quickstart on cpu": lambda: dry_run(QUICKSTART, device="cpu",
+                                         overrides=["parallel.chunks=2"], isolate=False),
 }
 
 
@@ -359,6 +362,12 @@ def test_an_int16_between_stages_is_rejected_naming_the_layer_and_the_output(run
         "1: output 1 of layer 2 (CountsAsInt16) is torch.int16, which NCCL cannot carry "
         "between GPUs"), failed["error"]
     assert "e.g. .to(torch.int32)" in failed["error"]
+
+
+def test_fake_cpu_ranks_run_the_tensor_parallel_loss(runs):
+    report = runs["quickstart on cpu"]
+    assert report.device == "cpu" and len(report.ranks) == 4
+    assert all(r.activations > 0 for r in report.ranks)
 
 
 def test_gloo_carries_the_int16_that_nccl_cannot(runs):

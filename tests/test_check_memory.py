@@ -26,9 +26,9 @@ zero 1 (bf16 weights, float32 buckets, float32 masters and moments of half the p
 rank), at dp2 with zero 2 (each rank's gradient buffers of half the parameters, the staging
 buffers of the reduces in flight), and an HF Llama
 (configs/llama_tiny.toml at width 512, MLP 1408, 8 / 4 heads) at pp2. The test asserts 10%.
-Not at tp > 1: fake CPU ranks stop at the vocab-parallel loss's host check of its targets
-(docs/check.md, limits), and the fake GPUs' numbers are a GPU's (foreach AdamW, fused
-attention), not a CPU run's.
+At tp = 1 (the fake GPUs' numbers are a GPU's: foreach AdamW, fused attention, not a CPU
+run's); what a step keeps for backward is checked against a real run at tp = 2 by
+test_trace.
 
 Then `hybridpar check` of the 7B config, cut to 2 of its 32 layers on one rank (2.5 GiB of
 parameters, a 12.4 GiB peak), after a dry run of the tiny Llama in the same process (its

@@ -130,11 +130,13 @@ def test_the_bubble_table_is_printed_saved_and_compared_with_the_analytic_bubble
     assert results[0]["printed"] == table == (folder / "table.txt").read_text()
     lines = table.splitlines()
     header = next(line for line in lines if line.startswith("stage"))
-    assert header.split()[-2:] == ["analytic", "%"] and "bubble %" in header and "wait %" in header
+    assert header.split()[-4:] == ["analytic", "%", "kept", "MiB"]
+    assert "bubble %" in header and "wait %" in header
     rows = [line.split() for line in lines if line[:1].isdigit()]
     assert [r[0] for r in rows] == ["0", "1"]
     for r in rows:
-        busy, bubble, wait, analytic = map(float, r[-4:])
+        busy, bubble, wait, analytic, kept = map(float, r[-5:])
+        assert kept > 0                                      # MiB saved for backward
         assert busy + bubble == pytest.approx(100, abs=0.11) and 0 <= wait <= bubble
         assert analytic == pytest.approx(100 / (M + 1), abs=0.05)
         assert r[2:5] == [str(M), str(M), str(M - 1)]       # F, B, R counts
@@ -262,11 +264,14 @@ TINY = Path(__file__).parent / "data" / "tiny_gpt.toml"   # shared with test_run
 
 
 def test_hybridpar_run_trace_writes_one_step_and_logs_comm_per_step(tmp_path):
+    from hybridpar.train.check import dry_run
+
     (tmp_path / "tiny.toml").write_text(TINY.read_text())
+    layers = "parallel.checkpoint=layers"            # what it keeps: each layer's input
     done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "run", "tiny.toml",
                            "--trace-step", "2", "--set", "train.steps=3", "--set",
-                           "train.sample_tokens=0", "--set", "checkpoint.every=0"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                           "train.sample_tokens=0", "--set", "checkpoint.every=0", "--set",
+                           layers], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     folder = tmp_path / "runs" / "tiny" / "trace"
     assert sorted(p.name for p in folder.iterdir()) == ["gantt.png", "table.txt", "trace.json"]
@@ -274,6 +279,12 @@ def test_hybridpar_run_trace_writes_one_step_and_logs_comm_per_step(tmp_path):
     assert table in done.stdout and "analytic %" in table and "1f1b, m=2" in table
     trace = json.loads((folder / "trace.json").read_text())
     assert {e["name"] for e in _slices(trace)} >= {"F0", "F1", "B0", "B1", "SEND_F1", "RECV_B1"}
+    # the bytes each rank kept for backward at most: those `hybridpar check` counts on fake
+    # CPU ranks for the same config, exactly (the same saved tensors, by storage)
+    check = dry_run(tmp_path / "tiny.toml", device="cpu", overrides=[layers])
+    kept = trace["otherData"]["kept_bytes"]
+    assert kept == [r.activations for r in check.ranks] and min(kept) > 0
+    assert "kept MiB" in table
     records = [json.loads(line) for line in
                (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -105,6 +105,14 @@ def gather_events(recorder: Recorder, *, device: torch.device | None = None
             for r, (part, n) in enumerate(zip(parts, sizes))]
 
 
+def _every_ranks(value: int, *, device: torch.device | None) -> list[int]:
+    """Each rank's `value`, on every rank (one all-reduce)."""
+    values = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    values[dist.get_rank()] = value
+    dist.all_reduce(values)
+    return [int(v) for v in values.tolist()]
+
+
 def analytic_bubble(stages: int, microbatches: int) -> float:
     """(p - 1) / (m + p - 1): the idle share of GPipe and 1F1B with equal stages."""
     return (stages - 1) / (microbatches + stages - 1)
@@ -200,6 +208,7 @@ class StageRow:
     bubble: float
     wait: float
     analytic: float
+    kept: int = 0        # the most bytes one of its ranks kept for backward at once
 
 
 def _overlap(e: Event, lo: int, hi: int) -> int:
@@ -207,9 +216,10 @@ def _overlap(e: Event, lo: int, hi: int) -> int:
 
 
 def stage_table(ranks: Sequence[Sequence[Event]], *, stage_of: Sequence[int],
-                microbatches: int, bubble: float | None = None) -> list[StageRow]:
+                microbatches: int, bubble: float | None = None,
+                kept: Sequence[int] | None = None) -> list[StageRow]:
     """Busy, bubble and wait of each stage over the step window, against the analytic bubble
-    (default: GPipe's and 1F1B's)."""
+    (default: GPipe's and 1F1B's); `kept`: each rank's peak bytes saved for backward."""
     lo, hi = _window(ranks)
     span = max(hi - lo, 1)
     stages = max(stage_of) + 1
@@ -229,7 +239,8 @@ def stage_table(ranks: Sequence[Sequence[Event]], *, stage_of: Sequence[int],
             recomputes=sum(e.kind == "recompute" for e in first),
             weights=sum(e.kind == "weight" for e in first),
             busy_ms=mean_busy / 1e6, busy=mean_busy / span, bubble=1 - mean_busy / span,
-            wait=mean_wait / span, analytic=bubble))
+            wait=mean_wait / span, analytic=bubble,
+            kept=max(kept[r] for r in members) if kept is not None else 0))
     return rows
 
 
@@ -254,16 +265,17 @@ def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,
     stages)."""
     lines = [header, f"step {step_ms:.3f} ms: first rank's start to last rank's end", ""]
     names = ("stage", "ranks", "F", "B", "R", "W", "busy ms", "busy %", "bubble %", "wait %",
-             "analytic %")
+             "analytic %", "kept MiB")
     cells = [[str(r.stage), ",".join(map(str, r.ranks)), str(r.forwards), str(r.backwards),
               str(r.recomputes), str(r.weights), f"{r.busy_ms:.3f}", f"{100 * r.busy:.1f}",
-              f"{100 * r.bubble:.1f}", f"{100 * r.wait:.1f}", f"{100 * r.analytic:.1f}"]
-             for r in rows]
+              f"{100 * r.bubble:.1f}", f"{100 * r.wait:.1f}", f"{100 * r.analytic:.1f}",
+              f"{r.kept / 2**20:.3g}"] for r in rows]
     n = len(rows)
     cells.append(["mean", "", "", "", "", "", f"{sum(r.busy_ms for r in rows) / n:.3f}",
                   f"{100 * sum(r.busy for r in rows) / n:.1f}",
                   f"{100 * sum(r.bubble for r in rows) / n:.1f}",
-                  f"{100 * sum(r.wait for r in rows) / n:.1f}", f"{100 * rows[0].analytic:.1f}"])
+                  f"{100 * sum(r.wait for r in rows) / n:.1f}", f"{100 * rows[0].analytic:.1f}",
+                  f"{sum(r.kept for r in rows) / n / 2**20:.3g}"])
     widths = [max(len(name), *(len(c[i]) for c in cells)) for i, name in enumerate(names)]
     for line in [list(names), *cells]:
         lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
@@ -271,7 +283,9 @@ def format_table(rows: Sequence[StageRow], *, step_ms: float, microbatches: int,
     p, m = len(rows), microbatches
     (t_f, t_b, t_w), slots = times, m + p - 1
     lines += ["", "busy: forward + backward + recompute + weight; bubble: 100 - busy (idle, "
-              "waiting, communicating);"]
+              "waiting, communicating);",
+              "kept: the most bytes a rank of the stage held saved for backward at once "
+              "(activations: what the checkpoint mode keeps);"]
     if simulated is None:
         bound = slots * (t_f + t_b)
         lines += [f"wait: blocked on a peer; analytic: (p - 1) / (m + p - 1) = {p - 1}/{slots}",
@@ -310,6 +324,7 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
     """Gather the last traced step of every rank and write it to `folder` (see the module)."""
     from hybridpar.pipeline.trace_gantt import write_gantt
 
+    kept = _every_ranks(int(pipe.recorder.meta.get("kept", 0)), device=pipe.device)
     ranks = gather_events(pipe.recorder, device=pipe.device)
     if ranks is None:
         return None
@@ -329,7 +344,8 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
     simulated = simulated_step(pipe.schedule, topo.pp, m, times, virtual=virtual) \
         if times[2] or virtual > 1 else None
     bubble = analytic_bubble(topo.pp, m) if simulated is None else simulated.bubble_fraction
-    rows = stage_table(ranks, stage_of=[c.pp for c in coords], microbatches=m, bubble=bubble)
+    rows = stage_table(ranks, stage_of=[c.pp for c in coords], microbatches=m, bubble=bubble,
+                       kept=kept)
     table = format_table(rows, step_ms=(hi - lo) / 1e6, microbatches=m, times=times,
                          header=title, schedule=pipe.schedule, simulated=simulated)
     out = Path(folder)
@@ -337,7 +353,7 @@ def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
     trace = chrome_trace(ranks, labels=labels, meta={
         "title": title, "pp": topo.pp, "tp": topo.tp, "dp": topo.dp, "microbatches": m,
         "schedule": pipe.schedule, "checkpoint": pipe.checkpoint,
-        "analytic_bubble": bubble})
+        "analytic_bubble": bubble, "kept_bytes": kept})
     atomic_write_text(out / "trace.json", json.dumps(trace))
     atomic_write_text(out / "table.txt", table)
     files = [out / "trace.json", out / "table.txt"]

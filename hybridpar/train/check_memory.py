@@ -42,9 +42,9 @@ large model (activations and gradients are not all alive at once), below it for 
 (temporaries). What it cannot see: the allocator's cache and fragmentation, the CUDA context,
 NCCL's buffers, workspaces of kernels (docs/check.md).
 
-Activations (`SavedActivations`): every tensor autograd saves during the step is keyed by
-its storage (a view and its base count once, parameters and buffers not at all); a new one
-counts the storages still alive, and the largest sum is the peak. Checkpointed micro-batches
+Activations (`pipeline.kept.SavedActivations`): every tensor autograd saves during the step is
+keyed by its storage (a view and its base count once, parameters and buffers not at all); a
+new one counts the storages still alive, and the largest sum is the peak. Checkpointed micro-batches
 save nothing in their first forward (no grad) and everything again while recomputed, so the
 peak follows the schedule: without checkpointing it is the saved bytes of one micro-batch
 times m on every stage under GPipe, times p - s on stage s under 1F1B (BENCH.md). A split
@@ -57,20 +57,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hybridpar.optim import optimizer_state_tensors
+from hybridpar.pipeline.kept import StorageSum, storage_key
 from hybridpar.pipeline.partition import layer_spans
-from hybridpar.pipeline.split_backward import observing_kept
 
 __all__ = [
     "COLLECTIVES",
@@ -78,8 +76,6 @@ __all__ = [
     "GiB",
     "LiveBytes",
     "RankReport",
-    "SavedActivations",
-    "StorageSum",
     "format_bytes",
     "held_bytes",
     "memory_problem",
@@ -95,56 +91,6 @@ _P2P = ("p2p_send", "p2p_recv")   # payloads: every step's (headers: new shapes 
 def tensor_bytes(tensors: Iterable[Tensor | None]) -> int:
     """The bytes of `tensors` (None counts 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-class StorageSum:
-    """The bytes of the distinct storages counted while they live, and their peak sum."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.total = 0   # of `live`, freed storages included until the next sweep
-        self.peak = 0
-
-    def _add(self, key: int, t: Tensor) -> None:
-        """Count `t`'s storage once while it lives; a new peak when the sum passes it."""
-        known = self.live.get(key)
-        if known is not None and not known[0].expired():
-            return
-        if known is not None:   # a freed storage's address, reused
-            self.total -= known[1]
-        storage = t.untyped_storage()
-        self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-        self.total += storage.nbytes()
-        if self.total > self.peak:   # a new peak only if the freed ones do not hide it
-            for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-                self.total -= self.live.pop(k)[1]
-            self.peak = max(self.peak, self.total)
-
-
-class SavedActivations(StorageSum):
-    """The peak bytes of tensors saved for backward while `track()` is active (see above)."""
-
-    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
-        super().__init__()
-        self.exclude = {_storage_key(t) for t in exclude}
-
-    def _pack(self, t: Tensor) -> Tensor:
-        key = _storage_key(t)
-        if key not in self.exclude:
-            self._add(key, t)
-        return t
-
-    @contextmanager
-    def track(self) -> Iterator[SavedActivations]:
-        """Count what autograd saves, and what a split backward's I keeps for its W (the
-        output gradients of the linear layers: `split_backward.observing_kept`)."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), \
-                observing_kept(self._pack):
-            yield self
-
-
-def _storage_key(t: Tensor) -> int:
-    return int(t.untyped_storage()._cdata)
 
 
 class LiveBytes(TorchDispatchMode, StorageSum):
@@ -175,7 +121,7 @@ class LiveBytes(TorchDispatchMode, StorageSum):
     def _count(self, t: Tensor) -> None:
         if t.device.type != self.device_type or t.is_meta:
             return
-        self._add(_storage_key(t), t)
+        self._add(storage_key(t), t)
 
 
 def steady_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -202,10 +148,10 @@ def held_bytes(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, i
     params = list(pipe.parameters())
     device = params[0].device.type if params else "cpu"
     buffers = _bucket_buffers(pipe)
-    in_buckets = {_storage_key(t) for t in buffers}
+    in_buckets = {storage_key(t) for t in buffers}
     return dict(params=tensor_bytes([*params, *pipe.buffers()]),
                 grads=tensor_bytes(p.grad for p in params if p.grad is not None
-                                   and _storage_key(p.grad) not in in_buckets),
+                                   and storage_key(p.grad) not in in_buckets),
                 buckets=tensor_bytes(buffers),
                 optimizer=tensor_bytes(t for t in optimizer_state_tensors(optimizer)
                                        if t.device.type == device))

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from hybridpar import comm
 from hybridpar.device import pinned, standing_in
 from hybridpar.pipe import HybridPipe
+from hybridpar.pipeline.kept import SavedActivations
 from hybridpar.pipeline.layout import Layout
 from hybridpar.pipeline.microbatch import signature, split_batch
 from hybridpar.topology import ParallelDims, Topology, using
@@ -51,7 +52,6 @@ from hybridpar.train.check_memory import (
     CheckReport,
     LiveBytes,
     RankReport,
-    SavedActivations,
     held_bytes,
     memory_problem,
     steady_state,
