@@ -14,7 +14,9 @@ quick-start GPT (the model of configs/quickstart.toml) under bf16 autocast:
     5 trace     a traced step (`trace=True`, `write_trace`): its forward / backward spans
                 against CUDA events (perf_counter on cpu) taken inside the same spans
     6 mfu       per-stage forward / backward ms, TFLOP/s and MFU of the GPT blocks; tokens/s
-                of a training step (model FLOPs 6 N + 12 L h s per token: scripts/bench/gpu.py)
+                of a training step (model FLOPs 6 N + 12 L h s per token: scripts/bench/gpu.py),
+                eager and with compiled blocks (inductor; --quick: aot_eager), and the host
+                time per micro-batch of each
 
 With N >= 2 devices (cuda; or --ranks N on cpu, gloo): every pp x tp layout of powers of two
 with 2 <= pp * tp <= N that the model allows, launched with `hybridpar.spawn`: fp32 parity with
@@ -125,6 +127,9 @@ def settings(config: dict[str, Any], *, quick: bool, out: Path,
         "timeout": 180 if quick else 900,
         "hang_timeout": 60 if quick else 120,   # check 8: the watchdog names a stuck P2P op
         "trace_dir": str((out / "trace").resolve()),
+        # check 6's compiled row (`HybridPipe(compile=...)`): --quick checks the script, and
+        # aot_eager needs no C++ compiler and compiles in seconds
+        "compile_backend": "aot_eager" if quick else "inductor",
     }
 
 
@@ -349,11 +354,11 @@ def mfu_section(stages: dict[str, Any], steps: dict[str, Any], peak: float | Non
         util = mfu(x["flops"], x["step_ms"], peak)
         times.append(x["step_ms"])
         utils += [] if util is None else [util]
-        body.append([x["checkpoint"], x["chunks"], ms(x["step_ms"]),
-                     f"{x['tokens'] / (x['step_ms'] / 1e3):,.0f}",
+        body.append([x["checkpoint"], x["compiled"] or "eager", x["chunks"], ms(x["step_ms"]),
+                     ms(x["host_ms"] / x["chunks"]), f"{x['tokens'] / (x['step_ms'] / 1e3):,.0f}",
                      tflops(x["flops"], x["step_ms"]), pct(util)])
-    step_table = markdown_table(["checkpoint", "micro-batches", "step ms", "tokens/s",
-                                 "TFLOP/s", "MFU"], body)
+    step_table = markdown_table(["checkpoint", "blocks", "micro-batches", "step ms",
+                                 "host ms / micro-batch", "tokens/s", "TFLOP/s", "MFU"], body)
     # MFU above 1 would mean wrong FLOPs or a clock that misses work
     ok = all(finite(t) and t > 0 for t in times) and all(0 < u <= 1 for u in utils)
     blocks = next(x for x in stages["rows"] if x["part"] == "blocks")
@@ -361,11 +366,14 @@ def mfu_section(stages: dict[str, Any], steps: dict[str, Any], peak: float | Non
                      blocks["fwd_ms"] + blocks["bwd_ms"], peak)
     best = steps["rows"][0]
     tokens_per_s = best["tokens"] / (best["step_ms"] / 1e3)
+    compiled = next(x for x in steps["rows"] if x["compiled"])
+    speedup = best["step_ms"] / compiled["step_ms"]
     peak_text = f"{peak / 1e12:.0f} TFLOP/s ({peak_label})" if peak else f"unknown ({peak_label})"
     summary = (f"blocks: forward {ms(blocks['fwd_ms'])} ms, backward {ms(blocks['bwd_ms'])} ms, "
                f"MFU {pct(blocks_mfu)}; training step ({best['checkpoint']!r}) "
                f"{tokens_per_s:,.0f} tokens/s, MFU {pct(mfu(best['flops'], best['step_ms'], peak))}"
-               f"; peak {peak_text}")
+               f"; compiled blocks ({compiled['compiled']}) {speedup:.2f}x the eager step; "
+               f"peak {peak_text}")
     notes = [
         "Model FLOPs per token 6 N + 12 L h s (forward a third, backward two thirds): N the "
         "parameters that multiply (all but the token and position embeddings), L the blocks, "
@@ -375,9 +383,13 @@ def mfu_section(stages: dict[str, Any], steps: dict[str, Any], peak: float | Non
         f"{stages['clock']}): the stages of balance "
         f"{stages['balance']} (check 4), the blocks alone, the whole model; a part's forward "
         "includes the loss when it ends the model. Steps: the one-stage pipe, "
-        "train_step + clip_grad_norm_ + AdamW, 1F1B."]
+        "train_step + clip_grad_norm_ + AdamW, 1F1B; 'blocks': eager, or each GPT block "
+        "compiled with that backend (`HybridPipe(compile=...)`, compiled before the timed "
+        "steps); host ms: the time train_step takes on the host (no device sync inside it on "
+        "one rank), per micro-batch: what compiling is meant to cut."]
     return Section(title, [table, step_table], notes, [Check("stage_mfu", ok, summary, {
         "blocks_mfu": blocks_mfu, "tokens_per_s": tokens_per_s, "peak_flops": peak,
+        "compiled_speedup": speedup,
         "max_mfu": max(utils) if utils else None})], {"stages": stages, "steps": steps})
 
 

@@ -20,7 +20,7 @@ SCHEDULE_CHECKS = ["schedule_gpipe", "schedule_1f1b", "schedule_interleaved", "s
 CHECKS = ["loss_falls", "grads_finite", "checkpoint_modes_agree", "balance_by_time",
           "trace_vs_clock", "stage_mfu", "layout_pp1_tp2", "layout_pp2_tp1", *SCHEDULE_CHECKS]
 TABLE_HEADERS = ["| step ", "| dropout | checkpoint ", "| layer | kind ", "| stage | layers ",
-                 "| span ", "| part ", "| checkpoint  | micro-batches ", "| pp × tp ",
+                 "| span ", "| part ", "| checkpoint  | blocks ", "| pp × tp ",
                  "| schedule    | ranks | stages ", "| check "]
 
 
@@ -55,6 +55,11 @@ def test_the_tables_and_verdicts_are_printed_and_written(smoke):
     report = (out / "gpu_check.md").read_text()
     assert report.startswith("## GPU check") and "--quick" in report
     assert "6 N + 12 L h s" in report                  # the MFU formula is stated
+    # check 6's compiled row: the blocks compiled (aot_eager under --quick), host time kept
+    assert "| never       | aot_eager |" in run.stdout and "host ms / micro-batch" in run.stdout
+    mfu = next(c for c in json.loads((out / "gpu_check.json").read_text())["checks"]
+               if c["name"] == "stage_mfu")
+    assert mfu["numbers"]["compiled_speedup"] > 0
     assert (out / "trace" / "trace.json").exists() and (out / "trace" / "table.txt").exists()
 
 

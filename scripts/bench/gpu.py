@@ -154,12 +154,14 @@ def _batch(cfg: dict[str, Any], seed: int) -> tuple[Tensor, Tensor]:
     return example_batch("gpt", cfg["batch"], seed=seed, **cfg["model"])
 
 
-def _pipe(topo: Any, cfg: dict[str, Any], checkpoint: str,
+def _pipe(topo: Any, cfg: dict[str, Any], checkpoint: str, *, compile: bool | str = False,
           **model_overrides: Any) -> hybridpar.HybridPipe:
-    """The one-stage pipe of the whole GPT (a world of one rank)."""
+    """The one-stage pipe of the whole GPT (a world of one rank); `compile`: its blocks
+    compiled (`HybridPipe(compile=...)`)."""
     model = _model(cfg, **model_overrides)
     return hybridpar.HybridPipe(model, [len(model)], chunks=cfg["chunks"], topology=topo,
-                                schedule="1f1b", checkpoint=checkpoint, loss_fn=gpt_loss)
+                                schedule="1f1b", checkpoint=checkpoint, loss_fn=gpt_loss,
+                                compile=compile)
 
 
 def _adamw(params: Iterable[nn.Parameter], cfg: dict[str, Any]) -> torch.optim.Optimizer:
@@ -387,29 +389,35 @@ def stage_times(topo: Any, cfg: dict[str, Any], balance: list[int] | None) -> di
 
 def step_throughput(topo: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """6. Training steps (schedule + grad clip + AdamW) of the one-stage pipe under bf16:
-    median step ms and the step's model FLOPs, per checkpoint mode."""
+    median step ms, host ms of train_step and the step's model FLOPs, per checkpoint mode,
+    eager and with compiled blocks (the first step, which compiles, is a warm-up step)."""
     device, clock = topo.device, Clock(topo.device)
     x, y = _batch(cfg, seed=0)
     if device.type == "cuda":
         x, y = x.pin_memory(), y.pin_memory()
     rows = []
-    for mode in ("never", "except_last"):
-        pipe = _pipe(topo, cfg, mode)
+    backend = cfg["compile_backend"]
+    for mode, compiled in (("never", ""), ("except_last", ""), ("never", backend)):
+        pipe = _pipe(topo, cfg, mode, compile=compiled or False)
         opt = _adamw(pipe.parameters(), cfg)
-        marks = []
+        marks, host = [], []
         for i in range(cfg["warmup"] + cfg["iters"]):
             a = clock.mark()
             opt.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
             with _bf16(device):
                 pipe.train_step(x, y)
+            t1 = time.perf_counter()
             pipe.clip_grad_norm_(cfg["grad_clip"])
             opt.step()
             if i >= cfg["warmup"]:
                 marks.append((a, clock.mark()))
+                host.append((t1 - t0) * 1e3)
         n = matmul_params(pipe.partition)
         blocks = sum(isinstance(layer, Block) for layer in pipe.partition)
         per_token = flops_per_token(n, blocks, cfg["model"]["n_embd"], y.shape[1])
-        rows.append({"checkpoint": mode, "tokens": y.numel(), "step_ms": _median_ms(clock, marks),
+        rows.append({"checkpoint": mode, "compiled": compiled, "tokens": y.numel(),
+                     "step_ms": _median_ms(clock, marks), "host_ms": statistics.median(host),
                      "flops": per_token * y.numel(), "chunks": cfg["chunks"]})
     return {"rows": rows, "iters": cfg["iters"]}
 
