@@ -21,9 +21,10 @@ from hybridpar.pipeline.plan import FORWARD, Task, looped, vshape
 from hybridpar.pipeline.plan_lowering import lower_plan
 from hybridpar.pipeline.planned import get_plan
 from hybridpar.pipeline.schedule import GROUP, SCHEDULES, Action, Comm, Schedule, ScheduleError
-from hybridpar.pipeline.virtual import Item
 
-__all__ = ["VIRTUAL", "Layout"]
+__all__ = ["VIRTUAL", "Item", "Layout"]
+
+Item = tuple[int, Action | Comm]   # (virtual stage, what it does): a rank's program, in order
 
 VIRTUAL = {"interleaved": looped, "zbv": lambda ranks, virtual: vshape(ranks)}
 NAMES = (*SCHEDULES, *VIRTUAL)

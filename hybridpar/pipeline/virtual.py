@@ -30,6 +30,7 @@ from torch import Tensor
 
 from hybridpar import trace
 from hybridpar.pipeline.executor import StageExecutor
+from hybridpar.pipeline.layout import Item
 from hybridpar.pipeline.schedule import (
     BACKWARD,
     COMPUTE,
@@ -44,9 +45,8 @@ from hybridpar.pipeline.schedule import (
 )
 from hybridpar.pipeline.step import Handed, Once, StepResult, TensorOrTensors, as_tuple
 
-__all__ = ["Item", "RankStages"]
+__all__ = ["RankStages"]
 
-Item = tuple[int, Action | Comm]   # (virtual stage, what it does)
 
 
 class RankStages:
