@@ -7,7 +7,7 @@ from hybridpar.balance import balance_by_params, balance_by_size, balance_by_tim
 from hybridpar.comm import comm_stats, reset_comm_stats
 from hybridpar.launch import SpawnError, SpawnTimeout, spawn
 from hybridpar.pipe import HybridPipe
-from hybridpar.pipeline.executor import PipelineError, current_microbatch
+from hybridpar.pipeline.runtime.executor import PipelineError, current_microbatch
 from hybridpar.tensor_parallel.attrs import (
     get_parallel_dim,
     register_parallel_attribute,

@@ -70,7 +70,7 @@ from hybridpar.p2p_spec import (
     signature_hash,
     spec_of,
 )
-from hybridpar.pipeline.replay import P2POp
+from hybridpar.pipeline.schedules.replay import P2POp
 from hybridpar.tensor_parallel.attrs import register_parallel_dim
 from hybridpar.tensor_parallel.mappings import (
     all_gather_along,

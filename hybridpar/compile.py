@@ -33,9 +33,10 @@ in one frame per piece: ``nested_graph_breaks`` while a block runs):
     tp collectives                 `tensor_parallel.mappings`      the code between the
     (`copy_to_group`, ...)         counts each collective on the   collectives (a gpt Block
                                    host (`hybridpar.comm_stats`)   at tp=2: 6 frames)
-    split linears (ZB-H1, ZBV)     `pipeline.split_backward`       norms, attention, GELU,
-                                   defers weight gradients from    residuals; each linear
-                                   its backward, a host list       runs eager, split as before
+    split linears (ZB-H1, ZBV)     `pipeline.activations.          norms, attention, GELU,
+                                   split_backward` defers weight   residuals; each linear
+                                   gradients from its backward,    runs eager, split as before
+                                   a host list
     tp dropout's first call        `ParallelDropout` fills its     once: one recompile of a
                                    layout cache (an all-reduce)    graph guarded on the cache
 
@@ -129,7 +130,7 @@ class _GuardedCall:
 def _hybridpar_functions() -> list[Callable[..., Any]]:
     """The forward and backward of hybridpar's autograd Functions (tp collectives, the split
     linear, ...), and the split linear's torch-function hook."""
-    from hybridpar.pipeline.split_backward import SplitLinear
+    from hybridpar.pipeline.activations.split_backward import SplitLinear
 
     found: list[Callable[..., Any]] = [SplitLinear.__torch_function__]
     todo = list(torch.autograd.Function.__subclasses__())

@@ -4,21 +4,24 @@ hybridpar does a few things differently on a GPU. Each such branch asks `is_cuda
 device) or `has_cuda` (of the process) under its name, and makes its CUDA calls through
 `cuda()`:
 
-    branch            where                                   on a GPU
-    watchdog          pipeline/build.py watchdog_timeout       the watchdog is on by default
-    pinned batch      train/trainer.py (via `pinned`)          the batch is pinned: its copies
-                                                               to the GPU overlap compute
-    nccl dtypes       pipeline/messages.py _send               a boundary of new shapes is
-                                                               checked against NCCL's dtypes
-    rng streams       tensor_parallel/random.py                the RNG streams keep the CUDA
-                                                               generator's state too
-    dropout scale     tensor_parallel/random.py                half inputs scaled in float32,
-                      ParallelDropout                          as CUDA's fused kernel does
-    recompute rng     pipeline/checkpoint.py                   a recomputation restores the
-                                                               CUDA generator
-    watch the device  pipe.py _watching                        the watchdog stays armed until
-                                                               the GPU did the step's work
-    trace clock       pipe.py _recording, trace.DeviceClock    CUDA events time a trace
+    branch            where                                     on a GPU
+    watchdog          pipeline/parameters/build.py              the watchdog is on by default
+                      watchdog_timeout
+    pinned batch      train/trainer.py (via `pinned`)           the batch is pinned: its
+                                                                copies to the GPU overlap
+                                                                compute
+    nccl dtypes       pipeline/runtime/messages.py _send        a boundary of new shapes is
+                                                                checked against NCCL's dtypes
+    rng streams       tensor_parallel/random.py                 the RNG streams keep the CUDA
+                                                                generator's state too
+    dropout scale     tensor_parallel/random.py                 half inputs scaled in float32,
+                      ParallelDropout                           as CUDA's fused kernel does
+    recompute rng     pipeline/activations/checkpoint.py        a recomputation restores the
+                                                                CUDA generator
+    watch the device  pipe.py _watching                         the watchdog stays armed
+                                                                until the GPU did the step's
+                                                                work
+    trace clock       pipe.py _recording, trace.DeviceClock     CUDA events time a trace
 
 On a GPU the switch is ``device.type == "cuda"`` (`has_cuda`: torch.cuda's own answer) and
 `cuda()` is torch.cuda. `hybridpar check` dry-runs on CPU-only builds of torch, where a

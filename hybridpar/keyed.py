@@ -70,7 +70,7 @@ def keyed_reset_(module: nn.Module, seed: int, *,
     Children come before their parents, as ``module.apply`` has them: a parent's rule over
     its children (GPT-2's scaled projections, `nn.MultiheadAttention`'s reset) has the last
     word. A Parameter held by several modules (a tie) ends with the draw of its first holder
-    in ``named_modules`` order, the tie's canonical owner (`pipeline.tied`).
+    in ``named_modules`` order, the tie's canonical owner (`pipeline.parameters.tied`).
     """
     reset = init if init is not None else _default_reset
     for name, sub in reset_order(module):

@@ -10,7 +10,7 @@ delivers into a larger receive. This check is a CPU read, done on gloo; on NCCL 
 synchronise the host, so there the receiver relies on the process group's timeout.
 A rank whose own action failed also stores its error under its pipeline's key
 (``hybridpar/abort/<step>/pipeline-<id>``), which the peers it owes nothing find from a
-thread (`pipeline.listener`); `interrupt` breaks their waits on gloo. A watchdog that
+thread (`pipeline.failures.listener`); `interrupt` breaks their waits on gloo. A watchdog that
 reports a hang stores it under ``hybridpar/hang``, one key every rank's watchdog reads, so the
 ranks it cannot reach through the pipeline (dp and tp peers) stop with its report too.
 """

@@ -20,27 +20,20 @@ from hybridpar.balance.choose import choose_balance
 from hybridpar.compile import block_classes, compile_blocks
 from hybridpar.device import cuda, is_cuda
 from hybridpar.keyed import KeyedInit
-from hybridpar.pipeline import clip, consolidate
-from hybridpar.pipeline.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
-from hybridpar.pipeline.build import (
+from hybridpar.pipeline.activations.checkpoint import RNGReplay, check_checkpoint
+from hybridpar.pipeline.activations.kept import SavedActivations
+from hybridpar.pipeline.failures.failure import PipelineError
+from hybridpar.pipeline.parameters import clip, consolidate
+from hybridpar.pipeline.parameters.build import (
     apply_plan,
     as_chunks,
     check_layer_names,
     stage_routes,
     watchdog_timeout,
 )
-from hybridpar.pipeline.checkpoint import RNGReplay, check_checkpoint
-from hybridpar.pipeline.executor import StageExecutor, StageSpec
-from hybridpar.pipeline.failure import PipelineError
-from hybridpar.pipeline.grad_shards import ShardedGradBuckets
-from hybridpar.pipeline.kept import SavedActivations
-from hybridpar.pipeline.layout import Layout
-from hybridpar.pipeline.loss import LossShare
-from hybridpar.pipeline.lowering import lower
-from hybridpar.pipeline.microbatch import TensorOrTensors, rows, signature, split_batch, to_device
-from hybridpar.pipeline.output import share_output
-from hybridpar.pipeline.partial import PartialGrads
-from hybridpar.pipeline.partition import (
+from hybridpar.pipeline.parameters.grad_shards import ShardedGradBuckets
+from hybridpar.pipeline.parameters.partial import PartialGrads
+from hybridpar.pipeline.parameters.partition import (
     check_balance,
     check_sequential,
     free_layers,
@@ -48,14 +41,36 @@ from hybridpar.pipeline.partition import (
     split,
     stage_bounds,
 )
-from hybridpar.pipeline.reduce import GradBuckets
-from hybridpar.pipeline.replicas import ReplicaGroup, check_replicas
-from hybridpar.pipeline.schedule import FORWARD
-from hybridpar.pipeline.skip import SkipRoute
-from hybridpar.pipeline.stage_module import StageModule
-from hybridpar.pipeline.step import StepResult
-from hybridpar.pipeline.tied import Tie, TiedGroups, aliases, detach_other_stages, find_ties
-from hybridpar.pipeline.virtual import RankStages
+from hybridpar.pipeline.parameters.reduce import GradBuckets
+from hybridpar.pipeline.parameters.replicas import ReplicaGroup, check_replicas
+from hybridpar.pipeline.parameters.tied import (
+    Tie,
+    TiedGroups,
+    aliases,
+    detach_other_stages,
+    find_ties,
+)
+from hybridpar.pipeline.runtime.batchnorm import (
+    commit_deferred_batch_norms,
+    convert_deferred_batch_norm,
+)
+from hybridpar.pipeline.runtime.executor import StageExecutor, StageSpec
+from hybridpar.pipeline.runtime.loss import LossShare
+from hybridpar.pipeline.runtime.microbatch import (
+    TensorOrTensors,
+    rows,
+    signature,
+    split_batch,
+    to_device,
+)
+from hybridpar.pipeline.runtime.output import share_output
+from hybridpar.pipeline.runtime.skip import SkipRoute
+from hybridpar.pipeline.runtime.stage_module import StageModule
+from hybridpar.pipeline.runtime.step import StepResult
+from hybridpar.pipeline.runtime.virtual import RankStages
+from hybridpar.pipeline.schedules.layout import Layout
+from hybridpar.pipeline.schedules.lowering import lower
+from hybridpar.pipeline.schedules.schedule import FORWARD
 from hybridpar.precision import cast_parameters, check_dtype_runs, set_grad
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.tensor_parallel.attrs import (
@@ -66,7 +81,7 @@ from hybridpar.tensor_parallel.attrs import (
 from hybridpar.topology import Topology, current_topology
 
 if TYPE_CHECKING:
-    from hybridpar.pipeline.trace_report import TraceReport
+    from hybridpar.pipeline.tracing.trace_report import TraceReport
 
 __all__ = ["HybridPipe"]
 
@@ -79,19 +94,21 @@ class HybridPipe(StageModule):
 
     ``watchdog``: a thread that reports a step with no progress for the topology timeout (or
     that many seconds) and stops the stage when a peer published its failure; on by default
-    on GPUs, where NCCL waits do not time out on the host (`pipeline.watchdog`). On gloo
-    without it, a lighter listener stops the stage when a peer failed (`pipeline.listener`).
+    on GPUs, where NCCL waits do not time out on the host (`pipeline.failures.watchdog`). On gloo
+    without it, a lighter listener stops the stage when a peer failed
+    (`pipeline.failures.listener`).
 
     ``init_fn``: for a model built on the `meta` device, a callable applied to every module
     of the stage after `to_empty` (e.g. a Hugging Face model's ``_init_weights``), or a
     `hybridpar.keyed.KeyedInit` (each module drawn under a seed keyed by its name: the same
     values in every layout); without it, ``KeyedInit(torch.initial_seed())``: each module's
     ``reset_parameters()``, keyed. A tensor left uninitialized is an error
-    (`pipeline.partition.materialize`).
+    (`pipeline.parameters.partition.materialize`).
 
     ``schedule="interleaved"`` (``virtual_stages=v``, default 2) or ``"zbv"`` (2) cut the model
     into pp * v stages, `balance` giving one layer count per stage, and each rank holds v of
-    them (looped, or a V: `pipeline.layout`), run as one program (`pipeline.virtual`).
+    them (looped, or a V: `pipeline.schedules.layout`), run as one program
+    (`pipeline.runtime.virtual`).
 
     ``param_dtype=torch.bfloat16``: the stage's parameters in bf16, their gradients summed
     over micro-batches (and dp) in float32 as ``param.main_grad`` (`hybridpar.precision`);
@@ -156,7 +173,8 @@ class HybridPipe(StageModule):
         self.trace = trace
         self.device = topo.device
         ties = find_ties(module, counts)
-        #: ``{name: canonical name}`` of parameters held under several names (`pipeline.tied`)
+        #: ``{name: canonical name}`` of parameters held under several names
+        # (`pipeline.parameters.tied`)
         self.tied_aliases = aliases(ties)
         self._state_keys = list(module.state_dict().keys())
         names = list(module._modules)
@@ -177,7 +195,7 @@ class HybridPipe(StageModule):
         for _, p in mine:
             register_partial_grad(p)
         #: the parameters of this rank whose gradients are summed over tp after each step
-        #: (`pipeline.partial`), by name
+        #: (`pipeline.parameters.partial`), by name
         self.partial_grads = [n for n, _ in mine]
         self._partial = PartialGrads([p for _, p in mine], topo.tp_group if topo.tp > 1
                                      else None)
@@ -219,8 +237,8 @@ class HybridPipe(StageModule):
 
     def _build_executors(self, routes: list[SkipRoute], *, watchdog: bool | float | None
                          ) -> tuple[StageExecutor, RankStages | None]:
-        """The executor of each stage this rank holds (`pipeline.executor`): the first, and
-        with virtual stages the rank's program over all of them (`pipeline.virtual`)."""
+        """The executor of each stage this rank holds (`pipeline.runtime.executor`): the first, and
+        with virtual stages the rank's program over all of them (`pipeline.runtime.virtual`)."""
         topo, layout = self.topology, self.layout
         timeout = watchdog_timeout(watchdog, topo)
         wire = comm.Wire(tags=topo.p2p_tags, coalesce=self.device.type != "cpu")
@@ -269,7 +287,7 @@ class HybridPipe(StageModule):
     @property
     def p2p_log(self) -> list[Any] | None:
         """Set to a list to record every group of P2P operations this rank issues (a list of
-        `hybridpar.pipeline.replay.P2POp` per group) for the NCCL replay; None: off."""
+        `hybridpar.pipeline.schedules.replay.P2POp` per group) for the NCCL replay; None: off."""
         return self._executor.wire.log
 
     @p2p_log.setter
@@ -300,7 +318,8 @@ class HybridPipe(StageModule):
 
     def _program(self, microbatches: int, *, train: bool) -> list[Any]:
         """This rank's actions for a step: the schedule lowered with every message in its
-        slot (`pipeline.lowering.lower`; with virtual stages `plan_lowering.lower_plan`, as
+        slot (`pipeline.schedules.lowering.lower`; with virtual stages `plan_lowering.lower_plan`,
+        as
         (stage, action) items); forward-only steps lower the forwards alone."""
         key = (microbatches, train)
         if key not in self._programs:
@@ -328,7 +347,7 @@ class HybridPipe(StageModule):
         Gradients accumulate into ``.grad`` as `loss_fn(model(input), target).backward()`
         would on one device (micro-batch losses weighted by their share of the batch), then
         are averaged over the dp group: in buckets all-reduced as they become ready during
-        the step's last backward (`pipeline.reduce.GradBuckets`; at dp > 1 each ``.grad``
+        the step's last backward (`pipeline.parameters.reduce.GradBuckets`; at dp > 1 each ``.grad``
         is a view of its bucket's buffer, no second copy). `loss_fn` must reduce by mean.
         """
         inputs, targets, weights = self._microbatches(input, target)
@@ -381,7 +400,8 @@ class HybridPipe(StageModule):
     @contextlib.contextmanager
     def _recording(self, what: str, microbatches: int) -> Iterator[None]:
         """Record this step's timeline when `trace` is on (replacing the previous one), and
-        the peak bytes it kept for backward (`pipeline.kept`: "kept" in the trace's table)."""
+        the peak bytes it kept for backward (`pipeline.activations.kept`: "kept" in the trace's
+        table)."""
         if not self.trace:
             yield
             return
@@ -403,7 +423,7 @@ class HybridPipe(StageModule):
         bubble), prints the table when `show`, and returns a `TraceReport`; other ranks
         return None. Raises `ValueError` on every rank when nothing was traced.
         """
-        from hybridpar.pipeline.trace_report import write_trace
+        from hybridpar.pipeline.tracing.trace_report import write_trace
 
         return write_trace(self, folder, show=show)
 
@@ -432,7 +452,8 @@ class HybridPipe(StageModule):
         (`generation`), which a `PipelineError` out of it breaks (so does a failed action:
         `StageStops.raise_at`; errors every rank raises together leave them usable). The
         rank's watchdog (if on) watches the block, and on a GPU afterwards until the device
-        has done the work it queued (`pipeline.watchdog`): the host may wait for that anywhere
+        has done the work it queued (`pipeline.failures.watchdog`): the host may wait for that
+        anywhere
         (``float(loss)``).
         """
         generation.check_usable(self.topology.generation, what)
@@ -484,7 +505,7 @@ class HybridPipe(StageModule):
     # state -------------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model's full state dict (same keys and shapes), on every rank
-        (`pipeline.consolidate`: no pickles)."""
+        (`pipeline.parameters.consolidate`: no pickles)."""
         with self._communicating("consolidated_state_dict"):
             return consolidate.consolidated_state_dict(
                 self, self.topology, stage_keys=self._stage_keys, state_keys=self._state_keys,
@@ -498,7 +519,8 @@ class HybridPipe(StageModule):
                                           aliases=self.tied_aliases)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip by the global norm over all stages and tp shards (`pipeline.clip`: replicated
+        """Clip by the global norm over all stages and tp shards (`pipeline.parameters.clip`:
+        replicated
         parameters and ties count once); returns the norm before clipping."""
         with self._communicating("clip_grad_norm_"):
             return clip.clip_grad_norm_(self.parameters(), max_norm, self.topology,
@@ -510,7 +532,7 @@ class HybridPipe(StageModule):
         """ZeRO-2 from the next step on: each gradient is reduced to the dp rank `owners`
         names (``id(parameter) -> dp rank``, the same on every rank; ties' copies and partial
         replicas with one owner over their groups: `hybridpar.optim.gradient_owners`) and
-        lives there only (`pipeline.grad_shards`). No-op at dp = 1."""
+        lives there only (`pipeline.parameters.grad_shards`). No-op at dp = 1."""
         topo = self.topology
         if topo.dp == 1:
             return
@@ -528,7 +550,8 @@ class HybridPipe(StageModule):
     def check_replicas(self, *, atol: float = 0.0) -> float:
         """Raise `ReplicaMismatchError` on every rank if the copies of a replicated parameter
         (over tp, over dp, a tie's copies over stages) differ, in values or gradients, by
-        more than `atol`; call it on every rank after a `train_step` (`pipeline.replicas`).
+        more than `atol`; call it on every rank after a `train_step`
+        (`pipeline.parameters.replicas`).
         Returns the largest difference."""
         for wait in self.param_waiters:
             wait()

@@ -7,7 +7,7 @@ largest activation of a transformer block (Megatron's selective recomputation). 
 context (evaluation, the other modes, one device) `recompute_core(fn, ...)` is ``fn(...)``.
 
 A leaf: models import it without the pipeline; the pipeline hands in the contexts of the
-first forward and of the recomputation (`pipeline.layer_checkpoint`: RNG replay, so the
+first forward and of the recomputation (`pipeline.activations.layer_checkpoint`: RNG replay, so the
 attention dropout masks are the first forward's, and `is_recomputing()` true).
 """
 

@@ -17,9 +17,10 @@ Two independent tools, both leaves that import nothing else of hybridpar:
 
   Counted where they happen: `comm` (P2P), `tensor_parallel.mappings` and `.loss` (tp
   collectives, the vocab-parallel loss's all-reduces of b·s scalars included),
-  `pipeline.reduce` (dp buckets), `pipeline.tied` (tied gradients), `pipeline.loss` (the
+  `pipeline.parameters.reduce` (dp buckets), `pipeline.parameters.tied` (tied gradients),
+  `pipeline.runtime.loss` (the
   loss: a broadcast on NCCL, point to point on gloo, counted as one broadcast per rank) and
-  `pipeline.clip` (grad-norm all-reduces). hybridpar issues no object collective.
+  `pipeline.parameters.clip` (grad-norm all-reduces). hybridpar issues no object collective.
 
 - **Timeline**, while a `Recorder` records: spans with wall-clock ends (``time.time_ns``, so
   ranks of one host share a clock; on a GPU, CUDA events anchored to that clock:
@@ -44,7 +45,7 @@ Two independent tools, both leaves that import nothing else of hybridpar:
   autograd's device threads; it is set only inside `recording`. Not recording, `span`
   costs one global read and returns a shared no-op context (~0.2 us).
   `HybridPipe(trace=True)` records its steps; `HybridPipe.write_trace` (in
-  `hybridpar.pipeline.trace_report`) turns the events of all ranks into files.
+  `hybridpar.pipeline.tracing.trace_report`) turns the events of all ranks into files.
 """
 
 from __future__ import annotations

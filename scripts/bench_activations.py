@@ -10,7 +10,7 @@ so a rank's peak is one micro-batch's; its ranks CPU gloo processes (`hybridpar.
 torch thread each). For each mode, without and with ``parallel.sequence_parallel``:
 
     measured   a real step of every rank (`train.trainer.build_pipe`, ``trace`` on): the
-               most bytes the rank held saved for backward at once (`pipeline.kept`; a
+               most bytes the rank held saved for backward at once (`pipeline.activations.kept`; a
                recomputing mode's peak is during its backward, when the recomputed layers'
                tensors are back)
     check      `hybridpar check --device cpu`'s activations column for the same config

@@ -14,7 +14,7 @@ whole parameters to the dp ranks: `hybridpar.optim.zero`; with ``train.param_dty
 (and ``train.precision = "bf16"``) bf16 weights, float32 gradients and `MasterWeights`, which
 deals the float32 masters and moments the same way: `hybridpar.optim.master`; at
 ``parallel.zero = 2`` `MasterWeights` in both dtypes, and each gradient reduced to its owner
-only: `hybridpar.pipeline.grad_shards`).
+only: `hybridpar.pipeline.parameters.grad_shards`).
 
 1. Memory. Each (dp, zero) runs one full training step on every rank (a batch of
    `make_batches(config, split="train", dp_rank, dp)`, `pipe.train_step(x, y)`,

@@ -17,7 +17,7 @@ import torch
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.pipeline.schedule import SCHEDULES
+from hybridpar.pipeline.schedules.schedule import SCHEDULES
 
 SMALL = {"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 4, "n_embd": 16}
 LAYOUTS = [(2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)]

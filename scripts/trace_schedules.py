@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.zero_bubble import HIDDEN, ROWS, SEQ, SleepStage, _loss
 
 import hybridpar
-from hybridpar.pipeline.planned import PLANS
+from hybridpar.pipeline.schedules.planned import PLANS
 
 VIRTUAL = {"interleaved": None, "zbv": 2}   # chunks per rank (None: --virtual)
 

@@ -29,7 +29,7 @@ from hybridpar.balance import (
 from hybridpar.balance.profile import LayerProfile, boundary_ms
 from hybridpar.balance.solver import block_costs, min_cap, solve
 from hybridpar.balance.tp import allreduce_ms, shard_estimate
-from hybridpar.pipeline.batchnorm import DeferredBatchNorm
+from hybridpar.pipeline.runtime.batchnorm import DeferredBatchNorm
 from hybridpar.tensor_parallel.layers import ParallelLinear
 
 

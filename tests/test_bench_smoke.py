@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.pipeline.schedule import gpipe, live_microbatches, one_f_one_b
+from hybridpar.pipeline.schedules.schedule import gpipe, live_microbatches, one_f_one_b
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))

@@ -64,9 +64,10 @@ def test_gradient_of_a_sharded_boundary_keeps_its_tag(sharded_pipe):
     # gradient was sent back untagged, so comm took it for a replicated tensor and sent 1/tp
     # slices, and the receiver rebuilt it from slices of *different* ranks' gradients: losses
     # drifted by 7e-4 from step 2 on (found by the tp_plan tests, fixed in 0979801):
-    # `pipeline.step.grad_or_zeros` now tags the gradient like the received tensor, and since
+    # `pipeline.runtime.step.grad_or_zeros` now tags the gradient like the received tensor, and
+    # since
     # the NCCL rework a gradient also travels under its forward message's spec (`_send` in
-    # `pipeline/executor.py`), so either fix alone keeps this test green.
+    # `pipeline/runtime/executor.py`), so either fix alone keeps this test green.
     # Checked: at 0979801 with `_grad_or_zeros`'s tagging removed, this test fails on every
     # rank at the loss of step 2 (1.47848 vs 1.47895 on one device; 4.7e-4 off); on today's
     # code it fails so (1.47811 vs 1.47895; 8.5e-4 off) with the tagging removed *and* the
@@ -83,7 +84,7 @@ def test_pipe_output_is_gathered_over_tp_although_cat_drops_the_tag(sharded_pipe
     # HybridPipe.forward concatenated the micro-batch outputs and then looked for the tag on
     # the result; torch.cat returns a new tensor without the Python attribute, so class-sharded
     # logits came back as the (B, V / tp) shard. The tag is now read from a part before the cat
-    # (`pipeline.output.gather_outputs`).
+    # (`pipeline.runtime.output.gather_outputs`).
     # Checked: reading the tag from the concatenation (`get_parallel_dim(whole)`) makes this
     # test fail on every rank: "The values for attribute 'shape' do not match:
     # torch.Size([8, 2]) != torch.Size([8, 4])".
@@ -127,7 +128,8 @@ def test_skip_routes_are_ordered_the_same_in_every_process():
     # uuid4: two processes building the same model could order two skips between the same pair
     # of stages differently, and the stage that sends both in one message and the stage that
     # receives it would swap the same-shaped tensors, silently. Routes are ordered by (stash
-    # layer, pop layer, name), which every process computes alike (`pipeline.skip.skip_routes`).
+    # layer, pop layer, name), which every process computes alike
+    # (`pipeline.runtime.skip.skip_routes`).
     # Checked: sorting the routes by (src, dst, namespace, name) in `skip_routes` makes this
     # test fail from the first loss on (1.15360 vs 1.19139 on one device).
     xs, ys = data(2, BATCH)

@@ -106,7 +106,7 @@ def receive_before_sending(config):
     gradient's send after it), so under NCCL's rendezvous both ranks wait for each other (a
     planted fault in the P2P order; 1F1B's stage 0 posts that receive with the send)."""
     from hybridpar.pipe import HybridPipe
-    from hybridpar.pipeline.schedule import GROUP, RECV_B, SEND_F, Action
+    from hybridpar.pipeline.schedules.schedule import GROUP, RECV_B, SEND_F, Action
 
     lowered = HybridPipe._program
 

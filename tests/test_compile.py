@@ -19,7 +19,7 @@ from hybridpar.models import example_batch, gpt, gpt_loss, mlp, unet
 from hybridpar.models.gpt import Block
 from hybridpar.models.mlp import MLPBlock
 from hybridpar.models.unet import Down, Up
-from hybridpar.pipeline.split_backward import SplitLinear, WeightGrads, deferring
+from hybridpar.pipeline.activations.split_backward import SplitLinear, WeightGrads, deferring
 
 pytestmark = [
     pytest.mark.filterwarnings("error::hybridpar.compile.BlockCompileWarning"),  # no fallback

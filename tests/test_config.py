@@ -290,7 +290,7 @@ def test_pp_larger_than_the_layers_is_rejected(small):
     ("[0, 5]", "has a stage with no layer"),
 ])
 def test_a_list_balance_must_cover_the_model_in_pp_stages(small, balance, expected):
-    # the rule and its words are HybridPipe's (`pipeline.partition.balance_problem`)
+    # the rule and its words are HybridPipe's (`pipeline.parameters.partition.balance_problem`)
     if expected is None:
         assert load_config(small, [f"parallel.balance={balance}"]).parallel.balance == [2, 3]
     else:

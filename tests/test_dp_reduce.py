@@ -9,7 +9,7 @@ from torch import nn
 
 import hybridpar
 from hybridpar import trace
-from hybridpar.pipeline.reduce import GradBuckets
+from hybridpar.pipeline.parameters.reduce import GradBuckets
 
 ROWS, MICRO, STEPS = 7, 3, 3    # rows per dp rank and step, micro-batches (3, 2, 2 rows)
 

@@ -7,7 +7,7 @@ and the model's own plan), 1F1B, GPipe and ZBV train as the single-device HF mod
     mistral   a sliding window (4) shorter than the sequence auto, hf
     qwen2     biases on q, k, v                              auto, hf
     qwen3     q_norm / k_norm over the sharded heads:        auto, hf
-              gradients summed over tp (`pipeline.partial`)
+              gradients summed over tp (`pipeline.parameters.partial`)
     gpt2      tied embedding / head, Conv1D, fused q|k|v     auto (it has no plan)
 
 The layouts run as cases of one spawn per world size (module fixtures): each new set of

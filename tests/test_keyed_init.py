@@ -17,7 +17,7 @@ from torch import nn
 import hybridpar
 from hybridpar.keyed import KeyedInit, keyed_reset_, module_seed
 from hybridpar.models import gpt, gpt_loss
-from hybridpar.pipeline.partition import materialize
+from hybridpar.pipeline.parameters.partition import materialize
 
 from pipe_harness import checked_step
 

@@ -208,7 +208,7 @@ def test_hugging_face_attention_is_recomputed_selectively(kind, layout, balance,
 
 
 def test_bad_layer_modes_are_refused():
-    from hybridpar.pipeline.checkpoint import check_checkpoint
+    from hybridpar.pipeline.activations.checkpoint import check_checkpoint
 
     for bad in ("layers:0", "layers:x", "layer", "layers:-1"):
         with pytest.raises(ValueError, match=r"or 'layers:K' \(every K-th layer, K >= 1\)"):

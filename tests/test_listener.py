@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from hybridpar import comm
-from hybridpar.pipeline.listener import Listener
+from hybridpar.pipeline.failures.listener import Listener
 
 BOOM = comm.PeerFailed(2, 2, 2, "stage 2 (rank 2) failed at F(0) of forward: boom")
 

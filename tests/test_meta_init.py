@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import hybridpar
-from hybridpar.pipeline.partition import materialize
+from hybridpar.pipeline.parameters.partition import materialize
 
 WIDTH = 6
 

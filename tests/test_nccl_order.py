@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.pipeline.lowering import check_schedule, lower_stage
-from hybridpar.pipeline.replay import NCCLOrderError, P2POp, replay
-from hybridpar.pipeline.schedule import SCHEDULES, one_f_one_b
+from hybridpar.pipeline.schedules.lowering import check_schedule, lower_stage
+from hybridpar.pipeline.schedules.replay import NCCLOrderError, P2POp, replay
+from hybridpar.pipeline.schedules.schedule import SCHEDULES, one_f_one_b
 
 
 def send(peer, label="x", numel=4, dtype="float"):

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.pipeline.interleaved import interleaved_1f1b
-from hybridpar.pipeline.lowering import lower, lower_stage
-from hybridpar.pipeline.plan import from_schedule
-from hybridpar.pipeline.plan_lowering import Hop, check_plan, lower_plan, lower_plan_rank
-from hybridpar.pipeline.replay import NCCLOrderError
-from hybridpar.pipeline.schedule import RECV_F, SEND_F, gpipe, one_f_one_b
-from hybridpar.pipeline.zero_bubble import zb_h1, zbv
+from hybridpar.pipeline.schedules.interleaved import interleaved_1f1b
+from hybridpar.pipeline.schedules.lowering import lower, lower_stage
+from hybridpar.pipeline.schedules.plan import from_schedule
+from hybridpar.pipeline.schedules.plan_lowering import Hop, check_plan, lower_plan, lower_plan_rank
+from hybridpar.pipeline.schedules.replay import NCCLOrderError
+from hybridpar.pipeline.schedules.schedule import RECV_F, SEND_F, gpipe, one_f_one_b
+from hybridpar.pipeline.schedules.zero_bubble import zb_h1, zbv
 
 MICROBATCHES = range(1, 33)
 

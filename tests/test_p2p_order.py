@@ -13,8 +13,8 @@ from torch import nn
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.pipeline import replay as nccl
-from hybridpar.pipeline.lowering import lower, lower_stage
+from hybridpar.pipeline.schedules import replay as nccl
+from hybridpar.pipeline.schedules.lowering import lower, lower_stage
 
 from pipe_harness import skipnet
 

@@ -15,7 +15,7 @@ from torch import nn
 from torchgpipe.skip import pop, skippable
 
 import hybridpar
-from hybridpar.pipeline.schedule import get_schedule
+from hybridpar.pipeline.schedules.schedule import get_schedule
 
 from pipe_harness import mlp
 

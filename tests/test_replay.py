@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.pipeline.replay import NCCLOrderError, P2POp, ReplayResult, replay
+from hybridpar.pipeline.schedules.replay import NCCLOrderError, P2POp, ReplayResult, replay
 
 F32 = "torch.float32"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridpar.pipeline.schedule import (
+from hybridpar.pipeline.schedules.schedule import (
     BACKWARD,
     COMPUTE,
     FORWARD,
@@ -24,7 +24,7 @@ from hybridpar.pipeline.schedule import (
     render,
     zero_bubble_h1,
 )
-from hybridpar.pipeline.schedule_check import render_timeline, simulate, validate
+from hybridpar.pipeline.schedules.schedule_check import render_timeline, simulate, validate
 
 SIZES = [(p, m) for p in range(1, 7) for m in range(1, 11)]
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from hybridpar.pipeline.interleaved import interleaved_1f1b
-from hybridpar.pipeline.plan import (
+from hybridpar.pipeline.schedules.interleaved import interleaved_1f1b
+from hybridpar.pipeline.schedules.plan import (
     BACKWARD,
     FORWARD,
     INPUT,
@@ -16,10 +16,16 @@ from hybridpar.pipeline.plan import (
     validate_plan,
     vshape,
 )
-from hybridpar.pipeline.planned import PLANS, RUNNABLE, get_plan
-from hybridpar.pipeline.schedule import SCHEDULES, ScheduleError, gpipe, one_f_one_b, render
-from hybridpar.pipeline.simulate import render_timing, simulate_plan
-from hybridpar.pipeline.zero_bubble import zb_h1, zbv
+from hybridpar.pipeline.schedules.planned import PLANS, RUNNABLE, get_plan
+from hybridpar.pipeline.schedules.schedule import (
+    SCHEDULES,
+    ScheduleError,
+    gpipe,
+    one_f_one_b,
+    render,
+)
+from hybridpar.pipeline.schedules.simulate import render_timing, simulate_plan
+from hybridpar.pipeline.schedules.zero_bubble import zb_h1, zbv
 
 # Placements ---------------------------------------------------------------------------------
 

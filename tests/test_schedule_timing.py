@@ -6,12 +6,12 @@ tests compare with ==. SIZES are the brief's: p in {2, 4, 8}, m in {p, 2p, 4p}.
 
 import pytest
 
-from hybridpar.pipeline.interleaved import interleaved_1f1b
-from hybridpar.pipeline.plan import Plan, Task, from_schedule
-from hybridpar.pipeline.schedule import ScheduleError, gpipe, one_f_one_b
-from hybridpar.pipeline.schedule_check import simulate
-from hybridpar.pipeline.simulate import simulate_plan
-from hybridpar.pipeline.zero_bubble import zb_h1, zbv
+from hybridpar.pipeline.schedules.interleaved import interleaved_1f1b
+from hybridpar.pipeline.schedules.plan import Plan, Task, from_schedule
+from hybridpar.pipeline.schedules.schedule import ScheduleError, gpipe, one_f_one_b
+from hybridpar.pipeline.schedules.schedule_check import simulate
+from hybridpar.pipeline.schedules.simulate import simulate_plan
+from hybridpar.pipeline.schedules.zero_bubble import zb_h1, zbv
 
 SIZES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
 # (t_F, t_B, t_W): equal; W the cheapest (the papers' case); and each of F, B, W the largest

@@ -13,7 +13,7 @@ from torch import nn
 from torchgpipe.skip import pop, skippable, stash
 
 import hybridpar
-from hybridpar.pipeline.replay import P2POp, replay
+from hybridpar.pipeline.schedules.replay import P2POp, replay
 
 WIDTH = 6
 

@@ -1,10 +1,11 @@
-"""Split backward (pipeline/split_backward.py): I then W gives a plain backward's gradients."""
+"""Split backward (pipeline/activations/split_backward.py): I then W gives a plain backward's
+gradients."""
 
 import pytest
 import torch
 from torch import nn
 
-from hybridpar.pipeline.split_backward import SplitLinear, WeightGrads, deferring
+from hybridpar.pipeline.activations.split_backward import SplitLinear, WeightGrads, deferring
 
 
 def _model(dtype=torch.float64):
@@ -121,7 +122,7 @@ def test_under_autocast_every_parameter_gets_its_gradient_in_its_own_dtype(dtype
 def test_hybridpar_check_counts_the_output_gradients_kept_for_w():
     """The dry run's saved-activation peak counts what I keeps for W: the linear layer's
     input x (saved by the forward) and its output gradient dy (kept by I)."""
-    from hybridpar.pipeline.kept import SavedActivations
+    from hybridpar.pipeline.activations.kept import SavedActivations
 
     layer = torch.nn.Linear(8, 16)
     x = torch.randn(4, 8, requires_grad=True)

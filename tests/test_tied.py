@@ -16,7 +16,7 @@ from spawn_cases import spawn_cases
 from torch import nn
 
 import hybridpar
-from hybridpar.pipeline.tied import Tie, check_kept, find_ties, names_by_id
+from hybridpar.pipeline.parameters.tied import Tie, check_kept, find_ties, names_by_id
 
 from pipe_harness import checked_step
 

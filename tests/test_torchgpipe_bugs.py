@@ -159,7 +159,7 @@ def test_exception_no_hang():
     # A later stage's failure in a forward-only step owes the earlier stages no message, so
     # no abort reached them: stage 1 waited out the timeout on its sends to the failed stage,
     # stage 0 in the output broadcast, neither naming the failure. Fixed by the listener
-    # (pipeline/listener.py): the failure is published for the whole pipeline, and each
+    # (pipeline/failures/listener.py): the failure is published for the whole pipeline, and each
     # peer's listener breaks its wait.
     results = hybridpar.spawn(_no_hang, 3, timeout=60)
     assert results[2][0].startswith("ExpectedException")

@@ -552,7 +552,7 @@ def test_exception_across_stages():
 def test_exception_early_stop_asap():
     # the stage before the failed one stops as soon as possible: it ran 2 micro-batches, not 3
     # (it learned of the failure at its next wait, after its last forward, until the listener
-    # stopped it before its next action: pipeline/listener.py)
+    # stopped it before its next action: pipeline/failures/listener.py)
     results = hybridpar.spawn(_failing, 4, args=([Pass, Pass, Counter, Raise], [1, 1, 1, 1],
                                                  3), timeout=60)
     assert results[3][0] == "ExpectedException"

@@ -92,7 +92,7 @@ def test_inplace_on_not_requires_grad(results):
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "as in torchgpipe: the recomputation repeats bar.add_(1) on the caller's tensor, so foo's "
     "gradient is 3, not 2 (detecting it needs the input's version counter in "
-    "pipeline/executor.py, see docs/torchgpipe.md)"))
+    "pipeline/runtime/executor.py, see docs/torchgpipe.md)"))
 def test_inplace_incorrect_grad(results):
     # The gradient of 'foo' should be 2, but it is 3 actually because
     # bar.add_(1) was executed twice due to checkpointing.

@@ -4,7 +4,8 @@ Copyright 2019-2020 Kakao Brain): the skip API through `HybridPipe` across proce
 Adapted: `verify_skippables(model)` -> `HybridPipe(model, balance, topology=...)` on two ranks,
 which verifies the model (a one-layer model gets an `nn.Identity` second stage), with the same
 TypeErrors on every rank; `inspect_skip_layout(partitions).copy_policy(j)` ->
-`pipeline.skip.skip_routes(model, balance)` (the skips stage j receives, and from which stage),
+`pipeline.runtime.skip.skip_routes(model, balance)` (the skips stage j receives, and from which
+stage),
 and the namespace model runs on three ranks: each skip goes straight from its stash stage to
 its pop stage, and the outputs and gradients equal the plain model's; `Namespace` difference and
 copy are shown by isolated skips of one name routed right across processes (each process makes
@@ -35,7 +36,7 @@ from torch import nn
 from torchgpipe.skip import Namespace, pop, skippable, stash
 
 import hybridpar
-from hybridpar.pipeline.skip import skip_routes
+from hybridpar.pipeline.runtime.skip import skip_routes
 
 from pipe_harness import attempt
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import hybridpar
 from hybridpar.nn import ParallelLinear, register_partial_grad
-from hybridpar.pipeline.replicas import ReplicaMismatchError
+from hybridpar.pipeline.parameters.replicas import ReplicaMismatchError
 from hybridpar.tensor_parallel.layer_graph import Layers
 from hybridpar.tensor_parallel.plan_flow import resolve_auto
 

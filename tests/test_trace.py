@@ -21,7 +21,7 @@ from torch import nn
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.pipeline.trace_gantt import write_gantt
+from hybridpar.pipeline.tracing.trace_gantt import write_gantt
 from hybridpar.trace import COLUMNS, KINDS, OPS, Recorder
 
 B, S, H, M = 8, 3, 16, 4          # batch rows, sequence, hidden, micro-batches
@@ -306,7 +306,7 @@ def test_a_trace_step_outside_the_run_fails_before_any_worker(tmp_path, capsys, 
 
 
 def test_traced_step_leaves_other_steps_alone():
-    from hybridpar.pipeline.trace_report import request_trace, traced_step
+    from hybridpar.pipeline.tracing.trace_report import request_trace, traced_step
 
     class Pipe:
         trace = False

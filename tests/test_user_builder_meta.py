@@ -16,7 +16,7 @@ from user_builders import SelfAttention, stack, tied
 import hybridpar
 from hybridpar.keyed import KeyedInit, keyed
 from hybridpar.models.registry import build
-from hybridpar.pipeline.partition import materialize
+from hybridpar.pipeline.parameters.partition import materialize
 from hybridpar.train import ConfigError
 from hybridpar.train.builder_check import MetaBuildError, build_checked
 from hybridpar.train.config import Config, ModelConfig, ParallelConfig, TrainConfig

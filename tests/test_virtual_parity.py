@@ -15,7 +15,7 @@ from torch import nn
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.pipeline import replay as nccl
+from hybridpar.pipeline.schedules import replay as nccl
 
 from pipe_harness import checked_step, data, make_optimizer, mlp, reference, skipnet
 from test_pipe_features import _bn_reference

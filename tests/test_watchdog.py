@@ -13,7 +13,7 @@ from torch import nn
 
 import hybridpar
 from hybridpar import comm
-from hybridpar.pipeline.watchdog import Watchdog
+from hybridpar.pipeline.failures.watchdog import Watchdog
 
 
 def test_no_progress_past_the_timeout_is_reported_once():
@@ -98,7 +98,7 @@ def test_a_watched_stage_reports_where_it_waits_while_its_peer_stalls(tmp_path, 
 
 
 def test_watchdog_values_are_checked():
-    from hybridpar.pipeline.build import watchdog_timeout
+    from hybridpar.pipeline.parameters.build import watchdog_timeout
     from hybridpar.topology import ParallelDims, Topology
 
     topo = Topology(ParallelDims(), 0, None, timeout=datetime.timedelta(seconds=7))

@@ -12,7 +12,7 @@ from torch import nn
 from hybridpar.agreement import fail_together
 from hybridpar.balance import BALANCERS, balance_by
 from hybridpar.broadcast import broadcast_tensors
-from hybridpar.pipeline.microbatch import TensorOrTensors
+from hybridpar.pipeline.runtime.microbatch import TensorOrTensors
 from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.topology import Topology
 

@@ -37,7 +37,7 @@ from hybridpar.balance.layer_run import ProfileSkipTracker, check_sample, descri
 from hybridpar.balance.profile_size import size_layer
 from hybridpar.balance.profile_time import time_layer
 from hybridpar.balance.tp import shard_estimate
-from hybridpar.pipeline.partition import materialize
+from hybridpar.pipeline.parameters.partition import materialize
 
 __all__ = ["DEFAULT_BANDWIDTH", "LayerProfile", "TensorOrTensors", "boundary_ms", "check_module",
            "check_sample", "layer_names", "link_bandwidth", "profile_layers"]

@@ -1,7 +1,7 @@
 """Tensor-parallel layers: torchshard's (`ParallelLinear`, ...) and xlstm-jax's (`TPDense`, ...)."""
 
 from hybridpar.nn import functional, init
-from hybridpar.pipeline.batchnorm import DeferredBatchNorm
+from hybridpar.pipeline.runtime.batchnorm import DeferredBatchNorm
 from hybridpar.tensor_parallel.attrs import register_partial_grad
 from hybridpar.tensor_parallel.feature.dense import TPDense
 from hybridpar.tensor_parallel.feature.wrapper import ModelParallelismWrapper

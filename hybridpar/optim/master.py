@@ -10,7 +10,7 @@ rank keeps masters and optimizer state of its own only, and each rank then broad
 weights it updated, in place, overlapped with the next step's forwards when given the module
 (`optim.update_broadcast`). A float32 (or float64) weight is its own master (no copy): so
 `MasterWeights` is also the fp32 optimizer of ``zero = 2``, whose gradients only the owner
-holds (`pipeline.grad_shards`):
+holds (`pipeline.parameters.grad_shards`):
 
     per parameter (AdamW)    weight   float32 gradient   master + exp_avg + exp_avg_sq
     bf16, zero 0             2        4                  4 + 4 + 4 on every rank

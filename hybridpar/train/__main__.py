@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     request = None
     if args.trace or args.trace_step is not None:
-        from hybridpar.pipeline.trace_report import request_trace
+        from hybridpar.pipeline.tracing.trace_report import request_trace
 
         request = request_trace(run_dir / "trace", step=args.trace_step)
     try:

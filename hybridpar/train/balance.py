@@ -18,7 +18,7 @@ from hybridpar.balance import (
     stage_table,
 )
 from hybridpar.files import atomic_write_text
-from hybridpar.pipeline.layout import Layout
+from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.train.config import load_config
 from hybridpar.train.data import make_batches
 from hybridpar.train.model_build import build_model

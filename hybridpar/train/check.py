@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridpar.pipeline.checkpoint import layer_stride
+from hybridpar.pipeline.activations.checkpoint import layer_stride
 from hybridpar.train.check_failure import CheckError
 from hybridpar.train.check_memory import CheckReport, RankReport
 from hybridpar.train.check_ranks import DryRun

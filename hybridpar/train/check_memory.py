@@ -42,7 +42,8 @@ large model (activations and gradients are not all alive at once), below it for 
 (temporaries). What it cannot see: the allocator's cache and fragmentation, the CUDA context,
 NCCL's buffers, workspaces of kernels (docs/check.md).
 
-Activations (`pipeline.kept.SavedActivations`): every tensor autograd saves during the step is
+Activations (`pipeline.activations.kept.SavedActivations`): every tensor autograd saves during the
+step is
 keyed by its storage (a view and its base count once, parameters and buffers not at all); a
 new one counts the storages still alive, and the largest sum is the peak. Checkpointed micro-batches
 save nothing in their first forward (no grad) and everything again while recomputed, so the
@@ -67,8 +68,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hybridpar.optim import optimizer_state_tensors
-from hybridpar.pipeline.kept import StorageSum, storage_key
-from hybridpar.pipeline.partition import layer_spans
+from hybridpar.pipeline.activations.kept import StorageSum, storage_key
+from hybridpar.pipeline.parameters.partition import layer_spans
 
 __all__ = [
     "COLLECTIVES",
@@ -158,7 +159,7 @@ def held_bytes(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, i
 
 
 def _buckets(pipe: nn.Module) -> Any:
-    """The pipe's `pipeline.reduce.GradBuckets`."""
+    """The pipe's `pipeline.parameters.reduce.GradBuckets`."""
     return getattr(pipe, "_dp_buckets", None)
 
 

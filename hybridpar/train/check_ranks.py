@@ -42,9 +42,9 @@ from torch import Tensor, nn
 from hybridpar import comm
 from hybridpar.device import pinned, standing_in
 from hybridpar.pipe import HybridPipe
-from hybridpar.pipeline.kept import SavedActivations
-from hybridpar.pipeline.layout import Layout
-from hybridpar.pipeline.microbatch import signature, split_batch
+from hybridpar.pipeline.activations.kept import SavedActivations
+from hybridpar.pipeline.runtime.microbatch import signature, split_batch
+from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.topology import ParallelDims, Topology, using
 from hybridpar.train.check_failure import CheckError, LayerStack, failure
 from hybridpar.train.check_fake_gpu import FakeCuda, FakeFunctions, clear_cast_cache, fake_gpu
@@ -78,7 +78,7 @@ class DryRun:
         self.cuda = FakeCuda()   # the CUDA runtime of the GPU branches (--device cuda)
 
     def all_ranks(self) -> CheckReport:
-        from hybridpar.pipeline.replay import NCCLOrderError, replay
+        from hybridpar.pipeline.schedules.replay import NCCLOrderError, replay
         from hybridpar.train.data import make_batches
 
         if dist.is_initialized():
@@ -333,7 +333,7 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
         args.update(tp=par.tp, group=topo.tp_group)
     module, _ = build(config.model.name, **args)
     if par.tp_plan is not None:   # as HybridPipe applies it ("hf" included)
-        from hybridpar.pipeline.build import apply_plan
+        from hybridpar.pipeline.parameters.build import apply_plan
 
         module, _ = apply_plan(module, par.tp_plan, group=topo.tp_group)
     stages = Layout.of(par.schedule, par.pp, par.virtual_stages).stages

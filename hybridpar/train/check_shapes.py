@@ -21,9 +21,9 @@ from torch import Tensor
 
 from hybridpar import comm
 from hybridpar.pipe import HybridPipe
-from hybridpar.pipeline.layout import Layout
-from hybridpar.pipeline.lowering import FWD, SKIP
-from hybridpar.pipeline.microbatch import signature
+from hybridpar.pipeline.runtime.microbatch import signature
+from hybridpar.pipeline.schedules.layout import Layout
+from hybridpar.pipeline.schedules.lowering import FWD, SKIP
 from hybridpar.topology import Topology
 
 __all__ = ["ShapePass"]
@@ -104,7 +104,7 @@ def _sends(pipe: HybridPipe, s: int, first_input: Any, received: dict[SpecKey, A
     """{(channel, peer stage): spec} of the messages stage `s` sends for micro-batch `i`."""
     from torchgpipe.skip.tracker import use_skip_tracker
 
-    from hybridpar.pipeline.skip import StageSkipTracker
+    from hybridpar.pipeline.runtime.skip import StageSkipTracker
 
     skip_in, skip_out = pipe.skips_of(s)
     tp = pipe.topology.tp

@@ -36,7 +36,7 @@ from hybridpar.balance import BALANCERS
 from hybridpar.files import atomic_write_text
 from hybridpar.models.registry import builder
 from hybridpar.packing import PACKS
-from hybridpar.pipeline.layout import NAMES as SCHEDULES
+from hybridpar.pipeline.schedules.layout import NAMES as SCHEDULES
 from hybridpar.precision import PARAM_DTYPES
 from hybridpar.train.config_check import check_layout
 
@@ -92,7 +92,8 @@ class ParallelConfig:
     schedule: str = "gpipe"       # the order of the steps (docs/schedules.md)
     virtual_stages: int | None = None   # stages per rank: interleaved (default 2), zbv (2)
     checkpoint: str = "except_last"   # "always" | "except_last" | "never" (whole stages, per
-    # micro-batch) | "layers" | "layers:K" (each / every K-th layer, `pipeline.layer_checkpoint`)
+    # micro-batch) | "layers" | "layers:K" (each / every K-th layer,
+    # `pipeline.activations.layer_checkpoint`)
     # | "selective" (the attention core, `hybridpar.recompute`)
     balance: list[int] | str = "params"   # layers per stage, or "time" | "size" | ...
     tp_plan: dict[str, str | list[int]] | str | None = None   # None: the model's own tp
@@ -114,7 +115,8 @@ class ParallelConfig:
     zero: int = 0                 # 0: every dp replica holds the optimizer state; 1: each holds
     # the state of 1 / dp of the parameters, and broadcasts them after its update (ZeRO-1,
     # `hybridpar.optim.zero`: AdamW 16 -> 8 + 8 / dp bytes per parameter in fp32); 2: and
-    # only their gradients, reduced to it each micro-batch (`pipeline.grad_shards`: 4 + 12 / dp)
+    # only their gradients, reduced to it each micro-batch (`pipeline.parameters.grad_shards`: 4 +
+    # 12 / dp)
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from hybridpar.models.gpt import check_gpt_config
 from hybridpar.models.packing import pack_problem
 from hybridpar.models.registry import build, builder, has_synthetic_data, is_zoo, takes_tokens
 from hybridpar.optim.zero import ZERO_LEVELS
-from hybridpar.pipeline.checkpoint import check_checkpoint
-from hybridpar.pipeline.layout import Layout
-from hybridpar.pipeline.partition import balance_problem
+from hybridpar.pipeline.activations.checkpoint import check_checkpoint
+from hybridpar.pipeline.parameters.partition import balance_problem
+from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.tensor_parallel.hf_plan import HF_STYLES
 from hybridpar.tensor_parallel.plan import DENSE_STYLES, STYLES
 from hybridpar.tensor_parallel.plan_styles import REPLICATED

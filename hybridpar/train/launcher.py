@@ -118,7 +118,7 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
 
     The config is loaded and checked here first, so a bad one fails in one line before any
     worker starts (raises `ConfigError`). `trace` / `trace_step`: trace the last / that step
-    into RUN_DIR/trace (`hybridpar.pipeline.trace_report`).
+    into RUN_DIR/trace (`hybridpar.pipeline.tracing.trace_report`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hybridpar.pipeline.plan import from_schedule
-from hybridpar.pipeline.planned import PLANS, get_plan
-from hybridpar.pipeline.schedule import one_f_one_b
-from hybridpar.pipeline.simulate import render_timing, simulate_plan
+from hybridpar.pipeline.schedules.plan import from_schedule
+from hybridpar.pipeline.schedules.planned import PLANS, get_plan
+from hybridpar.pipeline.schedules.schedule import one_f_one_b
+from hybridpar.pipeline.schedules.simulate import render_timing, simulate_plan
 
 __all__ = ["add_parser", "main"]
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from hybridpar.pipeline.partition import layer_spans
+from hybridpar.pipeline.parameters.partition import layer_spans
 from hybridpar.tensor_parallel.attrs import get_parallel_dim, tensor_shard_dim
 from hybridpar.tensor_parallel.fused import fused_parts
 from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_range

@@ -38,9 +38,9 @@ from hybridpar.models import generate
 from hybridpar.models.registry import takes_tokens
 from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters, pipe_optimizer
 from hybridpar.pipe import HybridPipe
-from hybridpar.pipeline.layout import Layout
-from hybridpar.pipeline.replicas import ReplicaMismatchError
-from hybridpar.pipeline.trace_report import TraceRequest, traced_step
+from hybridpar.pipeline.parameters.replicas import ReplicaMismatchError
+from hybridpar.pipeline.schedules.layout import Layout
+from hybridpar.pipeline.tracing.trace_report import TraceRequest, traced_step
 from hybridpar.precision import PARAM_DTYPES, check_dtype_runs
 from hybridpar.tensor_parallel.random import (
     get_rng_state_all,

@@ -5,7 +5,7 @@ Every tensor autograd saves during a training step passes through
 many nodes save it; parameters and buffers excluded) until the graph lets it go, and the peak
 of the live total is the stage's activation memory. The formula: A_s (the bytes one
 micro-batch saves on stage s, measured alone) times the live micro-batches of the schedule,
-`hybridpar.pipeline.schedule.live_microbatches`:
+`hybridpar.pipeline.schedules.schedule.live_microbatches`:
 
     schedule  never          always   except_last
     GPipe     m              1        1
@@ -25,8 +25,8 @@ from torch import Tensor
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.pipeline.checkpoint import is_checkpointed
-from hybridpar.pipeline.schedule import get_schedule, live_microbatches
+from hybridpar.pipeline.activations.checkpoint import is_checkpointed
+from hybridpar.pipeline.schedules.schedule import get_schedule, live_microbatches
 
 from .common import load, markdown_table
 

@@ -41,9 +41,9 @@ import torch
 from torch import Tensor, nn
 
 import hybridpar
-from hybridpar.pipeline.plan import looped, vshape
-from hybridpar.pipeline.planned import get_plan
-from hybridpar.pipeline.simulate import simulate_plan
+from hybridpar.pipeline.schedules.plan import looped, vshape
+from hybridpar.pipeline.schedules.planned import get_plan
+from hybridpar.pipeline.schedules.simulate import simulate_plan
 
 from .common import fmt, load, markdown_table
 from .zero_bubble import HIDDEN, ROWS, SEQ, SleepStage, _loss, timed_sleeps

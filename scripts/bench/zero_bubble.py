@@ -21,7 +21,7 @@ weight gradient; the work per micro-batch and stage is T_F + T_B + T_W in both, 
 the first stage, whose input gradient neither computes (T_F + T_W there).
 
 The bound of each schedule is the timed simulator's makespan of its order with the sleeps
-(`pipeline.simulate.simulate_plan`), with the sleeps as they lasted (``time.sleep``
+(`pipeline.schedules.simulate.simulate_plan`), with the sleeps as they lasted (``time.sleep``
 overshoots on a busy machine) in the "slept" column. Peers in the same run: torch's
 ``Schedule1F1B`` and ``ScheduleInterleavedZeroBubble`` with one stage per rank (its
 zero-bubble order for v = 1).
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import hybridpar
-from hybridpar.pipeline.planned import get_plan
-from hybridpar.pipeline.simulate import simulate_plan
+from hybridpar.pipeline.schedules.planned import get_plan
+from hybridpar.pipeline.schedules.simulate import simulate_plan
 
 from .common import fmt, load, markdown_table, timed_round_robin
 
