@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import hybridpar
-from hybridpar.tensor_parallel.plan import plan_decisions
+from hybridpar.tensor_parallel.plans.plan import plan_decisions
 from hybridpar.tensor_parallel.state import gather_full
 
 

@@ -13,6 +13,7 @@ from hybridpar.tensor_parallel.attrs import (
     register_parallel_attribute,
     register_parallel_dim,
 )
+from hybridpar.tensor_parallel.plans.strategy import shard
 from hybridpar.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
 from hybridpar.tensor_parallel.state import (
     collect_state_dict,
@@ -20,7 +21,6 @@ from hybridpar.tensor_parallel.state import (
     relocate_state_dict,
     slice,
 )
-from hybridpar.tensor_parallel.strategy import shard
 from hybridpar.topology import ParallelDims, Topology, current_topology, init, shutdown
 
 __version__ = "0.1.0"

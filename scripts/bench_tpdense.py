@@ -36,7 +36,12 @@ from bench.common import cpu_name  # scripts/ is on sys.path when run as a scrip
 
 import hybridpar
 from hybridpar.nn import TPDense
-from hybridpar.tensor_parallel.ring import gather_chains, ring_pass, ring_reduce, scatter_chains
+from hybridpar.tensor_parallel.feature.ring import (
+    gather_chains,
+    ring_pass,
+    ring_reduce,
+    scatter_chains,
+)
 
 
 def _timed(steps: dict[str, Callable[[], None]], *, repeats: int, iters: int,

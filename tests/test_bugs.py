@@ -201,9 +201,9 @@ def test_qwen3_head_norms_on_sharded_heads_have_their_gradients_summed_over_tp()
     from hf_models import tiny
 
     from hybridpar.hf import to_sequential
-    from hybridpar.tensor_parallel.hf_plan import HF_STYLES
-    from hybridpar.tensor_parallel.layer_graph import Layers
-    from hybridpar.tensor_parallel.plan_flow import resolve_auto
+    from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES
+    from hybridpar.tensor_parallel.plans.layer_graph import Layers
+    from hybridpar.tensor_parallel.plans.plan_flow import resolve_auto
 
     model = to_sequential(tiny("qwen3"))
     *_, partial = resolve_auto(model, Layers(model), 2, None)

@@ -20,7 +20,7 @@ from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_
 from hybridpar.tensor_parallel.fused import fused_gather_full, fused_parts
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
 from hybridpar.tensor_parallel.mappings import gather_from_group
-from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
+from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
 from hybridpar.tensor_parallel.state import gather_full
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need "

@@ -29,8 +29,8 @@ from hybridpar.tensor_parallel import (
     async_scatter_split,
 )
 from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.tensor_parallel.feature.ring import gather_order, ring_pass
 from hybridpar.tensor_parallel.mappings import shard_range
-from hybridpar.tensor_parallel.ring import gather_order, ring_pass
 from hybridpar.tensor_parallel.state import collect_state_dict
 
 F64 = torch.float64

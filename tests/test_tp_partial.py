@@ -15,8 +15,8 @@ from torch import nn
 import hybridpar
 from hybridpar.nn import ParallelLinear, register_partial_grad
 from hybridpar.pipeline.parameters.replicas import ReplicaMismatchError
-from hybridpar.tensor_parallel.layer_graph import Layers
-from hybridpar.tensor_parallel.plan_flow import resolve_auto
+from hybridpar.tensor_parallel.plans.layer_graph import Layers
+from hybridpar.tensor_parallel.plans.plan_flow import resolve_auto
 
 from pipe_harness import attempt, checked_step
 

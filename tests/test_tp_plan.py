@@ -18,7 +18,7 @@ from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
 from hybridpar.tensor_parallel.mappings import gather_from_group
-from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
+from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.tensor_parallel.state import gather_full
 

@@ -9,7 +9,7 @@
 
 Each ``*`` (one layer index) is expanded over the blocks and mapped with `key_map`, so the
 result is a dict of exact names that ``HybridPipe(..., tp_plan=...)`` takes as it is (the
-styles are Hugging Face's: `tensor_parallel.hf_plan`); ``HybridPipe(..., tp_plan="hf")``
+styles are Hugging Face's: `tensor_parallel.plans.hf_plan`); ``HybridPipe(..., tp_plan="hf")``
 calls it. A model without a plan (GPT-2 has none) gives a `ValueError`: use
 ``tp_plan="auto"``.
 """

@@ -1,4 +1,14 @@
-"""Tensor parallelism: sharded layers, their communication, loss, RNG, plans and state dicts."""
+"""Tensor parallelism, in rooms:
+
+    room       owns                                                       imports
+    (here)     sharded layers (Linear, Conv1D, Embedding), their          the leaf modules
+               collectives (mappings), parallel-dim tags (attrs), the
+               vocab-parallel loss, dropout RNG, sliced init, state dicts
+    feature    TPDense and the ring-overlapped gather / scatter           (here)
+    plans      which layers to shard: styles, "auto", strategies, hooks   (here), feature
+
+Never the pipeline: `hybridpar.pipe` and `pipeline.parameters` apply plans to a stage.
+"""
 
 from hybridpar.tensor_parallel.feature import (
     ModelParallelismWrapper,

@@ -26,10 +26,10 @@ from hybridpar.optim.zero import ZERO_LEVELS
 from hybridpar.pipeline.activations.checkpoint import check_checkpoint
 from hybridpar.pipeline.parameters.partition import balance_problem
 from hybridpar.pipeline.schedules.layout import Layout
-from hybridpar.tensor_parallel.hf_plan import HF_STYLES
-from hybridpar.tensor_parallel.plan import DENSE_STYLES, STYLES
-from hybridpar.tensor_parallel.plan_styles import REPLICATED
-from hybridpar.tensor_parallel.strategy import strategy_problem
+from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES
+from hybridpar.tensor_parallel.plans.plan import DENSE_STYLES, STYLES
+from hybridpar.tensor_parallel.plans.plan_styles import REPLICATED
+from hybridpar.tensor_parallel.plans.strategy import strategy_problem
 from hybridpar.train.builder_check import MetaBuildError, build_checked
 
 if TYPE_CHECKING:   # config.py calls check_layout: the types only, not a cycle at run time

@@ -74,11 +74,11 @@ def apply_plan(module: nn.Sequential, tp_plan: Any, *, group: ProcessGroup | Non
     the plan's decisions; without a plan, `module` as it is and no decisions.
 
     ``tp_plan="hf"`` is the Hugging Face model's own plan (`hf_plan`); None, "auto" and dicts
-    go to `tensor_parallel.plan.apply_tp_plan` as they are.
+    go to `tensor_parallel.plans.plan.apply_tp_plan` as they are.
     """
     if tp_plan is None:
         return module, []
-    from hybridpar.tensor_parallel.plan import apply_tp_plan, plan_decisions
+    from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
 
     if isinstance(tp_plan, str) and tp_plan == "hf":
         tp_plan = hf_plan(module)

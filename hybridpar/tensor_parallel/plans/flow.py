@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.tensor_parallel.attrs import PARALLEL_DIM_ATTR
-from hybridpar.tensor_parallel.flow_ops import (
+from hybridpar.tensor_parallel.plans.flow_ops import (
     Abort,
     FullTrace,
     Run,

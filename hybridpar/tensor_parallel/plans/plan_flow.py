@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from hybridpar.tensor_parallel.flow import (
+from hybridpar.tensor_parallel.plans.flow import (
     FullTrace,
     Pairing,
     TraceFailed,
@@ -29,8 +29,8 @@ from hybridpar.tensor_parallel.flow import (
     sample_input,
     trace_full,
 )
-from hybridpar.tensor_parallel.layer_graph import Layers, is_elementwise
-from hybridpar.tensor_parallel.plan_styles import indivisible
+from hybridpar.tensor_parallel.plans.layer_graph import Layers, is_elementwise
+from hybridpar.tensor_parallel.plans.plan_styles import indivisible
 
 __all__ = ["LOGITS_NOTE", "SAMPLE", "HeadChange", "Partial", "explicit_flow", "heads_error",
            "resolve_auto", "trace_model"]

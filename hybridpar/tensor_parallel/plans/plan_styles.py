@@ -24,9 +24,9 @@ from typing import Any, cast
 
 from torch import nn
 
-from hybridpar.tensor_parallel.flow_ops import is_conv1d, linear_sizes
-from hybridpar.tensor_parallel.hf_plan import HF_STYLES, match_hf_key
-from hybridpar.tensor_parallel.layer_graph import Layers
+from hybridpar.tensor_parallel.plans.flow_ops import is_conv1d, linear_sizes
+from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES, match_hf_key
+from hybridpar.tensor_parallel.plans.layer_graph import Layers
 
 __all__ = ["COLUMNS", "DENSE_MODES", "DENSE_STYLES", "REPLICATED", "STYLES", "STYLE_HELP",
            "indivisible",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridpar.tensor_parallel.flow_ops import is_conv1d
 from hybridpar.tensor_parallel.layers import RegisterParallelDim
+from hybridpar.tensor_parallel.plans.flow_ops import is_conv1d
 
 __all__ = ["DECISIONS_ATTR", "ELEMENTWISE", "Layers", "is_elementwise"]
 

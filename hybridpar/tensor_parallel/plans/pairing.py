@@ -42,10 +42,15 @@ from torch.distributed import ProcessGroup
 from hybridpar.tensor_parallel.base import ParallelLayer
 from hybridpar.tensor_parallel.embedding import ParallelEmbedding
 from hybridpar.tensor_parallel.feature.dense import TPDense
-from hybridpar.tensor_parallel.flow_ops import is_conv1d
-from hybridpar.tensor_parallel.hooks import GatherOutput, KeepTag, TagNarrowInput, TagShardedInput
-from hybridpar.tensor_parallel.layer_graph import ELEMENTWISE
 from hybridpar.tensor_parallel.layers import ParallelConv1D, ParallelLinear, RegisterParallelDim
+from hybridpar.tensor_parallel.plans.flow_ops import is_conv1d
+from hybridpar.tensor_parallel.plans.hooks import (
+    GatherOutput,
+    KeepTag,
+    TagNarrowInput,
+    TagShardedInput,
+)
+from hybridpar.tensor_parallel.plans.layer_graph import ELEMENTWISE
 from hybridpar.tensor_parallel.random import ParallelDropout, as_parallel_dropout
 
 __all__ = ["RUN_ORDER", "SIBLINGS", "Link", "LinkRules", "convert_layer", "gather_unlinked",

@@ -99,17 +99,17 @@ from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import register_partial_grad
 from hybridpar.tensor_parallel.feature.dense import TPDense
-from hybridpar.tensor_parallel.flow import is_conv1d
-from hybridpar.tensor_parallel.hf_plan import split_plan
-from hybridpar.tensor_parallel.hooks import (
+from hybridpar.tensor_parallel.mappings import group_size
+from hybridpar.tensor_parallel.plans.flow import is_conv1d
+from hybridpar.tensor_parallel.plans.hf_plan import split_plan
+from hybridpar.tensor_parallel.plans.hooks import (
     ExpectShardedOutput,
     GatherOutput,
     RefuseLabels,
     SplitFullInput,
 )
-from hybridpar.tensor_parallel.layer_graph import DECISIONS_ATTR, Layers
-from hybridpar.tensor_parallel.mappings import group_size
-from hybridpar.tensor_parallel.pairing import (
+from hybridpar.tensor_parallel.plans.layer_graph import DECISIONS_ATTR, Layers
+from hybridpar.tensor_parallel.plans.pairing import (
     RUN_ORDER,
     SIBLINGS,
     Link,
@@ -117,7 +117,7 @@ from hybridpar.tensor_parallel.pairing import (
     gather_unlinked,
     link_shards,
 )
-from hybridpar.tensor_parallel.plan_flow import (
+from hybridpar.tensor_parallel.plans.plan_flow import (
     LOGITS_NOTE,
     SAMPLE,
     HeadChange,
@@ -125,7 +125,7 @@ from hybridpar.tensor_parallel.plan_flow import (
     explicit_flow,
     resolve_auto,
 )
-from hybridpar.tensor_parallel.plan_styles import (
+from hybridpar.tensor_parallel.plans.plan_styles import (
     DENSE_MODES,
     DENSE_STYLES,
     REPLICATED,
@@ -136,7 +136,11 @@ from hybridpar.tensor_parallel.plan_styles import (
     resolve_hf,
     tie_group,
 )
-from hybridpar.tensor_parallel.strategy import StrategyPlan, apply_strategies, prepare_strategies
+from hybridpar.tensor_parallel.plans.strategy import (
+    StrategyPlan,
+    apply_strategies,
+    prepare_strategies,
+)
 from hybridpar.topology import default_tp_group
 
 __all__ = ["DENSE_STYLES", "STYLES", "apply_tp_plan", "plan_decisions"]

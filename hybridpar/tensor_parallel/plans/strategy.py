@@ -46,10 +46,10 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.tensor_parallel.attrs import register_parallel_dim
-from hybridpar.tensor_parallel.layer_graph import DECISIONS_ATTR, Layers
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
 from hybridpar.tensor_parallel.mappings import gather_from_group, group_size
-from hybridpar.tensor_parallel.pairing import (
+from hybridpar.tensor_parallel.plans.layer_graph import DECISIONS_ATTR, Layers
+from hybridpar.tensor_parallel.plans.pairing import (
     RUN_ORDER,
     convert_layer,
     gather_unlinked,
