@@ -8,7 +8,7 @@ from hybridpar.comm import comm_stats, reset_comm_stats
 from hybridpar.launch import SpawnError, SpawnTimeout, spawn
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.runtime.executor import PipelineError, current_microbatch
-from hybridpar.tensor_parallel.attrs import (
+from hybridpar.sharded.attrs import (
     get_parallel_dim,
     register_parallel_attribute,
     register_parallel_dim,

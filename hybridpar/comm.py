@@ -71,8 +71,8 @@ from hybridpar.p2p_spec import (
     spec_of,
 )
 from hybridpar.pipeline.schedules.replay import P2POp
-from hybridpar.tensor_parallel.attrs import register_parallel_dim
-from hybridpar.tensor_parallel.mappings import (
+from hybridpar.sharded.attrs import register_parallel_dim
+from hybridpar.sharded.mappings import (
     all_gather_along,
     group_rank,
     group_size,

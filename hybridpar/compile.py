@@ -30,7 +30,7 @@ Where a block's graph breaks (dynamo runs that call eager and compiles the code 
 in one frame per piece: ``nested_graph_breaks`` while a block runs):
 
     inside a block                 why it breaks                   what is compiled
-    tp collectives                 `tensor_parallel.mappings`      the code between the
+    tp collectives                 `sharded.mappings`      the code between the
     (`copy_to_group`, ...)         counts each collective on the   collectives (a gpt Block
                                    host (`hybridpar.comm_stats`)   at tp=2: 6 frames)
     split linears (ZB-H1, ZBV)     `pipeline.activations.          norms, attention, GELU,

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from hybridpar.p2p_spec import HEADER_LEN, TensorSpec
-from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_range
+from hybridpar.sharded.mappings import group_rank, group_size, shard_range
 
 __all__ = [
     "MAGIC",

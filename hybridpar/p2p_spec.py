@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim
 
 __all__ = [
     "ABSENT",

@@ -72,12 +72,12 @@ from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.pipeline.schedules.lowering import lower
 from hybridpar.pipeline.schedules.schedule import FORWARD
 from hybridpar.precision import cast_parameters, check_dtype_runs, set_grad
-from hybridpar.tensor_parallel import random as tp_random
-from hybridpar.tensor_parallel.attrs import (
+from hybridpar.sharded.attrs import (
     get_parallel_dim,
     has_partial_grad,
     register_partial_grad,
 )
+from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.topology import Topology, current_topology
 
 if TYPE_CHECKING:

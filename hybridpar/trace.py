@@ -15,7 +15,7 @@ Two independent tools, both leaves that import nothing else of hybridpar:
       reduce          the tensor reduced to one rank (zero 2's gradients)  one per collective
       broadcast       the tensor broadcast                                 one per collective
 
-  Counted where they happen: `comm` (P2P), `tensor_parallel.mappings` and `.loss` (tp
+  Counted where they happen: `comm` (P2P), `sharded.mappings` and `.loss` (tp
   collectives, the vocab-parallel loss's all-reduces of b·s scalars included),
   `pipeline.parameters.reduce` (dp buckets), `pipeline.parameters.tied` (tied gradients),
   `pipeline.runtime.loss` (the

@@ -44,7 +44,7 @@ from bench.common import cpu_name, fmt, load, markdown_table, spread, write_json
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.random import model_parallel_manual_seed
 
 PHASES = ("step", "check", "update")

@@ -18,7 +18,7 @@ import hybridpar
 from hybridpar.agreement import _device_type, fail_together
 from hybridpar.pipeline.activations.checkpoint import RNGReplay
 from hybridpar.pipeline.parameters.clip import clip_grad_norm_, local_square_sum
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim, register_parallel_dim
 from hybridpar.tensor_parallel.random import get_rng_state_all, set_rng_state_all
 from hybridpar.topology import ParallelDims, Topology
 

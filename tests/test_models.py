@@ -29,8 +29,8 @@ from hybridpar.models import (
     unet,
 )
 from hybridpar.models.gpt import Block, Embeddings, Head
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
-from hybridpar.tensor_parallel.mappings import all_gather_along
+from hybridpar.sharded.attrs import get_parallel_dim
+from hybridpar.sharded.mappings import all_gather_along
 from hybridpar.tensor_parallel.state import shard_of
 
 SMALL_GPT = {"vocab_size": 64, "block_size": 8, "n_layer": 2, "n_head": 4, "n_embd": 32}

@@ -21,7 +21,7 @@ from test_pipe_tp import BATCH, SMALL, _batches, assert_like_one_device
 import hybridpar
 from hybridpar.models import gpt, gpt_loss
 from hybridpar.models.gpt import Block
-from hybridpar.tensor_parallel.attrs import SEQUENCE, get_parallel_dim
+from hybridpar.sharded.attrs import SEQUENCE, get_parallel_dim
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def _one_block(sequence_parallel):
     x = torch.randn(B, T, C)
     if sequence_parallel:
         x = x.narrow(1, topo.tp_rank * T // 2, T // 2).clone()
-        from hybridpar.tensor_parallel.attrs import register_parallel_dim
+        from hybridpar.sharded.attrs import register_parallel_dim
         register_parallel_dim(x, SEQUENCE)
     x.requires_grad_()
     saved = [0]

@@ -44,7 +44,7 @@ from test_pipe_tp import _reference as tp_reference
 import hybridpar
 from hybridpar.compat import is_fake_device_mismatch
 from hybridpar.pipeline.schedules import replay as nccl
-from hybridpar.tensor_parallel.mappings import all_gather_along, reduce_scatter_along
+from hybridpar.sharded.mappings import all_gather_along, reduce_scatter_along
 
 from pipe_harness import data, mlp, pipe_worker, reference
 

@@ -16,10 +16,10 @@ import torch
 from spawn_cases import spawn_cases
 
 import hybridpar
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.sharded.mappings import gather_from_group
 from hybridpar.tensor_parallel.fused import fused_gather_full, fused_parts
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
-from hybridpar.tensor_parallel.mappings import gather_from_group
 from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
 from hybridpar.tensor_parallel.state import gather_full
 

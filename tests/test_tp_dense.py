@@ -21,6 +21,8 @@ import hybridpar
 from hybridpar import topology
 from hybridpar.nn import ModelParallelismWrapper, TPDense
 from hybridpar.nn.init import scale_init, shard_init_helper_
+from hybridpar.sharded.attrs import get_parallel_dim
+from hybridpar.sharded.mappings import shard_range
 from hybridpar.tensor_parallel import (
     async_gather,
     async_gather_bidirectional,
@@ -28,9 +30,7 @@ from hybridpar.tensor_parallel import (
     async_scatter,
     async_scatter_split,
 )
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.feature.ring import gather_order, ring_pass
-from hybridpar.tensor_parallel.mappings import shard_range
 from hybridpar.tensor_parallel.state import collect_state_dict
 
 F64 = torch.float64

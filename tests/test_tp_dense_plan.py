@@ -17,7 +17,7 @@ from torch import nn
 
 import hybridpar
 from hybridpar.nn import ParallelDropout, ParallelLinear, TPDense
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
 from hybridpar.tensor_parallel.state import collect_state_dict, gather_full, relocate_state_dict
 from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint

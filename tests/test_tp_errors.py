@@ -5,7 +5,7 @@ import torch
 
 import hybridpar
 from hybridpar import topology
-from hybridpar.tensor_parallel.attrs import register_parallel_dim
+from hybridpar.sharded.attrs import register_parallel_dim
 from hybridpar.tensor_parallel.functional import parallel_embedding, parallel_linear
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.state import relocate_state_dict, slice

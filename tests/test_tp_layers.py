@@ -13,16 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridpar
-from hybridpar.tensor_parallel.attrs import (
+from hybridpar.sharded.attrs import (
     get_order_type,
     get_parallel_dim,
     register_parallel_dim,
     tensor_shard_dim,
 )
+from hybridpar.sharded.mappings import shard_range
 from hybridpar.tensor_parallel.functional import parallel_embedding, parallel_linear
 from hybridpar.tensor_parallel.init import shard_init_helper_
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
-from hybridpar.tensor_parallel.mappings import shard_range
 from hybridpar.tensor_parallel.state import full_shape, slice
 
 F64 = torch.float64

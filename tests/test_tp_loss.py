@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridpar
-from hybridpar.tensor_parallel import attrs, mappings
+from hybridpar.sharded import attrs, mappings
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss, parallel_cross_entropy
 
 TOL = 1e-6

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridpar
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim
+from hybridpar.sharded.mappings import gather_from_group
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
-from hybridpar.tensor_parallel.mappings import gather_from_group
 from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.tensor_parallel.state import gather_full

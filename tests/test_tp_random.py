@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridpar
-from hybridpar.tensor_parallel import attrs, mappings
+from hybridpar.sharded import attrs, mappings
 from hybridpar.tensor_parallel.random import (
     MODEL_PARALLEL_RNG,
     ParallelDropout,

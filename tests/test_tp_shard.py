@@ -19,7 +19,7 @@ from torch import nn
 import hybridpar
 from hybridpar.models import mlp as mlp_model
 from hybridpar.nn import ParallelDropout, ParallelEmbedding, ParallelLinear
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
 from hybridpar.tensor_parallel.state import gather_full
 from hybridpar.train import ConfigError, load_config

@@ -13,7 +13,7 @@ from hybridpar.agreement import fail_together
 from hybridpar.balance import BALANCERS, balance_by
 from hybridpar.broadcast import broadcast_tensors
 from hybridpar.pipeline.runtime.microbatch import TensorOrTensors
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim
 from hybridpar.topology import Topology
 
 __all__ = ["choose_balance"]

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridpar.packing import document_segments, split_positions
-from hybridpar.tensor_parallel.attrs import SEQUENCE, get_parallel_dim, register_parallel_dim
+from hybridpar.sharded.attrs import SEQUENCE, get_parallel_dim, register_parallel_dim
 
 __all__ = ["DecoderBlock", "TokenPositionEmbedding"]
 

@@ -38,19 +38,19 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.hf.blocks import DecoderBlock, TokenPositionEmbedding
-from hybridpar.tensor_parallel.attrs import (
+from hybridpar.sharded.attrs import (
     SEQUENCE,
     get_parallel_dim,
     register_parallel_dim,
     register_partial_grad,
 )
-from hybridpar.tensor_parallel.embedding import ParallelEmbedding
-from hybridpar.tensor_parallel.layers import ParallelConv1D, ParallelLinear
-from hybridpar.tensor_parallel.mappings import (
+from hybridpar.sharded.mappings import (
     gather_from_group,
     gather_grad_scatter,
     scatter_to_group,
 )
+from hybridpar.tensor_parallel.embedding import ParallelEmbedding
+from hybridpar.tensor_parallel.layers import ParallelConv1D, ParallelLinear
 from hybridpar.tensor_parallel.random import as_parallel_dropout
 
 __all__ = ["sequence_parallel"]

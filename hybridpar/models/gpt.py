@@ -44,16 +44,13 @@ from torch.distributed import ProcessGroup
 from hybridpar.keyed import keyed
 from hybridpar.packing import document_mask, split_positions
 from hybridpar.recompute import recompute_core
-from hybridpar.tensor_parallel.attrs import (
+from hybridpar.sharded.attrs import (
     SEQUENCE,
     get_parallel_dim,
     register_parallel_dim,
     register_partial_grad,
 )
-from hybridpar.tensor_parallel.functional import parallel_embedding
-from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
-from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
-from hybridpar.tensor_parallel.mappings import (
+from hybridpar.sharded.mappings import (
     all_gather_along,
     copy_to_group,
     gather_grad_scatter,
@@ -62,6 +59,9 @@ from hybridpar.tensor_parallel.mappings import (
     reduce_scatter_group,
     shard_range,
 )
+from hybridpar.tensor_parallel.functional import parallel_embedding
+from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim
+from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.topology import default_tp_group
 

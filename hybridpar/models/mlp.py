@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.keyed import keyed
+from hybridpar.sharded.mappings import group_size
 from hybridpar.tensor_parallel.layers import ParallelLinear, RegisterParallelDim
-from hybridpar.tensor_parallel.mappings import group_size
 from hybridpar.tensor_parallel.random import ParallelDropout
 from hybridpar.topology import default_tp_group
 

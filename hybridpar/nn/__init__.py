@@ -2,7 +2,7 @@
 
 from hybridpar.nn import functional, init
 from hybridpar.pipeline.runtime.batchnorm import DeferredBatchNorm
-from hybridpar.tensor_parallel.attrs import register_partial_grad
+from hybridpar.sharded.attrs import register_partial_grad
 from hybridpar.tensor_parallel.feature.dense import TPDense
 from hybridpar.tensor_parallel.feature.wrapper import ModelParallelismWrapper
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear, RegisterParallelDim

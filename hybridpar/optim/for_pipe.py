@@ -29,7 +29,7 @@ from torch import nn
 from hybridpar.optim.master import MasterWeights, deal
 from hybridpar.optim.zero import ZERO_LEVELS, check_shardable, zero_optimizer
 from hybridpar.precision import has_main_grad
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim
 
 if TYPE_CHECKING:
     from hybridpar.pipe import HybridPipe

@@ -1,9 +1,9 @@
 """Tensor parallelism, in rooms:
 
     room       owns                                                       imports
-    (here)     sharded layers (Linear, Conv1D, Embedding), their          the leaf modules
-               collectives (mappings), parallel-dim tags (attrs), the
-               vocab-parallel loss, dropout RNG, sliced init, state dicts
+    (here)     sharded layers (Linear, Conv1D, Embedding), the            `hybridpar.sharded`
+               vocab-parallel loss, dropout RNG, sliced init, state dicts (tags, collectives),
+                                                                          the leaf modules
     feature    TPDense and the ring-overlapped gather / scatter           (here)
     plans      which layers to shard: styles, "auto", strategies, hooks   (here), feature
 

@@ -8,8 +8,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from hybridpar.sharded.mappings import group_rank, group_size
 from hybridpar.tensor_parallel.functional import check_parallel_dim
-from hybridpar.tensor_parallel.mappings import group_rank, group_size
 from hybridpar.topology import default_tp_group
 
 __all__ = ["GroupRef", "ParallelLayer", "convert_children"]

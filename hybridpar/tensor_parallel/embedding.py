@@ -6,10 +6,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import register_parallel_attribute
+from hybridpar.sharded.attrs import register_parallel_attribute
+from hybridpar.sharded.mappings import shard_sizes
 from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.functional import parallel_embedding
-from hybridpar.tensor_parallel.mappings import shard_sizes
 from hybridpar.tensor_parallel.sliced_init import init_from_full
 from hybridpar.tensor_parallel.state import (
     register_ddp_parameters_to_ignore,

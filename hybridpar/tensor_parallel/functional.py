@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import SEQUENCE, get_parallel_dim, register_parallel_dim
-from hybridpar.tensor_parallel.mappings import (
+from hybridpar.sharded.attrs import SEQUENCE, get_parallel_dim, register_parallel_dim
+from hybridpar.sharded.mappings import (
     copy_to_group,
     gather_from_group,
     gather_grad_scatter,

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import tensor_shard_dim
-from hybridpar.tensor_parallel.mappings import all_gather_along, group_rank, group_size
+from hybridpar.sharded.attrs import tensor_shard_dim
+from hybridpar.sharded.mappings import all_gather_along, group_rank, group_size
 
 __all__ = ["FUSED_ATTR", "fused_gather_full", "fused_parts", "fused_ranges", "fused_shard_of"]
 

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import tensor_shard_dim
-from hybridpar.tensor_parallel.mappings import group_size
+from hybridpar.sharded.attrs import tensor_shard_dim
+from hybridpar.sharded.mappings import group_size
 from hybridpar.tensor_parallel.state import full_shape, shard_of
 from hybridpar.topology import default_tp_group
 

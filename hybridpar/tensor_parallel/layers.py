@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import register_parallel_attribute, register_parallel_dim
+from hybridpar.sharded.attrs import register_parallel_attribute, register_parallel_dim
 from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.embedding import ParallelEmbedding
 from hybridpar.tensor_parallel.functional import check_parallel_dim, parallel_linear

@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 from torch.nn import _reduction
 
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
-from hybridpar.tensor_parallel.mappings import group_rank, group_size
+from hybridpar.sharded.attrs import get_parallel_dim
+from hybridpar.sharded.mappings import group_rank, group_size
 from hybridpar.topology import default_tp_group
 from hybridpar.trace import collective
 

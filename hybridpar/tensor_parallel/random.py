@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from hybridpar.device import cuda, has_cuda, is_cuda
-from hybridpar.tensor_parallel.attrs import (
+from hybridpar.sharded.attrs import (
     ORDER_TYPE_ATTR,
     SEQUENCE,
     get_order_type,
@@ -39,7 +39,7 @@ from hybridpar.tensor_parallel.attrs import (
     register_parallel_attribute,
     register_parallel_dim,
 )
-from hybridpar.tensor_parallel.mappings import group_rank, group_size
+from hybridpar.sharded.mappings import group_rank, group_size
 from hybridpar.topology import default_tp_group
 
 __all__ = [

@@ -25,15 +25,15 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import tensor_shard_dim
-from hybridpar.tensor_parallel.fused import fused_gather_full, fused_parts, fused_ranges
-from hybridpar.tensor_parallel.mappings import (
+from hybridpar.sharded.attrs import tensor_shard_dim
+from hybridpar.sharded.mappings import (
     all_gather_along,
     group_rank,
     group_size,
     shard_range,
     shard_sizes,
 )
+from hybridpar.tensor_parallel.fused import fused_gather_full, fused_parts, fused_ranges
 from hybridpar.topology import default_tp_group
 
 __all__ = [

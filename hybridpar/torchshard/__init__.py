@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from hybridpar import nn
-from hybridpar.tensor_parallel.attrs import (
+from hybridpar.sharded.attrs import (
     ORDER_TYPE_ATTR,
     PARALLEL_DIM_ATTR,
     get_parallel_dim,

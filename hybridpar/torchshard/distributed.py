@@ -16,8 +16,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from hybridpar import topology
-from hybridpar.tensor_parallel.attrs import register_parallel_dim
-from hybridpar.tensor_parallel.mappings import (
+from hybridpar.sharded.attrs import register_parallel_dim
+from hybridpar.sharded.mappings import (
     all_gather_along,
     copy_to_group,
     gather_from_group,

@@ -129,7 +129,7 @@ def _sends(pipe: HybridPipe, s: int, first_input: Any, received: dict[SpecKey, A
 
 def _fake_message(spec: Any, device: torch.device) -> Any:
     """The tensors `comm.Incoming.finish` delivers for a message of `spec`."""
-    from hybridpar.tensor_parallel.attrs import register_parallel_dim
+    from hybridpar.sharded.attrs import register_parallel_dim
 
     out: list[Tensor | None] = []
     for s in spec.tensors:

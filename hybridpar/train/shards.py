@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from hybridpar.pipeline.parameters.partition import layer_spans
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, tensor_shard_dim
+from hybridpar.sharded.attrs import get_parallel_dim, tensor_shard_dim
+from hybridpar.sharded.mappings import group_rank, group_size, shard_range
 from hybridpar.tensor_parallel.fused import fused_parts
-from hybridpar.tensor_parallel.mappings import group_rank, group_size, shard_range
 from hybridpar.tensor_parallel.state import full_shape
 
 __all__ = ["Entry", "ShardChunk", "ShardLoadPlanner", "ShardSavePlanner", "check_unique",

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from hybridpar import trace
 from hybridpar.pipeline.runtime.loss import Guard
 from hybridpar.precision import grad_of
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim
 from hybridpar.topology import Topology
 
 __all__ = ["clip_grad_norm_", "local_square_sum"]

@@ -11,7 +11,7 @@ gradient of that rank's shard only. Qwen3 normalizes each head of q and k with o
 schedule and before clipping, so every replica takes the one-device gradient and the copies
 stay equal. Which parameters: those the tp plan found used on a shard or was told about (its
 'replicate_sum_grad' style, HF's 'replicated_with_grad_allreduce'), and those tagged by
-`hybridpar.nn.register_partial_grad` (`tensor_parallel.attrs`). A parameter used only on
+`hybridpar.nn.register_partial_grad` (`sharded.attrs`). A parameter used only on
 full activations costs nothing: with none on a rank, no collective is issued.
 """
 

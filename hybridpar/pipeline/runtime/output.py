@@ -18,8 +18,8 @@ from torch import Tensor
 from hybridpar.broadcast import broadcast_tensors
 from hybridpar.pipeline.runtime.loss import Guard
 from hybridpar.pipeline.runtime.microbatch import TensorOrTensors
-from hybridpar.tensor_parallel.attrs import get_parallel_dim
-from hybridpar.tensor_parallel.mappings import all_gather_along
+from hybridpar.sharded.attrs import get_parallel_dim
+from hybridpar.sharded.mappings import all_gather_along
 from hybridpar.topology import Topology
 
 __all__ = ["gather_outputs", "share_output"]

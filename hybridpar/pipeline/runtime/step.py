@@ -24,7 +24,7 @@ from hybridpar import comm
 from hybridpar.pipeline.activations.checkpoint import RNGReplay
 from hybridpar.pipeline.activations.split_backward import WeightGrads
 from hybridpar.pipeline.runtime.skip import SkipRoute
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim, register_parallel_dim
 
 __all__ = ["Handed", "MicroBatch", "Once", "Posted", "SpecKey", "StageSpec", "StepResult",
            "StepState", "as_tuple", "current_microbatch", "describe_spec", "floating",

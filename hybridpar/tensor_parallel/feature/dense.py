@@ -34,14 +34,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import register_parallel_attribute, register_parallel_dim
-from hybridpar.tensor_parallel.base import ParallelLayer
-from hybridpar.tensor_parallel.feature.dense_async import async_gather_linear, async_scatter_linear
-from hybridpar.tensor_parallel.mappings import (
+from hybridpar.sharded.attrs import register_parallel_attribute, register_parallel_dim
+from hybridpar.sharded.mappings import (
     gather_grad_scatter,
     reduce_scatter_group,
     shard_range,
 )
+from hybridpar.tensor_parallel.base import ParallelLayer
+from hybridpar.tensor_parallel.feature.dense_async import async_gather_linear, async_scatter_linear
 from hybridpar.tensor_parallel.sliced_init import init_from_full
 from hybridpar.tensor_parallel.state import register_full_shape, shard_of
 

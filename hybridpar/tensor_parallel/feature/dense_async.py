@@ -23,13 +23,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from hybridpar.sharded.mappings import group_size
 from hybridpar.tensor_parallel.feature.ring import (
     gather_chains,
     ring_pass,
     ring_reduce,
     scatter_chains,
 )
-from hybridpar.tensor_parallel.mappings import group_size
 
 __all__ = ["async_gather_linear", "async_scatter_linear"]
 

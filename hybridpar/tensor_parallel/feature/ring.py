@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.mappings import group_rank, group_size
+from hybridpar.sharded.mappings import group_rank, group_size
 
 __all__ = [
     "Arrival",

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from hybridpar.sharded.mappings import group_rank, group_size
 from hybridpar.tensor_parallel.base import GroupRef
-from hybridpar.tensor_parallel.mappings import group_rank, group_size
 from hybridpar.topology import default_tp_group
 
 __all__ = ["ModelParallelismWrapper"]

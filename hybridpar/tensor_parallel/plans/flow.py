@@ -42,7 +42,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from hybridpar.tensor_parallel.attrs import PARALLEL_DIM_ATTR
+from hybridpar.sharded.attrs import PARALLEL_DIM_ATTR
 from hybridpar.tensor_parallel.plans.flow_ops import (
     Abort,
     FullTrace,

@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from hybridpar.tensor_parallel.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim, register_parallel_dim
+from hybridpar.sharded.mappings import gather_from_group, group_size, scatter_to_group
 from hybridpar.tensor_parallel.layers import ParallelLinear
-from hybridpar.tensor_parallel.mappings import gather_from_group, group_size, scatter_to_group
 
 __all__ = ["ExpectShardedOutput", "GatherOutput", "KeepTag", "RefuseLabels", "SplitFullInput",
            "TagNarrowInput", "TagShardedInput"]

@@ -97,9 +97,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import register_partial_grad
+from hybridpar.sharded.attrs import register_partial_grad
+from hybridpar.sharded.mappings import group_size
 from hybridpar.tensor_parallel.feature.dense import TPDense
-from hybridpar.tensor_parallel.mappings import group_size
 from hybridpar.tensor_parallel.plans.flow import is_conv1d
 from hybridpar.tensor_parallel.plans.hf_plan import split_plan
 from hybridpar.tensor_parallel.plans.hooks import (

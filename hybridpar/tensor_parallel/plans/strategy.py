@@ -45,9 +45,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.tensor_parallel.attrs import register_parallel_dim
+from hybridpar.sharded.attrs import register_parallel_dim
+from hybridpar.sharded.mappings import gather_from_group, group_size
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
-from hybridpar.tensor_parallel.mappings import gather_from_group, group_size
 from hybridpar.tensor_parallel.plans.layer_graph import DECISIONS_ATTR, Layers
 from hybridpar.tensor_parallel.plans.pairing import (
     RUN_ORDER,
