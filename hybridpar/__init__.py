@@ -4,7 +4,7 @@ from torchgpipe.checkpoint import is_checkpointing, is_recomputing
 
 from hybridpar import nn
 from hybridpar.balance import balance_by_params, balance_by_size, balance_by_time, balance_uniform
-from hybridpar.comm import comm_stats, reset_comm_stats
+from hybridpar.comm.p2p import comm_stats, reset_comm_stats
 from hybridpar.launch import SpawnError, SpawnTimeout, spawn
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.runtime.executor import PipelineError, current_microbatch

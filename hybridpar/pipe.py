@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar import comm, generation
+from hybridpar import generation
 from hybridpar import trace as tracing
-from hybridpar.agreement import fail_together
 from hybridpar.balance.choose import choose_balance
+from hybridpar.comm import p2p as comm
+from hybridpar.comm.agreement import fail_together
 from hybridpar.compile import block_classes, compile_blocks
 from hybridpar.device import cuda, is_cuda
 from hybridpar.keyed import KeyedInit

@@ -174,7 +174,7 @@ def test_a_stand_in_counts_as_cuda_and_its_runtime_takes_the_cuda_calls():
 
 
 def test_nccl_carries_every_dtype_a_stage_may_send_but_int16():
-    from hybridpar.p2p_spec import (
+    from hybridpar.comm.p2p_spec import (
         DTYPES,
         NCCL_DTYPES,
         NCCLDtypeError,

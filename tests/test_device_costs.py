@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hybridpar
-from hybridpar.agreement import _device_type, fail_together
+from hybridpar.comm.agreement import _device_type, fail_together
 from hybridpar.pipeline.activations.checkpoint import RNGReplay
 from hybridpar.pipeline.parameters.clip import clip_grad_norm_, local_square_sum
 from hybridpar.sharded.attrs import get_parallel_dim, register_parallel_dim

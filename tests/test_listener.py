@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from hybridpar import comm
+from hybridpar.comm import p2p as comm
 from hybridpar.pipeline.failures.listener import Listener
 
 BOOM = comm.PeerFailed(2, 2, 2, "stage 2 (rank 2) failed at F(0) of forward: boom")

@@ -1,4 +1,4 @@
-"""P2P matched by order alone, shapes agreed once per step signature (`hybridpar.comm`).
+"""P2P matched by order alone, shapes agreed once per step signature (`hybridpar.comm.p2p`).
 
 When the shapes crossing a stage boundary change between steps (uneven micro-batches, train /
 eval / forward interleaved, tp scatter-gather, skip connections), every step still equals the
@@ -246,7 +246,7 @@ def _first_compute_worker(schedule):
     events = []
     first = pipe.partition_of(pipe.stages[0])[0]
     first.register_forward_pre_hook(lambda *_: events.append("forward"))
-    irecv, wait = torch.distributed.irecv, hybridpar.comm.wait
+    irecv, wait = torch.distributed.irecv, hybridpar.comm.p2p.wait
 
     def counted_irecv(tensor, src=None, group=None, tag=0, **kw):
         events.append("loss receive" if tag else "receive")
@@ -258,11 +258,11 @@ def _first_compute_worker(schedule):
 
     pipe.train_step(x, y)          # learns the shapes
     events.clear()
-    torch.distributed.irecv, hybridpar.comm.wait = counted_irecv, counted_wait
+    torch.distributed.irecv, hybridpar.comm.p2p.wait = counted_irecv, counted_wait
     try:
         loss = pipe.train_step(x, y).item()
     finally:
-        torch.distributed.irecv, hybridpar.comm.wait = irecv, wait
+        torch.distributed.irecv, hybridpar.comm.p2p.wait = irecv, wait
     return events, loss
 
 

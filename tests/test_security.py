@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hybridpar
-from hybridpar.broadcast import broadcast_tensors
+from hybridpar.comm.broadcast import broadcast_tensors
 
 PACKAGE = Path(hybridpar.__file__).resolve().parent
 SOURCES = sorted(PACKAGE.rglob("*.py"))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hybridpar
-from hybridpar import comm
+from hybridpar.comm import p2p as comm
 from hybridpar.pipeline.failures.watchdog import Watchdog
 
 

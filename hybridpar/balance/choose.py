@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridpar.agreement import fail_together
 from hybridpar.balance import BALANCERS, balance_by
-from hybridpar.broadcast import broadcast_tensors
+from hybridpar.comm.agreement import fail_together
+from hybridpar.comm.broadcast import broadcast_tensors
 from hybridpar.pipeline.runtime.microbatch import TensorOrTensors
 from hybridpar.sharded.attrs import get_parallel_dim
 from hybridpar.topology import Topology

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.agreement import fail_together
+from hybridpar.comm.agreement import fail_together
 from hybridpar.hf.checkpoint import _INDEX, _files, checkpoint_config
 from hybridpar.hf.keys import KeyMap, key_map
 from hybridpar.tensor_parallel.state import ShardRanges, full_shape, module_group, shard_ranges

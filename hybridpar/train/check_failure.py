@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hybridpar.comm.p2p_spec import NCCLDtypeError
 from hybridpar.compat import is_fake_device_mismatch
-from hybridpar.p2p_spec import NCCLDtypeError
 from hybridpar.train.check_fake_gpu import STANDIN
 from hybridpar.train.check_memory import CheckReport
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hybridpar import comm
+from hybridpar.comm import p2p as comm
 from hybridpar.device import pinned, standing_in
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.activations.kept import SavedActivations

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hybridpar import comm
+from hybridpar.comm import p2p as comm
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.runtime.microbatch import signature
 from hybridpar.pipeline.schedules.layout import Layout

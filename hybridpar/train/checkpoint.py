@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from hybridpar.agreement import fail_together
+from hybridpar.comm.agreement import fail_together
 from hybridpar.files import fsync_dir
 from hybridpar.train.shards import Entry, ShardLoadPlanner, ShardSavePlanner
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from hybridpar.agreement import fail_together
+from hybridpar.comm.agreement import fail_together
 from hybridpar.files import atomic_write
 from hybridpar.train.checkpoint import (
     CheckpointError,

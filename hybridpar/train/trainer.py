@@ -31,7 +31,7 @@ from torch import Tensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from hybridpar.agreement import fail_together
+from hybridpar.comm.agreement import fail_together
 from hybridpar.data.windows import TokenWindows
 from hybridpar.device import pinned
 from hybridpar.models import generate

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import Tensor
 
-from hybridpar import comm
+from hybridpar.comm import p2p as comm
 from hybridpar.pipeline.schedules.schedule import Action
 
 __all__ = ["PEER_GRACE", "Aborted", "PeerStopped", "PipelineError", "Report", "StepPlace",

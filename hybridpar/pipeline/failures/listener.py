@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from torch.distributed import ProcessGroup
 
-from hybridpar import comm
+from hybridpar.comm import p2p as comm
 
 __all__ = ["POLL", "WAKE_AFTER", "Listener"]
 

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
-from hybridpar.broadcast import broadcast_tensors
-from hybridpar.comm import DTYPES
+from hybridpar.comm.broadcast import broadcast_tensors
+from hybridpar.comm.p2p import DTYPES
 from hybridpar.tensor_parallel.state import full_shape, gather_full, shard_of
 from hybridpar.topology import Topology
 

@@ -34,7 +34,8 @@ from torch import Tensor
 from torchgpipe.skip.skippable import Skippable
 from torchgpipe.skip.tracker import use_skip_tracker
 
-from hybridpar import comm, trace
+from hybridpar import trace
+from hybridpar.comm import p2p as comm
 from hybridpar.pipeline.activations.checkpoint import is_checkpointed, layer_stride
 from hybridpar.pipeline.activations.layer_checkpoint import contexts, run_layers
 from hybridpar.pipeline.activations.split_backward import SplitLinear, WeightGrads, deferring

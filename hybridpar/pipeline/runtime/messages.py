@@ -32,7 +32,8 @@ from typing import Any
 from torch import Tensor
 from torchgpipe.skip.skippable import Skippable
 
-from hybridpar import comm, trace
+from hybridpar import trace
+from hybridpar.comm import p2p as comm
 from hybridpar.device import is_cuda
 from hybridpar.pipeline.failures.failure import Aborted, WaitFailed
 from hybridpar.pipeline.runtime.step import MicroBatch, Posted, as_tuple, describe_spec, nbytes

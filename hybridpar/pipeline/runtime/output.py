@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hybridpar.broadcast import broadcast_tensors
+from hybridpar.comm.broadcast import broadcast_tensors
 from hybridpar.pipeline.runtime.loss import Guard
 from hybridpar.pipeline.runtime.microbatch import TensorOrTensors
 from hybridpar.sharded.attrs import get_parallel_dim

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torchgpipe.skip.namespace import Namespace
 
-from hybridpar import comm
+from hybridpar.comm import p2p as comm
 from hybridpar.pipeline.activations.checkpoint import RNGReplay
 from hybridpar.pipeline.activations.split_backward import WeightGrads
 from hybridpar.pipeline.runtime.skip import SkipRoute

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar import comm, generation
+from hybridpar import generation
+from hybridpar.comm import p2p as comm
 from hybridpar.pipeline.failures import failure
 from hybridpar.pipeline.failures.failure import (
     PEER_GRACE,

@@ -12,7 +12,7 @@ step (train or not, the shapes and dtypes of its micro-batches) and kept in a `S
 
 A spec's dtypes are those of `DTYPES`; between GPUs, those NCCL carries (`NCCL_DTYPES`: not
 int16), checked by `check_nccl_dtypes` when a GPU stage sends a message of new shapes.
-`hybridpar.comm` sends and receives the messages these specs describe.
+`hybridpar.comm.p2p` sends and receives the messages these specs describe.
 """
 
 from __future__ import annotations

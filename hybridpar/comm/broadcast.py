@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
-from hybridpar.comm import DTYPES
+from hybridpar.comm.p2p import DTYPES
 
 __all__ = ["broadcast_tensors"]
 

@@ -6,9 +6,9 @@ receive on b from a; no tag carries meaning (`Wire(tags=False)`, the default, pu
 on tag 0; ``tags=True`` gives each channel its own tag, a debugging aid that gloo honours
 and NCCL ignores).
 
-What a message looks like is agreed once per step signature (`hybridpar.p2p_spec`: the
+What a message looks like is agreed once per step signature (`hybridpar.comm.p2p_spec`: the
 spec, the 1 KiB header sent on a new signature, the `SpecBook`); a peer that failed sends an
-abort dummy in its place (`hybridpar.p2p_abort`). This module re-exports both, so
+abort dummy in its place (`hybridpar.comm.p2p_abort`). This module re-exports both, so
 ``comm.X`` names every part of the P2P path.
 
 Groups of operations are queued on a `Wire` and issued as one `batch_isend_irecv` each
@@ -25,7 +25,7 @@ the all-gather counts itself) and, while `hybridpar.trace` records, timed. `Wire
 set to a list, records every group as issued (`replay.P2POp`s) for the NCCL replay.
 
 One rank's tensors to a whole group (the balance, the last stage's output, state dicts) go by
-`hybridpar.broadcast.broadcast_tensors`.
+`hybridpar.comm.broadcast.broadcast_tensors`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
-from hybridpar.p2p_abort import (
+from hybridpar.comm.p2p_abort import (
     MAGIC,
     WAKE_TAG,
     PeerFailed,
@@ -56,7 +56,7 @@ from hybridpar.p2p_abort import (
     read_pipeline_abort,
     starts_with_magic,
 )
-from hybridpar.p2p_spec import (
+from hybridpar.comm.p2p_spec import (
     DTYPES,
     HEADER_LEN,
     NCCL_DTYPES,

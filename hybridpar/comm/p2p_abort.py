@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar.p2p_spec import HEADER_LEN, TensorSpec
+from hybridpar.comm.p2p_spec import HEADER_LEN, TensorSpec
 from hybridpar.sharded.mappings import group_rank, group_size, shard_range
 
 __all__ = [
