@@ -25,7 +25,7 @@ device) or `has_cuda` (of the process) under its name, and makes its CUDA calls 
 
 On a GPU the switch is ``device.type == "cuda"`` (`has_cuda`: torch.cuda's own answer) and
 `cuda()` is torch.cuda. `hybridpar check` dry-runs on CPU-only builds of torch, where a
-tensor of type ``cuda`` cannot go through autograd (`train.check_fake_gpu`), so its fake GPU
+tensor of type ``cuda`` cannot go through autograd (`train.check.fake_gpu`), so its fake GPU
 has a device type of its own; while it runs, `standing_in` makes the switch true for that
 type too and puts a fake runtime behind `cuda()` (events that are done, pinning that keeps
 the tensor, an RNG state kept in a tensor), which counts the branches taken (`reached`). So

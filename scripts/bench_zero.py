@@ -18,7 +18,7 @@ only: `hybridpar.pipeline.parameters.grad_shards`).
 
 1. Memory. Each (dp, zero) runs one full training step on every rank (a batch of
    `make_batches(config, split="train", dp_rank, dp)`, `pipe.train_step(x, y)`,
-   `optimizer.step()`), then `train.check_memory.held_bytes(pipe, optimizer)`; each column is
+   `optimizer.step()`), then `train.check.memory.held_bytes(pipe, optimizer)`; each column is
    bytes per trainable parameter of the rank (exact counts, no repeats):
 
     column      bytes of                                    fp32 weights     bf16 weights
@@ -118,7 +118,7 @@ def _memory_rank(overrides: list[str]) -> dict[str, int]:
     """One training step on this rank, then the bytes it holds (`held_bytes`) and the counts
     that the formulas need."""
     from hybridpar.optim import local_optimizer, owned_parameters
-    from hybridpar.train.check_memory import held_bytes, tensor_bytes
+    from hybridpar.train.check.memory import held_bytes, tensor_bytes
 
     config, pipe, optimizer, batches = _setup(overrides)
     x, y = batches.next_batch()

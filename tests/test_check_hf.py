@@ -6,7 +6,7 @@ own copy of the rotary embedding with ``copy.deepcopy``, and torch deep-copies a
 ``__dict__``, its FakeTensorMode with it: the mode's converter keys the constants it computed
 by `StorageWeakRef`, whose raw weak reference (``cdata``, an int) the copy duplicates, and
 both copies free it when collected: the storage's weak count goes below zero and its memory
-is freed while in use. `check_fake_gpu.FakeFunctions` now keeps the mode out of the copy.
+is freed while in use. `train.check.fake_gpu.FakeFunctions` now keeps the mode out of the copy.
 
 The dry runs run in a child process (the fake GPU's registration lasts for the process), the
 CLI's in another beside it.
@@ -160,7 +160,7 @@ def test_a_deep_copy_of_a_fake_tensor_keeps_the_dry_runs_fake_mode():
     # mode's StorageWeakRefs are never duplicated
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hybridpar.train.check_fake_gpu import FakeFunctions
+    from hybridpar.train.check.fake_gpu import FakeFunctions
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, FakeFunctions(mode):
         t = torch.arange(8, dtype=torch.float32) * 2

@@ -5,7 +5,7 @@ The estimate and the measurement, per rank (docs/check.md, "How close the estima
     estimate   `dry_run(config, device="cpu")`: the rank's peak, the most bytes of tensors
                alive at once over a first training step and a steady-state one, each as the
                trainer takes it (gradients to None, train_step, clip, AdamW), on fake CPU
-               ranks (`check_memory.LiveBytes`)
+               ranks (`train.check.memory.LiveBytes`)
     measured   the same config trained for real by gloo ranks (`hybridpar.spawn`): the rank's
                VmHWM over build_pipe and two such steps, minus its VmRSS right before the
                build (``/proc/self/clear_refs`` resets the high-water mark to it)

@@ -158,7 +158,7 @@ def test_the_switch_is_true_on_cuda_devices_only_outside_a_dry_run():
 
 def test_a_stand_in_counts_as_cuda_and_its_runtime_takes_the_cuda_calls():
     from hybridpar.device import cuda, has_cuda, is_cuda, pinned, standing_in
-    from hybridpar.train.check_fake_gpu import FakeCuda
+    from hybridpar.train.check.fake_gpu import FakeCuda
 
     fake = FakeCuda()
     with standing_in("meta", fake):

@@ -13,15 +13,14 @@ from torch import nn
 
 from hybridpar.comm.p2p_spec import NCCLDtypeError
 from hybridpar.compat import is_fake_device_mismatch
-from hybridpar.train.check_fake_gpu import STANDIN
-from hybridpar.train.check_memory import CheckReport
+from hybridpar.train.check.fake_gpu import STANDIN
+from hybridpar.train.check.memory import CheckReport
 
 __all__ = ["CheckError", "LayerStack", "failure"]
 
-# the dry run's own modules: a failure's site is the deepest frame outside them (and torch)
-_DRY_RUN_FILES = tuple(str(Path(__file__).with_name(name)) for name in (
-    "check.py", "check_ranks.py", "check_shapes.py", "check_failure.py", "check_memory.py",
-    "check_fake_gpu.py"))
+# the dry run's own modules (this room's): a failure's site is the deepest frame outside them
+# (and torch)
+_DRY_RUN_FILES = tuple(str(p) for p in Path(__file__).parent.glob("*.py"))
 
 
 class CheckError(RuntimeError):

@@ -2,23 +2,23 @@
 
 Each rank joins the `fake` process-group backend, builds its HybridPipe as `hybridpar run`
 does (`train.trainer.build_pipe`) on a fake GPU, puts it in the steady state of a run
-(`check_memory.steady_state`: AdamW's state and the dp buckets made, as after a step) and takes two
+(`memory.steady_state`: AdamW's state and the dp buckets made, as after a step) and takes two
 training steps under `FakeTensorMode` as the trainer takes them (`_Step`: gradients to
 None, the batch pinned, `train_step` under the run's autocast), each of new shapes:
 
     step   batch                                    then
     1      the first batch `hybridpar run` draws    the clip and the AdamW update; the
                                                     numbers reported, the peak tracked over
-                                                    it (`check_memory.LiveBytes`)
+                                                    it (`memory.LiveBytes`)
     2      the same, one row short (a short last    -
            batch: the last micro-batch smaller
            when chunks does not divide it)
 
-Its numbers become a `RankReport`, its failures one `CheckError` line (`check_failure`).
+Its numbers become a `RankReport`, its failures one `CheckError` line (`failure`).
 After the last rank, the P2P of all of them (both steps) is replayed under NCCL's rules.
 
 Their headers travel; what a received one says comes from the shape pass that runs first
-(`check_shapes`), since a fake receive delivers nothing.
+(`shapes`), since a fake receive delivers nothing.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from hybridpar.pipeline.activations.kept import SavedActivations
 from hybridpar.pipeline.runtime.microbatch import signature, split_batch
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.topology import ParallelDims, Topology, using
-from hybridpar.train.check_failure import CheckError, LayerStack, failure
-from hybridpar.train.check_fake_gpu import FakeCuda, FakeFunctions, clear_cast_cache, fake_gpu
-from hybridpar.train.check_memory import (
+from hybridpar.train.check.failure import CheckError, LayerStack, failure
+from hybridpar.train.check.fake_gpu import FakeCuda, FakeFunctions, clear_cast_cache, fake_gpu
+from hybridpar.train.check.memory import (
     CheckReport,
     LiveBytes,
     RankReport,
@@ -56,7 +56,7 @@ from hybridpar.train.check_memory import (
     memory_problem,
     steady_state,
 )
-from hybridpar.train.check_shapes import ShapePass
+from hybridpar.train.check.shapes import ShapePass
 from hybridpar.train.config import Config
 
 __all__ = ["DryRun"]

@@ -18,10 +18,10 @@ taken as on a GPU (`hybridpar.device.standing_in`):
     then: NCCL replay of every P2P op   an order NCCL cannot progress (replay.NCCLOrderError)
           --memory GiB                  a rank whose peak does not fit
 
-This module is the command and `dry_run`; the ranks run in `check_ranks`, after the shape
-pass of `check_shapes` (it says what the headers say that a fake receive cannot deliver), a
-failure is worded by `check_failure`, the fake GPU and its CUDA runtime are
-`check_fake_gpu`'s and the numbers measured are `check_memory`'s. `dry_run` runs the ranks
+This module is the command and `dry_run`; the ranks run in `ranks`, after the shape pass of
+`shapes` (it says what the headers say that a fake receive cannot deliver), a failure is
+worded by `failure`, the fake GPU and its CUDA runtime are `fake_gpu`'s and the numbers
+measured are `memory`'s. `dry_run` runs the ranks
 in a child process by default: the fake GPU's registration lasts for the process.
 """
 
@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.pipeline.activations.checkpoint import layer_stride
-from hybridpar.train.check_failure import CheckError
-from hybridpar.train.check_memory import CheckReport, RankReport
-from hybridpar.train.check_ranks import DryRun
+from hybridpar.train.check.failure import CheckError
+from hybridpar.train.check.memory import CheckReport, RankReport
+from hybridpar.train.check.ranks import DryRun
 from hybridpar.train.config import Config
 
 __all__ = ["CheckError", "CheckReport", "RankReport", "add_parser", "dry_run", "main"]
@@ -82,7 +82,7 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
     with tempfile.TemporaryDirectory(prefix="hybridpar-check-") as tmp:
         out = Path(tmp) / "result.json"
         try:
-            proc = subprocess.run([sys.executable, "-m", "hybridpar.train.check", str(out)],
+            proc = subprocess.run([sys.executable, "-m", "hybridpar.train.check.run", str(out)],
                                   input=json.dumps(job), capture_output=True, text=True,
                                   timeout=CHILD_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -100,7 +100,8 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
 
 
 def _child(out: str) -> int:
-    """``python -m hybridpar.train.check RESULT.json``, the job on stdin: one isolated dry run."""
+    """``python -m hybridpar.train.check.run RESULT.json``, the job on stdin: one isolated dry
+    run."""
     job = json.loads(sys.stdin.read())
     cfg = Config.from_dict(job["config"], source=str(job["config"].get("name")))
     result: dict[str, Any] = {}
@@ -170,6 +171,6 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m hybridpar.train.check RESULT.json < JOB.json (dry_run's child; "
-                 "use `hybridpar check CONFIG`)")
+        sys.exit("usage: python -m hybridpar.train.check.run RESULT.json < JOB.json "
+                 "(dry_run's child; use `hybridpar check CONFIG`)")
     sys.exit(_child(sys.argv[1]))
