@@ -18,10 +18,11 @@ device) or `has_cuda` (of the process) under its name, and makes its CUDA calls 
                       ParallelDropout                           as CUDA's fused kernel does
     recompute rng     pipeline/activations/checkpoint.py        a recomputation restores the
                                                                 CUDA generator
-    watch the device  pipe.py _watching                         the watchdog stays armed
+    watch the device  pipe/steps.py _communicating              the watchdog stays armed
                                                                 until the GPU did the step's
                                                                 work
-    trace clock       pipe.py _recording, trace.DeviceClock     CUDA events time a trace
+    trace clock       pipe/steps.py _recording,                 CUDA events time a trace
+                      trace.DeviceClock
 
 On a GPU the switch is ``device.type == "cuda"`` (`has_cuda`: torch.cuda's own answer) and
 `cuda()` is torch.cuda. `hybridpar check` dry-runs on CPU-only builds of torch, where a

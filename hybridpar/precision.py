@@ -4,8 +4,7 @@ With ``train.param_dtype = "bf16"`` the model's parameters are bf16 while their 
 accumulate in float32, micro-batch after micro-batch: autograd's bf16 ``.grad`` of each
 accumulation is added into a float32 tensor kept on the parameter as ``main_grad`` and then
 dropped (`pipeline.parameters.reduce.GradBuckets`). Code that reads or scales gradients (clipping,
-the
-dp / tp / tie sums, the replica check, the optimizer's master weights) goes through
+the dp / tp / tie sums, the replica check, the optimizer's master weights) goes through
 `grad_of` and `set_grad`:
 
     parameter                   its gradient

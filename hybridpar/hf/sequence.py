@@ -24,8 +24,7 @@ model in place, layer by layer:
 
 Partial gradients (a replicated parameter that saw 1 / tp of the tokens) are summed over tp
 after each step by the pipe (`register_partial_grad`, `pipeline.parameters.partial`). Supported:
-every
-family of `hf.families` (Llama, Mistral, Qwen2, Qwen3, GPT-2) under "auto" and "hf" (or
+every family of `hf.families` (Llama, Mistral, Qwen2, Qwen3, GPT-2) under "auto" and "hf" (or
 dict) plans. Dropout inside the attention core (GPT-2's ``attn_pdrop``) draws per-rank masks
 under tp with or without sequence parallelism (docs/tensor-parallel.md, Limits).
 """

@@ -13,8 +13,7 @@ size, from its first save until it is freed; a freed storage is found (its weak 
 expired) when a new one would make a new peak, so the peak is exact and the bookkeeping
 cheap. Parameters and buffers are excluded (`exclude`): they are there anyway. Inside a
 checkpointed region (torch's checkpoint: `pipeline.activations.layer_checkpoint`, `recompute`)
-torch's
-own hooks take the saves, so what such a region drops is not counted, what it keeps (its
+torch's own hooks take the saves, so what such a region drops is not counted, what it keeps (its
 inputs) is, and so is not its recomputation in backward (one region at a time); the pipe's
 own recomputation of a stage (``"always"``, ``"except_last"``) runs under these hooks and is
 counted.

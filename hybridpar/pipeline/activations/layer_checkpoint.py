@@ -2,8 +2,7 @@
 and the attention core (``"selective"``, through `hybridpar.recompute`).
 
 The micro-batch modes (`pipeline.activations.checkpoint`) drop a whole stage's activations and
-recompute
-the whole stage in backward, so the backward of a checkpointed micro-batch holds every
+recompute the whole stage in backward, so the backward of a checkpointed micro-batch holds every
 activation of the stage again. The layer modes checkpoint each layer (every K-th, the others
 keep theirs) of every micro-batch with torch's non-reentrant checkpoint:
 

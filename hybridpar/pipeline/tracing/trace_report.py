@@ -39,7 +39,7 @@ from hybridpar.pipeline.schedules.simulate import Timing, simulate_plan
 from hybridpar.trace import COLUMNS, KINDS, OPS, Recorder
 
 if TYPE_CHECKING:
-    from hybridpar.pipe import HybridPipe
+    from hybridpar.pipe.steps import PipeSteps
 
 __all__ = ["Event", "StageRow", "TraceReport", "TraceRequest", "analytic_bubble",
            "chrome_trace", "compute_times", "format_table", "gather_events", "request_trace",
@@ -319,7 +319,7 @@ class TraceReport:
     events: list[list[Event]] = field(repr=False, default_factory=list)
 
 
-def write_trace(pipe: HybridPipe, folder: str | os.PathLike[str], *,
+def write_trace(pipe: PipeSteps, folder: str | os.PathLike[str], *,
                 show: bool = True) -> TraceReport | None:
     """Gather the last traced step of every rank and write it to `folder` (see the module)."""
     from hybridpar.pipeline.tracing.trace_gantt import write_gantt
@@ -382,7 +382,7 @@ def request_trace(folder: str | os.PathLike[str], *, step: int | None = None) ->
 
 
 @contextmanager
-def traced_step(pipe: HybridPipe, request: TraceRequest | None, *, step: int,
+def traced_step(pipe: PipeSteps, request: TraceRequest | None, *, step: int,
                 last: int) -> Iterator[None]:
     """Trace `pipe` inside when `step` is the one `request` asks for (`last`: the run's final
     step), then write the trace on every rank; otherwise (or with no request) do nothing."""

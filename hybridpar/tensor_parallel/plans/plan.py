@@ -43,8 +43,7 @@ sharded run):
   table (indexed by an ``arange``, not by the input: GPT-2's wpe), which stays replicated;
 * a replicated parameter used on a column's shard (Qwen3's q_norm) is tagged: its gradient
   is summed over tp after each step (`attrs.register_partial_grad`, `pipeline.parameters.partial`);
-  one
-  also used on a full activation leaves those columns replicated. Dict plans get the same
+  one also used on a full activation leaves those columns replicated. Dict plans get the same
   tags (and a ValueError for such a parameter), and the style "replicate_sum_grad";
 * the last Linear of the model, if not paired and the last layer in registration order,
   becomes column-parallel: class-sharded logits, to be fed to `ParallelCrossEntropyLoss`.

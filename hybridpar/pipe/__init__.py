@@ -1,0 +1,17 @@
+"""The pipe, `HybridPipe`: an nn.Sequential run as a multi-process pipeline of tensor-sharded
+stages, one class in three modules by job:
+
+    module       owns
+    hybrid       `HybridPipe`: building this rank's stages (tp plan, balance, ties, buckets,
+                 executors) and the views of them
+    steps        `train_step`, `eval_step`, `forward`: the schedule run on this rank, traced,
+                 watched and guarded
+    parameters   the collective jobs on the parameters: consolidated state dicts, clipping,
+                 ZeRO-2's owners, the replica check
+
+The assembly: imports the pipeline's rooms, tensor parallelism and the leaves.
+"""
+
+from hybridpar.pipe.hybrid import HybridPipe
+
+__all__ = ["HybridPipe"]
