@@ -5,7 +5,7 @@ device) or `has_cuda` (of the process) under its name, and makes its CUDA calls 
 `cuda()`:
 
     branch            where                                     on a GPU
-    watchdog          pipeline/parameters/build.py              the watchdog is on by default
+    watchdog          pipe/build.py              the watchdog is on by default
                       watchdog_timeout
     pinned batch      train/trainer.py (via `pinned`)           the batch is pinned: its
                                                                 copies to the GPU overlap

@@ -42,7 +42,7 @@ OPTIONS = {
 def _measured(live_peak):
     """`consolidate.stream_state_dict`, measuring the bytes of the tensors it yielded that
     are still alive (anywhere) each time it yields one more: what the writer really holds."""
-    from hybridpar.pipeline.parameters import consolidate
+    from hybridpar.pipe import consolidate
 
     inner = consolidate.stream_state_dict
 
@@ -85,7 +85,7 @@ def _worker(folder):
 
     from hybridpar.hf import to_sequential
     from hybridpar.nn import CausalLMLoss
-    from hybridpar.pipeline.parameters import consolidate
+    from hybridpar.pipe import consolidate
     from hybridpar.train.checkpoint import save_checkpoint
     from hybridpar.train.export import export_pipe
     from hybridpar.train.shards import model_entries, tie_entries

@@ -135,7 +135,7 @@ def test_a_shard_the_init_fn_left_half_done_is_reported_as_uninitialized():
 
 
 def test_tp_plan_hf_on_a_model_without_a_hugging_face_config_says_what_to_do():
-    from hybridpar.pipeline.parameters.build import apply_plan
+    from hybridpar.pipe.build import apply_plan
 
     with pytest.raises(ValueError, match=r"hybridpar\.hf\.tp_plan\(model\)"):
         apply_plan(nn.Sequential(nn.Linear(4, 4)), "hf", group=None)

@@ -98,7 +98,7 @@ def test_a_watched_stage_reports_where_it_waits_while_its_peer_stalls(tmp_path, 
 
 
 def test_watchdog_values_are_checked():
-    from hybridpar.pipeline.parameters.build import watchdog_timeout
+    from hybridpar.pipe.build import watchdog_timeout
     from hybridpar.topology import ParallelDims, Topology
 
     topo = Topology(ParallelDims(), 0, None, timeout=datetime.timedelta(seconds=7))

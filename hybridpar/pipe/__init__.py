@@ -8,6 +8,8 @@ stages, one class in three modules by job:
                  watched and guarded
     parameters   the collective jobs on the parameters: consolidated state dicts, clipping,
                  ZeRO-2's owners, the replica check
+    build        a model made ready for its stages: the tp plan applied, routes, timeouts
+    consolidate  the full state dict gathered from tp shards and stages, and loaded back
 
 The assembly: imports the pipeline's rooms, tensor parallelism and the leaves.
 """

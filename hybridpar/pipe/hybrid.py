@@ -17,15 +17,15 @@ from hybridpar.comm import p2p as comm
 from hybridpar.comm.agreement import fail_together
 from hybridpar.compile import block_classes, compile_blocks
 from hybridpar.keyed import KeyedInit
-from hybridpar.pipe.parameters import PipeParameters
-from hybridpar.pipeline.activations.checkpoint import RNGReplay, check_checkpoint
-from hybridpar.pipeline.parameters.build import (
+from hybridpar.pipe.build import (
     apply_plan,
     as_chunks,
     check_layer_names,
     stage_routes,
     watchdog_timeout,
 )
+from hybridpar.pipe.parameters import PipeParameters
+from hybridpar.pipeline.activations.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.parameters.grad_shards import ShardedGradBuckets
 from hybridpar.pipeline.parameters.partial import PartialGrads
 from hybridpar.pipeline.parameters.partition import (

@@ -7,8 +7,9 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor
 
+from hybridpar.pipe import consolidate
 from hybridpar.pipe.steps import PipeSteps
-from hybridpar.pipeline.parameters import clip, consolidate
+from hybridpar.pipeline.parameters import clip
 from hybridpar.pipeline.parameters.grad_shards import ShardedGradBuckets
 from hybridpar.pipeline.parameters.replicas import ReplicaGroup, check_replicas
 from hybridpar.precision import set_grad
@@ -28,7 +29,7 @@ class PipeParameters(PipeSteps):
 
     def consolidated_state_dict(self) -> dict[str, Tensor]:
         """The unsharded model's full state dict (same keys and shapes), on every rank
-        (`pipeline.parameters.consolidate`: no pickles)."""
+        (`pipe.consolidate`: no pickles)."""
         with self._communicating("consolidated_state_dict"):
             return consolidate.consolidated_state_dict(
                 self, self.topology, stage_keys=self._stage_keys, state_keys=self._state_keys,

@@ -9,10 +9,12 @@
     failures      a rank's failure: errors, the watchdog, the listener    schedules
     runtime       one step on one rank: the executor, its messages,       schedules, activations,
                   micro-batches, skips, loss, output, stops               failures
-    parameters    a stage's parameters across ranks: build, partition,    runtime
-                  dp buckets and zero shards, ties, partial gradients,
-                  clipping, consolidation, replica checks
+    parameters    a stage's parameters across ranks: partition, dp        runtime
+                  buckets and zero shards, ties, partial gradients,
+                  clipping, replica checks
     tracing       a traced step written out: Chrome trace, Gantt, table   schedules
 
-`hybridpar.pipe.HybridPipe` assembles them; docs/architecture.md draws the whole library.
+`hybridpar.pipe.HybridPipe` assembles them with tensor parallelism, which the pipeline never
+imports (what both need is the leaf `hybridpar.sharded`); docs/architecture.md draws the
+whole library.
 """

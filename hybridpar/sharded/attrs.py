@@ -20,7 +20,7 @@ re-tag with `register_parallel_dim` or `RegisterParallelDim`.
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
     "ORDER_TYPE_ATTR",
@@ -30,6 +30,7 @@ __all__ = [
     "get_order_type",
     "get_parallel_dim",
     "has_partial_grad",
+    "is_sharded_layer",
     "register_parallel_attribute",
     "register_parallel_dim",
     "register_partial_grad",
@@ -39,6 +40,7 @@ __all__ = [
 PARALLEL_DIM_ATTR = "parallel_dim"   # torchshard's names: code written for it reads them
 ORDER_TYPE_ATTR = "order_type"
 PARTIAL_GRAD_ATTR = "tp_partial_grad"
+SHARDED_LAYER_ATTR = "tp_sharded_layer"   # a class attribute of the tp layers (ParallelLayer)
 SEQUENCE = -2   # an activation sharded on its sequence dim, (*, T / tp, C): never a layer dim
 _VALID_DIMS = (None, 0, 1, -1, SEQUENCE)
 
@@ -114,3 +116,9 @@ def register_partial_grad(param: Tensor) -> None:
 def has_partial_grad(param: Tensor) -> bool:
     """Whether `param` is marked by `register_partial_grad`."""
     return bool(getattr(param, PARTIAL_GRAD_ATTR, False))
+
+
+def is_sharded_layer(module: nn.Module) -> bool:
+    """Whether `module` is a tp layer (`tensor_parallel.base.ParallelLayer` says so), told
+    without importing tensor parallelism (the pipeline's materialization asks)."""
+    return bool(getattr(type(module), SHARDED_LAYER_ATTR, False))

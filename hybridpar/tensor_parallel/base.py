@@ -30,6 +30,7 @@ class GroupRef:
 class ParallelLayer(nn.Module):
     """What the parallel layers share: the group, tags kept on their Parameters."""
 
+    tp_sharded_layer = True   # `sharded.attrs.is_sharded_layer`
     dim: int | None
     _group_ref: GroupRef
 

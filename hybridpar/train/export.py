@@ -317,7 +317,7 @@ def export_pipe(pipe: HybridPipe, out: str | os.PathLike[str], *, config: Any = 
     disk) is raised on every rank, and nothing is left behind. Returns what was written
     (counts and `peak_bytes` on rank 0; elsewhere the file names and zeros).
     """
-    from hybridpar.pipeline.parameters import consolidate
+    from hybridpar.pipe import consolidate
 
     size = parse_size(max_shard_size)   # (the same on every rank: fails on all alike)
     topo = pipe.topology

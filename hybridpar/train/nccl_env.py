@@ -17,7 +17,7 @@ creates an NCCL communicator); a value the user exported wins:
 
 Read a dump with ``python -m torch.distributed.flight_recorder.fr_trace RUN_DIR/nccl_trace``
 (torch's analyzer: which rank did not join which collective). hybridpar's watchdog fires
-earlier (`pipeline.parameters.build.WATCHDOG_SHARE` of the timeout) and names the stage,
+earlier (`pipe.build.WATCHDOG_SHARE` of the timeout) and names the stage,
 micro-batch and
 peer; NCCL's dump is the record of what the device had queued.
 """

@@ -1,4 +1,5 @@
-"""A stage's parameters across ranks: building a stage from the model, partitioning, the dp
-gradient buckets and zero shards, tied and partial gradients, clipping, consolidated state
-dicts, the replica check. Imports `runtime`, `tensor_parallel` (plans, shard state) and `hf`
-(a Hugging Face model's own tp plan)."""
+"""A stage's parameters across ranks: partitioning and materializing a (meta-built) model,
+the dp gradient buckets and zero shards, tied and partial gradients, clipping by the global
+norm, the replica check. Imports `runtime`, `hybridpar.sharded` (tags) and the leaf modules;
+applying a tp plan and consolidating state are the pipe's (`hybridpar.pipe.build`,
+`hybridpar.pipe.consolidate`)."""

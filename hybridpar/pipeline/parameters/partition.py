@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from hybridpar.keyed import KeyedInit, reset_of
-from hybridpar.tensor_parallel.base import ParallelLayer
+from hybridpar.sharded.attrs import is_sharded_layer
 
 __all__ = ["balance_problem", "check_balance", "check_sequential", "free_layers", "layer_spans",
            "materialize", "split", "stage_bounds"]
@@ -125,7 +125,7 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
     ``init_fn(module)`` is applied to every module, children first (as ``model.apply``),
     e.g. a Hugging Face model's ``model._init_weights``; without it each module's
     ``reset_parameters()`` (or ``_reset_parameters()``: `hybridpar.keyed.reset_of`). The tp
-    layers a ``tp_plan`` put in (`ParallelLayer`:
+    layers a ``tp_plan`` put in (`ParallelLayer`, `sharded.attrs.is_sharded_layer`:
     `ParallelLinear`, `ParallelEmbedding`, ...) are not the layers a model's own initializer
     knows: one that `init_fn` left wholly untouched (every tensor of its own still all NaN)
     is drawn by its own ``reset_parameters()`` (the full plain layer's init, sliced);
@@ -197,7 +197,7 @@ def _reset_untouched_tp_layers(stage: nn.Module) -> None:
     """``reset_parameters()`` of every tp layer whose own tensors all still hold only NaN
     (an `init_fn` that does not know the layer); one drawn in part is left to the NaN check."""
     for sub in stage.modules():
-        if not isinstance(sub, ParallelLayer):
+        if not is_sharded_layer(sub):
             continue
         own = [t for t in (*sub._parameters.values(), *sub._buffers.values())
                if t is not None and (t.is_floating_point() or t.is_complex())]

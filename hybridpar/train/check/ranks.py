@@ -333,7 +333,7 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
         args.update(tp=par.tp, group=topo.tp_group)
     module, _ = build(config.model.name, **args)
     if par.tp_plan is not None:   # as HybridPipe applies it ("hf" included)
-        from hybridpar.pipeline.parameters.build import apply_plan
+        from hybridpar.pipe.build import apply_plan
 
         module, _ = apply_plan(module, par.tp_plan, group=topo.tp_group)
     stages = Layout.of(par.schedule, par.pp, par.virtual_stages).stages
