@@ -39,7 +39,7 @@ def _env() -> int:
 
 
 def _add_run(commands: Any) -> None:
-    from hybridpar.train.options import add_run_options
+    from hybridpar.train.configs.options import add_run_options
 
     p = commands.add_parser("run", help="train a config on dp x pp x tp local workers",
                             description="Train a config: checks it, then starts dp x pp x tp "
@@ -108,8 +108,8 @@ def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hybridpar.train import ConfigError
+    from hybridpar.train.configs.options import default_run_dir
     from hybridpar.train.launcher import launch
-    from hybridpar.train.options import default_run_dir
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     if run_dir.exists() and not run_dir.is_dir():
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     from hybridpar.train import ConfigError
-    from hybridpar.train.checkpoint import CheckpointError
+    from hybridpar.train.checkpoints.checkpoint import CheckpointError
 
     try:
         return handlers[args.command](args)

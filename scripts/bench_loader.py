@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from bench.common import fmt, load, markdown_table, spread, write_json
 
-    from hybridpar.train.config import load_config
+    from hybridpar.train.configs.config import load_config
 
     train_extra: list[str] = []
     if args.smoke:

@@ -1,7 +1,8 @@
 """Write docs/reference.md, the config and command-line reference, from the code itself.
 
     part                 read from
-    config sections      the dataclasses of `hybridpar.train.config` (fields, types, defaults,
+    config sections      the dataclasses of `hybridpar.train.configs.config` (fields, types,
+                         defaults,
                          the comment on each field's line, the choices the loader accepts)
     [model] options      each builder's keyword-only parameters (`hybridpar.models.registry`)
     commands             the argparse parsers of `hybridpar.cli`
@@ -53,7 +54,7 @@ def _type(hint: object) -> str:
 
 
 def _config_tables() -> list[str]:
-    from hybridpar.train import config as cfg
+    from hybridpar.train.configs import config as cfg
 
     lines: list[str] = []
     for section, cls in cfg._CLASSES.items():
@@ -78,7 +79,7 @@ def _config_tables() -> list[str]:
 def _model_tables() -> list[str]:
     from hybridpar.models import MODELS
     from hybridpar.models.hf import FAMILIES
-    from hybridpar.train import config as cfg
+    from hybridpar.train.configs import config as cfg
 
     lines = ["### `[model]`", "", "`name` picks the builder; its keyword-only options are the "
              "other keys (`tp` and `group` come from `[parallel]`).", "",
@@ -86,8 +87,8 @@ def _model_tables() -> list[str]:
              f"`{cfg.ModelConfig.init!r}`): `'keyed'` builds the model on `meta` and draws each "
              "rank's shard keyed by `train.seed` and the module names (a "
              "`package.module:function` builder is checked first: "
-             "`hybridpar/train/builder_check.py`); `'full'` builds the whole model on every "
-             "rank on the CPU, with the builder's own values.", ""]
+             "`hybridpar/train/configs/builder_check.py`); `'full'` builds the whole model on "
+             "every rank on the CPU, with the builder's own values.", ""]
     builders = {**MODELS, **{f"hf:{k}": v for k, v in FAMILIES.items()}}
     for name, fn in builders.items():
         params = [p for p in inspect.signature(fn).parameters.values()

@@ -25,10 +25,10 @@ ASSEMBLY = {"hybridpar.launch", "hybridpar.compile", "hybridpar.flops"}
 MAX_MODULES = 12          # modules a room holds, its __init__ not counted
 MAX_LINES = 400           # lines a module holds
 # what is still over (docs/architecture.md, "Open"): a ratchet, each may only shrink
-OVER_MODULES = {"(leaves)": 16, "train": 18}   # the top folder; train's own
-OVER_LINES = {"hybridpar/train/trainer.py": 661,
-              "hybridpar/models/gpt.py": 468, "hybridpar/train/check/ranks.py": 432,
-              "hybridpar/train/config.py": 421, "hybridpar/tensor_parallel/plans/plan.py": 404}
+OVER_MODULES = {"(leaves)": 16}   # the top folder
+OVER_LINES = {"hybridpar/train/trainer.py": 661, "hybridpar/models/gpt.py": 468,
+              "hybridpar/train/check/ranks.py": 432, "hybridpar/train/configs/config.py": 421,
+              "hybridpar/tensor_parallel/plans/plan.py": 404}
 
 
 def _module(path: Path) -> str:

@@ -733,8 +733,8 @@ def test_checkpoints_and_training(row, train_results):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_skip_drops_the_updates_of_non_finite_steps_and_goes_on(tmp_path):
-    from hybridpar.train.checkpoint import allocate_like, read_metadata
-    from hybridpar.train.shards import ShardLoadPlanner
+    from hybridpar.train.checkpoints.checkpoint import allocate_like, read_metadata
+    from hybridpar.train.checkpoints.shards import ShardLoadPlanner
 
     runs = {}
     zero2 = {"parallel__pp": 1, "parallel__dp": 2, "parallel__zero": 2}   # sharded gradients

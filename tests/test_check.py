@@ -25,7 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from hybridpar.device import BRANCHES
 from hybridpar.models import gpt, mlp
 from hybridpar.train.check import CheckError, CheckReport, dry_run
-from hybridpar.train.config import Config, load_config
+from hybridpar.train.configs.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.toml"

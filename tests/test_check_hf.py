@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hybridpar.train.check import CheckReport, dry_run
-from hybridpar.train.config import Config, load_config
+from hybridpar.train.configs.config import Config, load_config
 
 pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
 

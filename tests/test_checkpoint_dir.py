@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from hybridpar.tensor_parallel.random import get_rng_state_all
-from hybridpar.train.checkpoint import (
+from hybridpar.train.checkpoints.checkpoint import (
     CheckpointError,
     allocate_like,
     check_compatible,
@@ -30,9 +30,7 @@ from hybridpar.train.checkpoint import (
     read_metadata,
     saved_entries,
 )
-from hybridpar.train.lr import lr_at
-from hybridpar.train.metrics import MetricsLog, read_metrics
-from hybridpar.train.shards import (
+from hybridpar.train.checkpoints.shards import (
     ShardChunk,
     check_unique,
     flatten,
@@ -40,8 +38,10 @@ from hybridpar.train.shards import (
     optimizer_entries,
     unflatten,
 )
+from hybridpar.train.lr import lr_at
+from hybridpar.train.metrics import MetricsLog, read_metrics
 
-LOGGER = "hybridpar.train.checkpoint"
+LOGGER = "hybridpar.train.checkpoints.checkpoint"
 
 
 def complete(root, step):

@@ -8,7 +8,7 @@ from config_errors import error_of
 
 from hybridpar.balance import BALANCERS
 from hybridpar.train import Config, ConfigError, load_config
-from hybridpar.train.config import ParallelConfig, TrainConfig, write_resolved
+from hybridpar.train.configs.config import ParallelConfig, TrainConfig, write_resolved
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SHIPPED = sorted(p for p in CONFIGS.glob("*.toml") if p.name != "example_mlp.toml")

@@ -7,7 +7,7 @@ import torch
 
 from hybridpar.models import example_batch
 from hybridpar.train import Config, load_config
-from hybridpar.train.config import DataConfig, ModelConfig, TrainConfig
+from hybridpar.train.configs.config import DataConfig, ModelConfig, TrainConfig
 from hybridpar.train.data import (
     TokenBatches,
     byte_tokens,

@@ -86,9 +86,9 @@ def _worker(folder):
     from hybridpar.hf import to_sequential
     from hybridpar.nn import CausalLMLoss
     from hybridpar.pipe import consolidate
-    from hybridpar.train.checkpoint import save_checkpoint
+    from hybridpar.train.checkpoints.checkpoint import save_checkpoint
+    from hybridpar.train.checkpoints.shards import model_entries, tie_entries
     from hybridpar.train.export import export_pipe
-    from hybridpar.train.shards import model_entries, tie_entries
 
     topo = hybridpar.init(pp=2, tp=2, timeout=60)
     out = {}

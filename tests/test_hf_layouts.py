@@ -27,7 +27,7 @@ from test_hf_pipe import _assert_same, _reference, _train
 import hybridpar
 from hybridpar.hf import hf_state_dict, to_sequential
 from hybridpar.tensor_parallel.fused import fused_parts
-from hybridpar.train.shards import model_entries
+from hybridpar.train.checkpoints.shards import model_entries
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 # (pp, tp), balance, schedule: the Sequential's 5 layers are the embedding(s), 2 blocks, the
@@ -98,7 +98,7 @@ def test_hugging_face_models_train_as_on_one_device(kind, layout, balance, sched
 
 
 def _checkpoint_worker(folder, tp):
-    from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
+    from hybridpar.train.checkpoints.checkpoint import load_checkpoint, save_checkpoint
 
     topo = hybridpar.init(tp=tp, timeout=60)
     model = tiny("gpt2", seed=0 if tp == 2 else 9)

@@ -215,8 +215,12 @@ def test_a_state_dict_whose_tied_names_differ_is_refused_on_every_rank(runs):
 
 
 def checkpoint_worker(folder, pp):
-    from hybridpar.train.checkpoint import load_checkpoint, read_metadata, save_checkpoint
-    from hybridpar.train.shards import model_entries, tie_entries
+    from hybridpar.train.checkpoints.checkpoint import (
+        load_checkpoint,
+        read_metadata,
+        save_checkpoint,
+    )
+    from hybridpar.train.checkpoints.shards import model_entries, tie_entries
 
     topo = hybridpar.init(pp=pp, timeout=60)
     balance = [3, 4] if pp == 2 else [7]

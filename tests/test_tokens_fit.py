@@ -20,7 +20,7 @@ from hybridpar.cli import main
 from hybridpar.data import load_tokenizer, tokenize_corpus
 from hybridpar.data.match import pretrained_mismatch
 from hybridpar.train import load_config
-from hybridpar.train.config import ConfigError
+from hybridpar.train.configs.config import ConfigError
 
 pytest.importorskip("tokenizers")
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import hybridpar
 from hybridpar.data import open_tokens, tokenize_corpus
 from hybridpar.data.windows import TokenWindows, check_folder
 from hybridpar.train import load_config
-from hybridpar.train.config import ConfigError
+from hybridpar.train.configs.config import ConfigError
 from hybridpar.train.data import make_batches
 from hybridpar.train.trainer import train
 

@@ -11,7 +11,7 @@ which removing a name cannot reproduce (the newest of them, each within the floo
     what hybridpar uses                                               came in
     torch.get_autocast_dtype(device) / is_autocast_enabled(device)   2.4
     F.scaled_dot_product_attention(enable_gqa=)   (an argument)       2.5
-    DCP saving a non-DTensor through `__create_write_items__` (train/shards.py:
+    DCP saving a non-DTensor through `__create_write_items__` (train/checkpoints/shards.py:
       DCP's checkpointable protocol; older DCP tests for DTensor)     2.5
     torch.utils.backend_registration._setup_privateuseone_for_python_backend and
       torch._C._acc.PrivateUse1Hooks (`hybridpar check`'s fake GPU;

@@ -20,8 +20,8 @@ from hybridpar.nn import ParallelDropout, ParallelLinear, TPDense
 from hybridpar.sharded.attrs import get_parallel_dim
 from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
 from hybridpar.tensor_parallel.state import collect_state_dict, gather_full, relocate_state_dict
-from hybridpar.train.checkpoint import load_checkpoint, save_checkpoint
-from hybridpar.train.shards import ShardChunk, model_entries, optimizer_entries
+from hybridpar.train.checkpoints.checkpoint import load_checkpoint, save_checkpoint
+from hybridpar.train.checkpoints.shards import ShardChunk, model_entries, optimizer_entries
 
 from pipe_harness import checked_step, data, reference
 

@@ -27,17 +27,17 @@ import hybridpar.launch
 from hybridpar.models import build_model
 from hybridpar.tensor_parallel.layers import ParallelEmbedding
 from hybridpar.train import Config, load_config
-from hybridpar.train.checkpoint import (
+from hybridpar.train.checkpoints.checkpoint import (
     CheckpointError,
     checkpoint_steps,
     load_checkpoint,
     save_checkpoint,
 )
+from hybridpar.train.checkpoints.shards import ShardLoadPlanner, check_unique, model_entries
 from hybridpar.train.data import decode, make_batches
 from hybridpar.train.export import export_checkpoint, export_plain, load_exported
 from hybridpar.train.lr import lr_at
 from hybridpar.train.metrics import read_metrics
-from hybridpar.train.shards import ShardLoadPlanner, check_unique, model_entries
 from hybridpar.train.trainer import build_pipe, train
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.toml"
@@ -78,7 +78,7 @@ def _train_crash(cfg, run_dir, crash_step):
             os._exit(9)
         return real(src, dst, *args, **kwargs)
 
-    os.replace = replace   # the module attribute hybridpar.train.checkpoint.os.replace
+    os.replace = replace   # the module attribute hybridpar.train.checkpoints.checkpoint.os.replace
     return train(cfg, run_dir, progress=False)
 
 

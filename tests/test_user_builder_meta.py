@@ -18,9 +18,9 @@ from hybridpar.keyed import KeyedInit, keyed
 from hybridpar.models.registry import build
 from hybridpar.pipeline.parameters.partition import materialize
 from hybridpar.train import ConfigError
-from hybridpar.train.builder_check import MetaBuildError, build_checked
-from hybridpar.train.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from hybridpar.train.model_build import build_model
+from hybridpar.train.configs.builder_check import MetaBuildError, build_checked
+from hybridpar.train.configs.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from hybridpar.train.configs.model_build import build_model
 from hybridpar.train.trainer import build_pipe
 
 SEED = 3

@@ -30,14 +30,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from hybridpar.topology import ParallelDims, shutdown
-    from hybridpar.train.config import ConfigError, load_config, load_resolved
-    from hybridpar.train.launcher import registered_worker
-    from hybridpar.train.options import (
+    from hybridpar.train.configs.config import ConfigError, load_config, load_resolved
+    from hybridpar.train.configs.options import (
         add_run_options,
         add_worker_options,
         check_trace_step,
         default_run_dir,
     )
+    from hybridpar.train.launcher import registered_worker
     from hybridpar.train.trainer import train
 
     parser = argparse.ArgumentParser(prog="python -m hybridpar.train",

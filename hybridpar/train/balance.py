@@ -19,9 +19,9 @@ from hybridpar.balance import (
 )
 from hybridpar.files import atomic_write_text
 from hybridpar.pipeline.schedules.layout import Layout
-from hybridpar.train.config import load_config
+from hybridpar.train.configs.config import load_config
+from hybridpar.train.configs.model_build import build_model
 from hybridpar.train.data import make_batches
-from hybridpar.train.model_build import build_model
 
 __all__ = ["add_parser", "run", "write_balance"]
 

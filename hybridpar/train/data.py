@@ -17,7 +17,7 @@ from hybridpar.data.order import WindowOrder
 from hybridpar.data.shards import TokenFolder, TokenFolderError
 from hybridpar.data.windows import TokenWindows, check_folder
 from hybridpar.models import example_batch
-from hybridpar.train.config import Config
+from hybridpar.train.configs.config import Config
 
 __all__ = ["SyntheticBatches", "TokenBatches", "byte_tokens", "decode", "default_corpus",
            "make_batches", "read_text", "split_tokens", "token_folder"]

@@ -36,14 +36,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from hybridpar.comm.agreement import fail_together
 from hybridpar.files import atomic_write
-from hybridpar.train.checkpoint import (
+from hybridpar.train.checkpoints.checkpoint import (
     CheckpointError,
     allocate_like,
     check_files,
     dcp_failure,
     read_metadata,
 )
-from hybridpar.train.shards import ShardLoadPlanner, read_ties
+from hybridpar.train.checkpoints.shards import ShardLoadPlanner, read_ties
 from hybridpar.weight_files import (
     DEFAULT_MAX_SHARD_SIZE,
     Written,

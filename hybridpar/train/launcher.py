@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hybridpar.loopback import bind_host, is_loopback
-from hybridpar.train.config import Config, ConfigError, load_config, write_resolved
+from hybridpar.train.configs.config import Config, ConfigError, load_config, write_resolved
 
 __all__ = ["launch", "registered_worker", "worker_args", "worker_pids"]
 
@@ -123,7 +123,7 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hybridpar.train.options import check_init_from, check_trace_step, default_run_dir
+    from hybridpar.train.configs.options import check_init_from, check_trace_step, default_run_dir
 
     config = load_config(config_path, overrides)
     world = _world_size(config)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hybridpar.files import atomic_write_text
 
 if TYPE_CHECKING:
-    from hybridpar.train.config import Config
+    from hybridpar.train.configs.config import Config
 
 __all__ = ["MetricsLog", "ScalarSinks", "gather_peak_memory", "host_peak_bytes",
            "job_peak_flops", "model_flops", "read_metrics", "scalars"]

@@ -49,7 +49,7 @@ from hybridpar.tensor_parallel.random import (
 )
 from hybridpar.topology import Topology, current_topology, init
 from hybridpar.trace import comm_stats, reset_comm_stats
-from hybridpar.train.checkpoint import (
+from hybridpar.train.checkpoints.checkpoint import (
     CheckpointError,
     allocate_like,
     latest_checkpoint,
@@ -57,7 +57,17 @@ from hybridpar.train.checkpoint import (
     read_metadata,
     save_checkpoint,
 )
-from hybridpar.train.config import Config, write_resolved
+from hybridpar.train.checkpoints.shards import (
+    Entry,
+    check_unique,
+    flatten,
+    model_entries,
+    optimizer_entries,
+    tie_entries,
+    unflatten,
+)
+from hybridpar.train.configs.config import Config, write_resolved
+from hybridpar.train.configs.model_build import build_model
 from hybridpar.train.data import SyntheticBatches, TokenBatches, decode, make_batches
 from hybridpar.train.export import load_exported
 from hybridpar.train.lr import lr_at
@@ -68,17 +78,7 @@ from hybridpar.train.metrics import (
     job_peak_flops,
     model_flops,
 )
-from hybridpar.train.model_build import build_model
 from hybridpar.train.nccl_env import nccl_env
-from hybridpar.train.shards import (
-    Entry,
-    check_unique,
-    flatten,
-    model_entries,
-    optimizer_entries,
-    tie_entries,
-    unflatten,
-)
 
 __all__ = ["HOST_MEMORY_BUDGET", "build_pipe", "cap_host_memory", "loss_rank", "train"]
 
@@ -155,7 +155,7 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     one-device model and every other layout). With ``model.pretrained`` they are zeros and
     the rotary buffers (`hybridpar.hf.init_for_loading`), and the rank reads just its tensors
     from the checkpoint (`hybridpar.hf.load_hf_shards`). A user's builder is built on
-    ``meta`` too once `train.builder_check` accepts it; ``model.init = "full"`` builds any
+    ``meta`` too once `train.configs.builder_check` accepts it; ``model.init = "full"`` builds any
     model whole. Then the random streams are seeded again, so what the build drew
     (balance profiling) does not move dropout.
     """
@@ -169,7 +169,7 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
     pretrained = config.model.args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)
-    model, loss, init = build_model(config, **extra)   # `train.model_build`: meta, keyed
+    model, loss, init = build_model(config, **extra)   # `train.configs.model_build`: meta, keyed
     cap_host_memory()   # HYBRIDPAR_HOST_MEMORY_BUDGET: what the shard and the steps may add
     # balance = "time" profiles under the precision the run trains in
     bf16 = config.train.precision == "bf16"
@@ -349,7 +349,7 @@ class _Run:
         parameters (`hybridpar.hf.shard_load.load_plain_shards`). A ``.pt`` file: read whole
         on every rank, then each stage keeps its part.
         """
-        from hybridpar.train.options import init_from_format
+        from hybridpar.train.configs.options import init_from_format
 
         with fail_together(CheckpointError):   # (the same answer on every rank, unless a
             try:                               # file system differs between hosts)

@@ -57,7 +57,7 @@ from hybridpar.train.check.memory import (
     steady_state,
 )
 from hybridpar.train.check.shapes import ShapePass
-from hybridpar.train.config import Config
+from hybridpar.train.configs.config import Config
 
 __all__ = ["DryRun"]
 

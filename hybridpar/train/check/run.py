@@ -41,7 +41,7 @@ from hybridpar.pipeline.activations.checkpoint import layer_stride
 from hybridpar.train.check.failure import CheckError
 from hybridpar.train.check.memory import CheckReport, RankReport
 from hybridpar.train.check.ranks import DryRun
-from hybridpar.train.config import Config
+from hybridpar.train.configs.config import Config
 
 __all__ = ["CheckError", "CheckReport", "RankReport", "add_parser", "dry_run", "main"]
 
@@ -62,7 +62,7 @@ def dry_run(config: Config | str | os.PathLike[str], *, device: str = "cuda",
     run in a child process (the fake GPU's registration stays in the process that runs).
     Raises `CheckError` naming the rank, layer and tensor of a failure.
     """
-    from hybridpar.train.config import load_config
+    from hybridpar.train.configs.config import load_config
 
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
     if device not in ("cuda", "cpu"):

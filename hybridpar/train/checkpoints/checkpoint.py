@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from hybridpar.comm.agreement import fail_together
 from hybridpar.files import fsync_dir
-from hybridpar.train.shards import Entry, ShardLoadPlanner, ShardSavePlanner
+from hybridpar.train.checkpoints.shards import Entry, ShardLoadPlanner, ShardSavePlanner
 
 __all__ = ["CheckpointError", "check_files", "checkpoint_steps", "dcp_failure",
            "latest_checkpoint", "load_checkpoint", "prune_checkpoints", "read_metadata",

@@ -30,10 +30,10 @@ from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES
 from hybridpar.tensor_parallel.plans.plan import DENSE_STYLES, STYLES
 from hybridpar.tensor_parallel.plans.plan_styles import REPLICATED
 from hybridpar.tensor_parallel.plans.strategy import strategy_problem
-from hybridpar.train.builder_check import MetaBuildError, build_checked
+from hybridpar.train.configs.builder_check import MetaBuildError, build_checked
 
 if TYPE_CHECKING:   # config.py calls check_layout: the types only, not a cycle at run time
-    from hybridpar.train.config import Config, DataConfig, ModelConfig, Where
+    from hybridpar.train.configs.config import Config, DataConfig, ModelConfig, Where
 
 __all__ = ["check_layout"]
 

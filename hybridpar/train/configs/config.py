@@ -38,7 +38,7 @@ from hybridpar.models.registry import builder
 from hybridpar.packing import PACKS
 from hybridpar.pipeline.schedules.layout import NAMES as SCHEDULES
 from hybridpar.precision import PARAM_DTYPES
-from hybridpar.train.config_check import check_layout
+from hybridpar.train.configs.config_check import check_layout
 
 __all__ = ["INITS", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "LoggingConfig", "ModelConfig", "ParallelConfig", "TrainConfig", "Where", "load_config",
@@ -62,7 +62,7 @@ class ModelConfig:
     name: str = "gpt"
     args: dict[str, Any] = field(default_factory=dict)  # resolved: all options, defaults filled
     init: str = "keyed"   # "keyed": built on meta, each rank draws its shard keyed by name
-    # (a "package.module:function" builder is checked first: `train.builder_check`); "full":
+    # (a "package.module:function" builder is checked first: `train.configs.builder_check`); "full":
     # every rank builds the whole model on the CPU from train.seed, the builder's own values
 
 

@@ -35,8 +35,8 @@ from torch import nn
 
 from hybridpar.keyed import KeyedInit
 from hybridpar.models.registry import LossFn, build, is_zoo
-from hybridpar.train.builder_check import build_checked
-from hybridpar.train.config import Config
+from hybridpar.train.configs.builder_check import build_checked
+from hybridpar.train.configs.config import Config
 
 __all__ = ["BuiltModel", "build_model"]
 
