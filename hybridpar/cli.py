@@ -122,8 +122,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from hybridpar.io.weight_files import DEFAULT_MAX_SHARD_SIZE, parse_size
     from hybridpar.train.export import export_checkpoint, export_hf, export_plain
-    from hybridpar.weight_files import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     size = DEFAULT_MAX_SHARD_SIZE
     if args.max_shard_size is not None:

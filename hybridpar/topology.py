@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridpar.generation import current as current_generation
-from hybridpar.generation import renew
-from hybridpar.loopback import is_loopback, loopback_interface, loopback_store
+from hybridpar.process.generation import current as current_generation
+from hybridpar.process.generation import renew
+from hybridpar.process.loopback import is_loopback, loopback_interface, loopback_store
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -120,7 +120,7 @@ class Topology:
                  device: torch.device | None = None, p2p_tags: bool = False,
                  generation: int = 0) -> None:
         self.dims = dims
-        self.generation = generation   # of the process groups (`hybridpar.generation`)
+        self.generation = generation   # of the process groups (`hybridpar.process.generation`)
         self.rank = rank
         self.mesh = mesh
         self.timeout = timeout

@@ -157,10 +157,10 @@ def _save_pretrained(folder: Path, model: str, size: str) -> None:
 
 def _save_export(folder: Path, model: str, size: str) -> None:
     """`model` as `hybridpar export` writes a checkpoint of it: the plain Sequential's names,
-    in safetensors files (`hybridpar.weight_files`)."""
+    in safetensors files (`hybridpar.io.weight_files`)."""
+    from hybridpar.io.weight_files import write_shards
     from hybridpar.models.registry import build
     from hybridpar.train import load_config
-    from hybridpar.weight_files import write_shards
 
     config = load_config(_config(model, folder.parent), _model_overrides(model, size))
     with torch.device("meta"):

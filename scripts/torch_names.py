@@ -8,7 +8,7 @@ it reaches: ``from torch.x import y``, and attribute chains rooted at a name bou
 ``torch.distributed.all_gather_single``). Each is then looked up in this torch (import the
 longest module prefix, getattr the rest). Prints the names this torch lacks, with the files
 that use them; exit code 1 when there are any. A name used only behind a fallback (a
-``getattr(dist, "name", None)`` in `hybridpar/compat.py`) is a string, not a chain, so it is
+``getattr(dist, "name", None)`` in `hybridpar/process/compat.py`) is a string, not a chain, so it is
 not counted. On a GPU machine's torch this finds what the CPU suite (one pinned torch) cannot:
 ``tests/test_torch_floor.py`` removes the names known to be newer; this finds the unknown ones.
 """

@@ -26,7 +26,7 @@ from hf_models import tiny, token_batches
 
 import hybridpar
 from hybridpar.cli import main
-from hybridpar.weight_files import INDEX, Written, parse_size, plan_shards, shard_names
+from hybridpar.io.weight_files import INDEX, Written, parse_size, plan_shards, shard_names
 
 MAX = 20_000          # "20KB": the tiny models' tensors are 0.2-25 KB (GPT-2's c_attn is above)
 KINDS = ("llama", "gpt2")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.files import atomic_write, atomic_write_text
+from hybridpar.io.files import atomic_write, atomic_write_text
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 import hybridpar
-from hybridpar.loopback import bind_host, is_loopback, loopback_interface, loopback_store
+from hybridpar.process.loopback import bind_host, is_loopback, loopback_interface, loopback_store
 from hybridpar.train.launcher import _rendezvous
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").is_file(),

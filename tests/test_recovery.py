@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hybridpar
-from hybridpar import generation
+from hybridpar.process import generation
 
 from pipe_harness import attempt, checked_step, data, mlp, reference
 

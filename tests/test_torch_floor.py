@@ -42,8 +42,8 @@ from test_pipe_tp import _gpt_worker
 from test_pipe_tp import _reference as tp_reference
 
 import hybridpar
-from hybridpar.compat import is_fake_device_mismatch
 from hybridpar.pipeline.schedules import replay as nccl
+from hybridpar.process.compat import is_fake_device_mismatch
 from hybridpar.sharded.mappings import all_gather_along, reduce_scatter_along
 
 from pipe_harness import data, mlp, pipe_worker, reference
@@ -62,7 +62,7 @@ NEWER = [
     ("torch.distributed", "shrink_group", "2.10 or later, unsure"),
 ]
 PINNED = "2.13"   # this suite's torch (constraints.txt): it has every NEWER name
-# The fallbacks `hybridpar.compat` takes without the new names; torch 2.13 deprecates them
+# The fallbacks `hybridpar.process.compat` takes without the new names; torch 2.13 deprecates them
 # (a FutureWarning, an error in this suite), torch 2.11 does not.
 FALLBACKS = ["all_gather_into_tensor", "reduce_scatter_tensor"]
 

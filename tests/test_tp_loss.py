@@ -102,7 +102,7 @@ def _worker(tp):
     group = topo.tp_group
     counts = {"all_reduce": 0, "all_gather": 0}
     for name in ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
-                 "all_reduce"):   # all_gather_single: hybridpar.compat's, on torch >= 2.13
+                 "all_reduce"):   # all_gather_single: hybridpar.process.compat's, on torch >= 2.13
         original = getattr(dist, name, None)
         if original is None:   # a torch before 2.13 (GPU machines): compat takes the old name
             continue

@@ -464,7 +464,7 @@ def test_a_folder_of_shards_starts_a_run_as_the_pt_file_does(ref_run, exported, 
     """`hybridpar export CHECKPOINT OUT` (no .pt): safetensors files written one tensor at a
     time; --init-from takes the folder, its index or a single file and starts from the same
     weights as the .pt file, each rank reading only its stage's tensors and tp slices."""
-    from hybridpar.weight_files import INDEX
+    from hybridpar.io.weight_files import INDEX
 
     cfg, run_dir, _ = ref_run
     pt, plain = exported

@@ -30,7 +30,7 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 
 from hybridpar.data.tokenizer import Encoder, TokenizerSpec
-from hybridpar.files import fsync_dir
+from hybridpar.io.files import fsync_dir
 
 __all__ = ["FORMAT", "SPLITS", "VERSION", "Shard", "ShardWriter", "TokenFolder",
            "TokenFolderError", "open_tokens", "staged_folder", "write_meta"]

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from hybridpar import generation
 from hybridpar.balance.choose import choose_balance
 from hybridpar.comm import p2p as comm
 from hybridpar.comm.agreement import fail_together
@@ -52,6 +51,7 @@ from hybridpar.pipeline.runtime.skip import SkipRoute
 from hybridpar.pipeline.runtime.virtual import RankStages
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.precision import cast_parameters, check_dtype_runs
+from hybridpar.process import generation
 from hybridpar.sharded.attrs import has_partial_grad, register_partial_grad
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.topology import Topology, current_topology

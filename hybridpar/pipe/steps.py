@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hybridpar import generation
 from hybridpar import trace as tracing
 from hybridpar.device import cuda, is_cuda
 from hybridpar.pipeline.activations.checkpoint import check_checkpoint
@@ -39,6 +38,7 @@ from hybridpar.pipeline.runtime.virtual import RankStages
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.pipeline.schedules.lowering import lower
 from hybridpar.pipeline.schedules.schedule import FORWARD
+from hybridpar.process import generation
 from hybridpar.topology import Topology
 
 if TYPE_CHECKING:

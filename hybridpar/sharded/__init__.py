@@ -2,4 +2,4 @@
 activation is split over the tp group, the sequence tag, partial gradients) and the autograd
 collectives that move it (`mappings`: copy, reduce, scatter, gather, reduce-scatter along a
 dim). A leaf: the pipeline, tensor parallelism and the point-to-point layer all import it,
-it imports only `hybridpar.compat` and `hybridpar.trace` (the collectives' counters)."""
+it imports only `hybridpar.process.compat` and `hybridpar.trace` (the collectives' counters)."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar.compat import all_gather_single, reduce_scatter_single
+from hybridpar.process.compat import all_gather_single, reduce_scatter_single
 from hybridpar.trace import collective
 
 __all__ = [
@@ -95,9 +95,9 @@ def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
                      length: int | None = None) -> Tensor:
     """Concatenate every rank's `x` along `dim`; `length` is the full length when uneven.
 
-    One `all_gather_single` (`hybridpar.compat`: ``all_gather_into_tensor`` before torch 2.13)
-    of the shards, one after another (uneven shards padded to the widest), then each narrowed
-    to its size.
+    One `all_gather_single` (`hybridpar.process.compat`: ``all_gather_into_tensor`` before
+    torch 2.13) of the shards, one after another (uneven shards padded to the widest), then
+    each narrowed to its size.
     """
     n = group_size(group)
     if n == 1:
@@ -121,7 +121,7 @@ def all_gather_along(x: Tensor, dim: int, group: ProcessGroup | None, *,
 def reduce_scatter_along(x: Tensor, dim: int, group: ProcessGroup | None) -> Tensor:
     """Sum `x` over the group and keep this rank's slice along `dim` (`shard_sizes`).
 
-    One `reduce_scatter_single` (`hybridpar.compat`: ``reduce_scatter_tensor`` before torch
+    One `reduce_scatter_single` (`hybridpar.process.compat`: ``reduce_scatter_tensor`` before torch
     2.13) over the slices stacked on a new leading dim (uneven slices padded to the widest).
     """
     n = group_size(group)

@@ -17,7 +17,7 @@ from hybridpar.balance import (
     profile_layers,
     stage_table,
 )
-from hybridpar.files import atomic_write_text
+from hybridpar.io.files import atomic_write_text
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.train.configs.config import load_config
 from hybridpar.train.configs.model_build import build_model
@@ -91,7 +91,7 @@ _BALANCE = re.compile(r"^(\s*)balance\s*=.*$")
 def write_balance(path: str | os.PathLike[str], balance: list[int]) -> None:
     """Set ``balance = [...]`` in the ``[parallel]`` table of a TOML file, keeping the rest.
 
-    The file is replaced atomically (`hybridpar.files.atomic_write_text`): a crash leaves the
+    The file is replaced atomically (`hybridpar.io.files.atomic_write_text`): a crash leaves the
     old file or the new one, never half of one.
     """
     lines = Path(path).read_text(encoding="utf-8").splitlines(keepends=True)

@@ -2,7 +2,7 @@
 single-device state dict or as a Hugging Face checkpoint, written one tensor at a time.
 
     export_plain       checkpoint -> OUT/: safetensors files of at most `max_shard_size` bytes
-                       (+ index), the unsharded nn.Sequential's names (`hybridpar.weight_files`)
+                       (+ index), the unsharded nn.Sequential's names (`hybridpar.io.weight_files`)
     export_hf          checkpoint of an ``hf:<family>`` run -> OUT/: the same files under
                        Hugging Face's names, without a tied head, config.json and the
                        tokenizer of a run from model.pretrained
@@ -35,7 +35,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybridpar.comm.agreement import fail_together
-from hybridpar.files import atomic_write
+from hybridpar.io.files import atomic_write
+from hybridpar.io.weight_files import (
+    DEFAULT_MAX_SHARD_SIZE,
+    Written,
+    parse_size,
+    read_weights,
+    write_shards,
+)
 from hybridpar.train.checkpoints.checkpoint import (
     CheckpointError,
     allocate_like,
@@ -44,13 +51,6 @@ from hybridpar.train.checkpoints.checkpoint import (
     read_metadata,
 )
 from hybridpar.train.checkpoints.shards import ShardLoadPlanner, read_ties
-from hybridpar.weight_files import (
-    DEFAULT_MAX_SHARD_SIZE,
-    Written,
-    parse_size,
-    read_weights,
-    write_shards,
-)
 
 if TYPE_CHECKING:
     from hybridpar.pipe import HybridPipe
@@ -211,7 +211,7 @@ def export_plain(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str]
                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Written:
     """Write a checkpoint's model tensors (any layout) into the new folder `out`, one at a time.
 
-    Safetensors files of at most `max_shard_size` bytes (`hybridpar.weight_files`: one is
+    Safetensors files of at most `max_shard_size` bytes (`hybridpar.io.weight_files`: one is
     ``model.safetensors``, more come with ``model.safetensors.index.json``) holding the names
     and full shapes of the unsharded `nn.Sequential`'s ``state_dict()``, every name of a tie
     included: ``model.load_state_dict(load_exported(out))`` loads it, and ``--init-from OUT``

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from hybridpar.loopback import bind_host, is_loopback
+from hybridpar.process.loopback import bind_host, is_loopback
 from hybridpar.train.configs.config import Config, ConfigError, load_config, write_resolved
 
 __all__ = ["launch", "registered_worker", "worker_args", "worker_pids"]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hybridpar.files import atomic_write_text
+from hybridpar.io.files import atomic_write_text
 
 if TYPE_CHECKING:
     from hybridpar.train.configs.config import Config

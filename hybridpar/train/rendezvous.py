@@ -13,7 +13,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from hybridpar.loopback import is_loopback, loopback_store
+from hybridpar.process.loopback import is_loopback, loopback_store
 
 __all__ = ["LOOPBACK_BACKEND", "register_loopback_backend"]
 

@@ -119,7 +119,7 @@ def cap_host_memory() -> int | None:
     it), and a safetensors file being read is mapped whole (keep checkpoint files smaller
     than SIZE). Linux only (tests/test_run_memory_limit.py trains a model larger than SIZE).
     """
-    from hybridpar.weight_files import parse_size
+    from hybridpar.io.weight_files import parse_size
 
     text = os.environ.get(HOST_MEMORY_BUDGET, "").strip()
     if not text:

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar import generation
 from hybridpar.comm import p2p as comm
 from hybridpar.pipeline.failures import failure
 from hybridpar.pipeline.failures.failure import (
@@ -41,6 +40,7 @@ from hybridpar.pipeline.runtime.skip import SkipRoute
 from hybridpar.pipeline.runtime.step import StageSpec, StepState, as_tuple
 from hybridpar.pipeline.schedules.lowering import FWD, SKIP, messages
 from hybridpar.pipeline.schedules.schedule import FORWARD, Action
+from hybridpar.process import generation
 
 __all__ = ["StageStops"]
 

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from hybridpar.files import atomic_write
+from hybridpar.io.files import atomic_write
 
 __all__ = ["write_gantt"]
 

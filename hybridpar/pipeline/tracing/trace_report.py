@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hybridpar.files import atomic_write_text
+from hybridpar.io.files import atomic_write_text
 from hybridpar.pipeline.schedules.lowering import BWD, FWD, SKIP, SKIPG
 from hybridpar.pipeline.schedules.planned import get_plan
 from hybridpar.pipeline.schedules.simulate import Timing, simulate_plan

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hybridpar.comm.p2p_spec import NCCLDtypeError
-from hybridpar.compat import is_fake_device_mismatch
+from hybridpar.process.compat import is_fake_device_mismatch
 from hybridpar.train.check.fake_gpu import STANDIN
 from hybridpar.train.check.memory import CheckReport
 

@@ -349,8 +349,8 @@ def _resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config
 @contextlib.contextmanager
 def _preserved_state() -> Iterator[None]:
     """Give back the RNG streams, the warning filters and the process-group generation
-    afterwards (a fake rank's failed step marks it broken: `hybridpar.generation`)."""
-    from hybridpar import generation
+    afterwards (a fake rank's failed step marks it broken: `hybridpar.process.generation`)."""
+    from hybridpar.process import generation
     from hybridpar.tensor_parallel.random import get_rng_tracker
 
     tracker = get_rng_tracker()

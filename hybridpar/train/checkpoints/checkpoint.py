@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hybridpar.comm.agreement import fail_together
-from hybridpar.files import fsync_dir
+from hybridpar.io.files import fsync_dir
 from hybridpar.train.checkpoints.shards import Entry, ShardLoadPlanner, ShardSavePlanner
 
 __all__ = ["CheckpointError", "check_files", "checkpoint_steps", "dcp_failure",

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.balance import BALANCERS
-from hybridpar.files import atomic_write_text
+from hybridpar.io.files import atomic_write_text
 from hybridpar.models.registry import builder
 from hybridpar.packing import PACKS
 from hybridpar.pipeline.schedules.layout import NAMES as SCHEDULES

@@ -110,7 +110,7 @@ def _nbytes(t: Tensor) -> int:
 
 
 def _temporary(target: Path) -> Path:
-    """The hidden name the folder is assembled under, beside `target` (`hybridpar.files`)."""
+    """The hidden name the folder is assembled under, beside `target` (`hybridpar.io.files`)."""
     return target.with_name(f".{target.name}.{os.getpid()}.tmp")
 
 

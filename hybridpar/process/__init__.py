@@ -1,0 +1,4 @@
+"""A rank's process and its process groups: the generation of the groups (`generation`: broken
+after a failed step, refused until renewed), stores on loopback addresses for runs on one
+machine (`loopback`), and the torch names that differ between releases (`compat`: the GPU
+machines' 2.11 / 2.12 and this 2.13). A leaf: imports nothing of hybridpar."""
