@@ -233,3 +233,30 @@ def test_gpt2_sequence_parallel_draws_the_one_device_dropout_masks(hf_runs):
         # split's backward gathers the gradient, so whole on every rank) as the plan left them
         assert any(n.endswith("attn.c_proj.bias") for n in r["partial"])
         assert any(n.endswith("ln_1.weight") for n in r["partial"])
+
+
+def _refusal_worker():
+    """The error of a tp region that keeps a replicated projection (GPT-2's Conv1D, Llama's
+    Linear) beside its sharded ones, on each rank."""
+    from hf_models import tiny
+
+    from hybridpar.hf import to_sequential
+
+    topo = hybridpar.init(tp=2, timeout=60)
+    plans = {"gpt2": {"1.attn.c_proj": "rowwise"},                 # c_attn left replicated
+             "llama": {"1.self_attn.o_proj": "rowwise"}}           # q / k / v left replicated
+    errors = {}
+    for kind, plan in plans.items():
+        try:
+            hybridpar.HybridPipe(to_sequential(tiny(kind)), [5], topology=topo,
+                                 tp_plan=plan, sequence_parallel=True)
+        except ValueError as e:
+            errors[kind] = str(e)
+    return errors
+
+
+def test_a_region_with_a_replicated_projection_is_refused():
+    pytest.importorskip("transformers", reason="hybridpar.hf needs hybridpar[hf]")
+    for errors in hybridpar.spawn(_refusal_worker, 2, timeout=120):
+        assert "'attn' of a decoder block holds a replicated Conv1D" in errors["gpt2"]
+        assert "'self_attn' of a decoder block holds a replicated Linear" in errors["llama"]

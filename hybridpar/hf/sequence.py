@@ -102,6 +102,7 @@ def _embedding(layer: nn.Module, group: ProcessGroup) -> None:
 def _block(block: DecoderBlock, group: ProcessGroup) -> None:
     """Gather at each tp region's input, scatter at its row layers, partial norms."""
     block.sequence_parallel = group.size()
+    replicated = (nn.Linear, _conv1d())     # a plain one in a tp region is refused below
     for name, child in block.named_children():
         linears = [m for m in child.modules() if isinstance(m, _LINEARS)]
         if not linears:                      # a norm: it sees this rank's tokens
@@ -120,7 +121,7 @@ def _block(block: DecoderBlock, group: ProcessGroup) -> None:
                                  f"replicated linear layer ({type(m).__name__}); its region "
                                  "must be column -> row parallel")
         for other in child.modules():        # a plain Linear / Conv1D beside them: refused
-            if isinstance(other, (nn.Linear, _conv1d())) and not isinstance(other, _LINEARS):
+            if isinstance(other, replicated) and not isinstance(other, _LINEARS):
                 raise ValueError(f"sequence parallelism: '{name}' of a decoder block holds a "
                                  f"replicated {type(other).__name__}; its region must be "
                                  "column -> row parallel")
