@@ -81,7 +81,7 @@ def _add_export(commands: Any) -> None:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    from hybridpar.train.schedule import main as schedule_main
+    from hybridpar.train.commands.schedule import main as schedule_main
 
     return schedule_main(args)
 
@@ -99,7 +99,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from hybridpar.train.plot import run as plot_run
+    from hybridpar.train.commands.plot import run as plot_run
 
     return plot_run(args)
 
@@ -157,10 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The `hybridpar` command line: every command and option (docs/reference.md shows it)."""
     from hybridpar import __version__
     from hybridpar.data.command import add_parser as add_tokenize
-    from hybridpar.train.balance import add_parser as add_balance
     from hybridpar.train.check import add_parser as add_check
-    from hybridpar.train.plot import add_parser as add_plot
-    from hybridpar.train.schedule import add_parser as add_schedule
+    from hybridpar.train.commands.balance import add_parser as add_balance
+    from hybridpar.train.commands.plot import add_parser as add_plot
+    from hybridpar.train.commands.schedule import add_parser as add_schedule
 
     parser = argparse.ArgumentParser(prog="hybridpar", description=(
         "Pipeline x tensor x data parallel training for PyTorch."))
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hybridpar` console script."""
-    from hybridpar.train.balance import run as balance
+    from hybridpar.train.commands.balance import run as balance
 
     parser = build_parser()
     args = parser.parse_args(argv)

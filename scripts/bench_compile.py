@@ -61,8 +61,9 @@ def _rank(overrides: list[str], warmup: int, steps: int, repeats: int) -> dict[s
 
     from hybridpar.compile import BlockCompileWarning
     from hybridpar.train import load_config
+    from hybridpar.train.build import build_optimizer
     from hybridpar.train.data import make_batches
-    from hybridpar.train.trainer import _optimizer, build_pipe
+    from hybridpar.train.trainer import build_pipe
 
     warnings.simplefilter("error", BlockCompileWarning)   # a fallback would time eager twice
     configs = {name: load_config(QUICKSTART, [*overrides, f"train.compile={flag}"])
@@ -73,7 +74,7 @@ def _rank(overrides: list[str], warmup: int, steps: int, repeats: int) -> dict[s
     runs = {}
     for name, config in configs.items():
         pipe = build_pipe(config, topo)
-        runs[name] = (pipe, _optimizer(pipe, config))
+        runs[name] = (pipe, build_optimizer(pipe, config))
 
     def step_of(name: str) -> Any:
         pipe, optimizer = runs[name]

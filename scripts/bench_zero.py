@@ -8,7 +8,7 @@
 The model: the quick-start GPT (configs/quickstart.toml: n_embd 64, 4 layers, 4 heads, block
 64, batch 16, 4 micro-batches) at pp = 1, tp = 1, its ranks CPU gloo processes
 (`hybridpar.spawn`, one torch thread each), built and given their optimizer as `hybridpar run`
-does: `train.trainer.build_pipe(config, topo)`, then `train.trainer._optimizer(pipe, config)`
+does: `train.trainer.build_pipe(config, topo)`, then `train.trainer.build_optimizer(pipe, config)`
 (AdamW; at ``parallel.zero = 1`` and dp > 1 torch's `ZeroRedundancyOptimizer`, which deals
 whole parameters to the dp ranks: `hybridpar.optim.zero`; with ``train.param_dtype = "bf16"``
 (and ``train.precision = "bf16"``) bf16 weights, float32 gradients and `MasterWeights`, which
@@ -102,14 +102,15 @@ def _autocast(config: Any) -> Any:
 def _setup(overrides: list[str]) -> tuple[Any, Any, Any, Any]:
     """This rank's (config, pipe, optimizer, batches), as `hybridpar run` builds them."""
     from hybridpar.train import load_config
+    from hybridpar.train.build import build_optimizer
     from hybridpar.train.data import make_batches
-    from hybridpar.train.trainer import _optimizer, build_pipe
+    from hybridpar.train.trainer import build_pipe
 
     config = load_config(QUICKSTART, overrides)
     par = config.parallel
     topo = hybridpar.init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=par.timeout)
     pipe = build_pipe(config, topo)
-    optimizer = _optimizer(pipe, config)
+    optimizer = build_optimizer(pipe, config)
     batches = make_batches(config, split="train", dp_rank=topo.dp_rank, dp=topo.dp)
     return config, pipe, optimizer, batches
 

@@ -236,7 +236,7 @@ def _config(**changes):
 
 def _poison(kind, step):
     """Make step `step` non-finite: NaN in the batch (the loss) or inf in a gradient."""
-    from hybridpar.train import trainer
+    from hybridpar.train import state as trainer   # the run's state builds its data and pipe
 
     if kind == "nan loss":
         real = trainer.make_batches
@@ -774,7 +774,7 @@ def _skip_one_rank(run_dir):
         def emit(self, record):
             messages.append(record.getMessage())
 
-    logging.getLogger("hybridpar.train.trainer").addHandler(Keep())
+    logging.getLogger("hybridpar.train").addHandler(Keep())
     from hybridpar.train.trainer import train
 
     undo = _poison("nan loss", 2)

@@ -99,14 +99,15 @@ def _status(field: str) -> int:
 def _train(config, topo, *, measured: bool) -> int:
     """Build the config's pipe and take two steps as the trainer does; with `measured`, what
     the build and the steps added to the resident set at its highest."""
+    from hybridpar.train.build import build_optimizer
     from hybridpar.train.data import make_batches
-    from hybridpar.train.trainer import _optimizer, build_pipe
+    from hybridpar.train.trainer import build_pipe
 
     x, y = make_batches(config, split="train", dp_rank=topo.dp_rank, dp=topo.dp).next_batch()
     Path("/proc/self/clear_refs").write_text("5")   # VmHWM := VmRSS
     before = _status("VmRSS")
     pipe = build_pipe(config, topo)
-    optimizer = _optimizer(pipe, config)
+    optimizer = build_optimizer(pipe, config)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16,
                               enabled=config.train.precision == "bf16")
     for _ in range(2):

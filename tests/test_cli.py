@@ -84,7 +84,7 @@ def test_balance_errors_are_one_line_with_exit_code_two(tmp_path, capsys):
 
 
 def test_write_balance_adds_a_parallel_table_when_there_is_none(tmp_path):
-    from hybridpar.train.balance import write_balance
+    from hybridpar.train.commands.balance import write_balance
 
     config = tmp_path / "bare.toml"
     config.write_text('[model]\nname = "mlp"\n')

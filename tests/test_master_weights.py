@@ -26,8 +26,9 @@ from hybridpar import HybridPipe
 from hybridpar.optim import MasterWeights, deal, optimizer_state_tensors, owned_parameters
 from hybridpar.precision import check_dtype_runs, grad_of, set_grad
 from hybridpar.train import ConfigError
+from hybridpar.train.build import build_optimizer
 from hybridpar.train.export import read_state
-from hybridpar.train.trainer import _optimizer, build_pipe, train
+from hybridpar.train.trainer import build_pipe, train
 
 TIMEOUT = 120
 BF16 = ["train.precision=bf16", "train.param_dtype=bf16"]
@@ -156,7 +157,7 @@ def _state_bytes(overrides):
     par = cfg.parallel
     topo = hybridpar.init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=60)
     pipe = build_pipe(cfg, topo)
-    optimizer = _optimizer(pipe, cfg)
+    optimizer = build_optimizer(pipe, cfg)
     for p in pipe.parameters():
         set_grad(p, torch.zeros(p.shape))
     optimizer.step()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybridpar.cli import main
-from hybridpar.train.plot import PANELS, plot_runs
+from hybridpar.train.commands.plot import PANELS, plot_runs
 
 pytest.importorskip("matplotlib")
 

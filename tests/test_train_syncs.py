@@ -15,9 +15,10 @@ from hybridpar.train.trainer import train
 
 
 def _counting(reads: collections.Counter):
-    """Count host reads of tensor values made by hybridpar/train/trainer.py, by function."""
+    """Count host reads of tensor values made by the loop (hybridpar/train/trainer.py) and its
+    step (train/step.py), by function."""
     def count(name, caller):
-        if caller.co_filename.endswith("train/trainer.py"):
+        if caller.co_filename.endswith(("train/trainer.py", "train/step.py")):
             reads[f"{caller.co_name}:{name}"] += 1
     return watching_reads(count)
 
@@ -32,13 +33,13 @@ def _run(run_dir: str, nonfinite: str):
 
 
 @pytest.mark.parametrize("nonfinite,expected", [
-    ("stop", {"_resolve:tolist": 2}),                          # steps 3 and 6
-    ("skip", {"_resolve:tolist": 2, "_train_step:tolist": 6}),  # and each step's own check
+    ("stop", {"resolve:tolist": 2}),                         # steps 3 and 6
+    ("skip", {"resolve:tolist": 2, "train_step:tolist": 6}),  # and each step's own check
 ])
 def test_the_host_reads_the_loss_only_every_log_every_steps(tmp_path, nonfinite, expected):
     results = hybridpar.spawn(_run, 4, args=(str(tmp_path / nonfinite), nonfinite), timeout=120)
     for reads, losses in results:
         per_step = {k: n for k, n in reads.items()   # not the start (resume, build) nor the end
-                    if k.split(":")[0] in ("train", "_train_step", "_resolve", "step")}
+                    if k.split(":")[0] in ("train", "train_step", "resolve", "step")}
         assert per_step == expected, reads
         assert len(losses) == 6 and all(isinstance(v, float) for v in losses)

@@ -23,7 +23,8 @@ from spawn_cases import spawn_cases
 import hybridpar
 from hybridpar.optim import optimizer_state_tensors, owned_parameters, zero_optimizer
 from hybridpar.train import Config, ConfigError, load_config
-from hybridpar.train.trainer import _optimizer, build_pipe, train
+from hybridpar.train.build import build_optimizer
+from hybridpar.train.trainer import build_pipe, train
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.toml"
 TIMEOUT = 120
@@ -73,7 +74,7 @@ def _state_bytes(overrides):
     topo = hybridpar.init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=60)
     torch.manual_seed(0)
     pipe = build_pipe(cfg, topo)
-    optimizer = _optimizer(pipe, cfg)
+    optimizer = build_optimizer(pipe, cfg)
     for p in pipe.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -181,11 +182,11 @@ def _one_replica(overrides):
         def emit(self, record):
             records.append(record.getMessage())
 
-    logging.getLogger("hybridpar.train.trainer").addHandler(Keep())
+    logging.getLogger("hybridpar.train").addHandler(Keep())
     cfg = config(*overrides)
     topo = hybridpar.init(timeout=60)
     pipe = build_pipe(cfg, topo)
-    optimizer = _optimizer(pipe, cfg)
+    optimizer = build_optimizer(pipe, cfg)
     pipe.close()
     return type(optimizer).__name__, records
 

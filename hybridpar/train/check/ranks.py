@@ -193,7 +193,7 @@ class DryRun:
 
     def _steps(self, pipe: HybridPipe, topo: Topology, mode: Any) -> RankReport:
         """The rank's shape pass, then its dry steps (module docstring); its numbers."""
-        from hybridpar.train.trainer import _optimizer
+        from hybridpar.train.build import build_optimizer
 
         where = _where(topo)
         cpu = topo.device.type == "cpu"
@@ -204,7 +204,7 @@ class DryRun:
                 self.shapes.run(pipe, topo, inputs)
         except Exception as e:
             raise failure(e, where, layers, "its shape pass", cpu=cpu) from e
-        optimizer = _optimizer(pipe, self.config)   # the trainer's AdamW
+        optimizer = build_optimizer(pipe, self.config)   # the trainer's AdamW
         if not cpu:   # torch picks the foreach AdamW on CUDA; on the fake GPU's FakeTensor
             for group in optimizer.param_groups:   # parameters it would not
                 if group.get("foreach") is None and not group.get("fused"):

@@ -1,0 +1,253 @@
+"""The state of one worker's run (pipe, optimizer, data, step) as a checkpoint holds it, the
+resume from one saved under this or any other layout, and the start from a plain export
+(`--init-from`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hybridpar.comm.agreement import fail_together
+from hybridpar.data.windows import TokenWindows
+from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters
+from hybridpar.pipe import HybridPipe
+from hybridpar.pipeline.schedules.layout import Layout
+from hybridpar.tensor_parallel.random import (
+    get_rng_state_all,
+    model_parallel_manual_seed,
+    set_rng_state_all,
+)
+from hybridpar.topology import Topology
+from hybridpar.train.build import build_optimizer, build_pipe, loss_rank
+from hybridpar.train.checkpoints.checkpoint import (
+    CheckpointError,
+    allocate_like,
+    latest_checkpoint,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+)
+from hybridpar.train.checkpoints.shards import (
+    Entry,
+    check_unique,
+    flatten,
+    model_entries,
+    optimizer_entries,
+    tie_entries,
+    unflatten,
+)
+from hybridpar.train.configs.config import Config
+from hybridpar.train.data import SyntheticBatches, TokenBatches, make_batches
+from hybridpar.train.export import load_exported
+
+__all__ = ["Batches", "RunState", "init_weights_from", "resume_step"]
+
+log = logging.getLogger(__name__)
+
+Batches = TokenBatches | SyntheticBatches | TokenWindows
+
+#: checkpoint keys of what a token folder's windows are (`TokenWindows.identity`)
+_DATA_ID = "data_id/"
+
+
+class RunState:
+    """The state of one worker's run: pipe, optimizer, data, step; saved and loaded whole."""
+
+    def __init__(self, config: Config, run_dir: Path, topo: Topology) -> None:
+        self.config, self.run_dir, self.topo = config, run_dir, topo
+        self.reporter = topo.rank == loss_rank(topo)
+        # token windows are read by the first stage's ranks (x) and the last stage's (y) only
+        par = config.parallel
+        stages = Layout.of(par.schedule, par.pp, par.virtual_stages)
+        held = stages.stages_of(topo.pp_rank)
+        self.reads = {"inputs": 0 in held, "targets": stages.stages - 1 in held}
+        self.batches = make_batches(config, split="train", dp_rank=topo.dp_rank, dp=topo.dp,
+                                    **self.reads)
+        sample = None
+        if isinstance(config.parallel.balance, str) and config.parallel.balance in (
+                "time", "size"):
+            sample = make_batches(config, split="train", dp_rank=topo.dp_rank,
+                                  dp=topo.dp).next_batch()[0]
+        self.pipe = build_pipe(config, topo, sample=sample)
+        self.optimizer = build_optimizer(self.pipe, config)
+        self.step = 0
+        self.layers = self.pipe.layers
+
+    # checkpoint state ---------------------------------------------------------------------
+    def _tp_group(self) -> Any:
+        return self.topo.tp_group if self.topo.tp > 1 else None
+
+    def _coordinate(self) -> str:
+        return f"rng/{self.topo.dp_rank}.{self.topo.pp_rank}.{self.topo.tp_rank}"
+
+    def _layout(self) -> Tensor:
+        t = self.topo
+        return torch.tensor([t.dp, t.pp, t.tp, *self.pipe.balance], dtype=torch.int64)
+
+    def state(self) -> dict[str, Entry]:
+        """Everything a resume needs, under layout-free keys (see `shards`)."""
+        group = self._tp_group()
+        tied = self.pipe.tied_aliases
+        if isinstance(self.optimizer, MasterWeights):   # the update's broadcast: all arrived
+            self.optimizer.wait_params()
+        masters = getattr(self.optimizer, "masters", None)   # bf16 weights: float32 values
+        state: dict[str, Entry] = {
+            **model_entries(self.pipe, group, aliases=tied, masters=masters),
+            **optimizer_entries(self.pipe, local_optimizer(self.optimizer), group,
+                                aliases=tied, owned=owned_parameters(self.optimizer),
+                                masters=masters)}
+        state.update(tie_entries(tied))   # lets an export give every tied name its tensor
+        state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
+        state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)
+                                      for k, v in self.batches.state_dict().items()}))
+        if isinstance(self.batches, TokenWindows):
+            state.update({_DATA_ID + k: _encode_id(v)
+                          for k, v in self.batches.identity().items()})
+        state["layout"] = self._layout()
+        state.update(flatten(self._coordinate(), get_rng_state_all()))
+        return state
+
+    def save(self) -> Path:
+        state = self.state()
+        check_unique(state, self.layers, tied=set(self.pipe.tied_aliases.values()))
+        path = save_checkpoint(self.run_dir / "checkpoints", self.step, state,
+                               keep=self.config.checkpoint.keep)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def load(self, path: Path) -> None:
+        """Continue from checkpoint `path` (saved under this or any other layout)."""
+        metadata = read_metadata(path)
+        state = self.state()
+        rng_keys = [k for k in state if k.startswith("rng/")]
+        for key in [*rng_keys, *(k for k in state if k.startswith(_DATA_ID))]:
+            del state[key]
+        saved_rng = [k for k in rng_keys if k in metadata.state_dict_metadata]
+        saved_id = [k for k in metadata.state_dict_metadata if k.startswith(_DATA_ID)] \
+            if isinstance(self.batches, TokenWindows) else []
+        state.update(allocate_like(metadata, ["layout", *saved_rng, *saved_id]))
+        load_checkpoint(path, state)
+        if isinstance(self.optimizer, MasterWeights):   # the masters read: the weights follow
+            self.optimizer.copy_to_params()
+        step = state["train/step"]
+        assert isinstance(step, Tensor)
+        self.step = int(step)
+        position = {k.removeprefix("data/"): int(v) for k, v in state.items()
+                    if k.startswith("data/") and isinstance(v, Tensor)}
+        if isinstance(self.batches, TokenWindows) and self._data_changed(path, {
+                k.removeprefix(_DATA_ID): _decode_id(v) for k, v in state.items()
+                if k.startswith(_DATA_ID) and isinstance(v, Tensor)}):
+            position = {"epoch": 0, "index": 0}
+        self.batches.load_state_dict(position)
+        same_layout = torch.equal(state["layout"], self._layout()) \
+            if isinstance(state["layout"], Tensor) else False
+        if same_layout and len(saved_rng) == len(rng_keys):
+            flat = {k: v for k, v in state.items() if k in saved_rng and isinstance(v, Tensor)}
+            set_rng_state_all(unflatten(self._coordinate(), flat, get_rng_state_all()))
+        else:
+            seed = self.config.train.seed + self.step
+            torch.manual_seed(seed)
+            model_parallel_manual_seed(seed, group=self.topo.tp_group)
+            log.info("checkpoint layout differs (dp, pp, tp, balance): random streams re-seeded "
+                     "from train.seed + step; dropout masks differ from an unchanged run")
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def _data_changed(self, path: Path, saved: dict[str, Any]) -> bool:
+        """Whether the token windows differ from those checkpoint `path` was trained on: a
+        `CheckpointError` naming what changed, or True (start the data order over) with
+        ``data.restart``; False when they are the same."""
+        assert isinstance(self.batches, TokenWindows)
+        now = self.batches.identity()
+        what = {"tokenizer": "the tokenizer (meta.json tokenizer.sha256)",
+                "fingerprint": "the corpus (meta.json fingerprint: its tokens)",
+                "seq_len": "data.seq_len", "seed": "data.seed"}
+        if not saved:
+            changed = ["the data: the checkpoint was not trained on a token folder"]
+        elif saved.get("tokenizer") != now["tokenizer"]:
+            changed = [what["tokenizer"]]   # (a new tokenizer changes the tokens too)
+        else:
+            changed = [f"{what[k]}: {saved.get(k)!r} -> {now[k]!r}" if k in ("seq_len", "seed")
+                       else what[k] for k in ("fingerprint", "seq_len", "seed")
+                       if saved.get(k) != now[k]]
+        if not changed:
+            return False
+        message = (f"checkpoint {path} was trained on other data windows than "
+                   f"data.path {self.config.data.path!r} gives; changed: {'; '.join(changed)}")
+        if not self.config.data.restart:
+            raise CheckpointError(f"{message}. Resume with the data it was trained on, or set "
+                                  "data.restart = true (--set data.restart=true) to keep the "
+                                  "weights and start the new data's order from its beginning")
+        if self.reporter:
+            log.warning("%s; data.restart = true: the data order starts over", message)
+        return True
+
+
+def _encode_id(value: str | int) -> Tensor:
+    """A data identity value as a checkpoint tensor: an int as int64, a str as its bytes."""
+    if isinstance(value, int):
+        return torch.tensor(value, dtype=torch.int64)
+    return torch.tensor(list(value.encode()), dtype=torch.uint8)
+
+
+def _decode_id(t: Tensor) -> str | int:
+    return bytes(t.tolist()).decode() if t.dtype == torch.uint8 else int(t)
+
+
+
+
+def resume_step(root: Path) -> int:
+    """The latest complete checkpoint's step as global rank 0 sees it (-1: none), on all."""
+    found = latest_checkpoint(root) if dist.get_rank() == 0 else None
+    step = torch.tensor(int(found.name.removeprefix("step-")) if found else -1)
+    dist.broadcast(step, 0)
+    return int(step)
+
+
+def init_weights_from(pipe: HybridPipe, config: Config, path: str) -> None:
+    """Start from a plain single-device state dict (`hybridpar export`'s output).
+
+    Safetensors (the export folder, its index, a ``.safetensors`` file): each rank reads
+    its stages' keys and, of a tp-sharded tensor, its slice, straight into the
+    parameters (`hybridpar.hf.shard_load.load_plain_shards`). A ``.pt`` file: read whole
+    on every rank, then each stage keeps its part.
+    """
+    from hybridpar.train.configs.options import init_from_format
+
+    with fail_together(CheckpointError):   # (the same answer on every rank, unless a
+        try:                               # file system differs between hosts)
+            kind = init_from_format(path)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    if kind == "safetensors":
+        _init_from_safetensors(pipe, config, path)
+        return
+    try:
+        full = load_exported(path)
+    except Exception as e:
+        raise CheckpointError(
+            f"--init-from {path} cannot be read as a state dict of tensors with "
+            f"torch.load(weights_only=True) ({type(e).__name__}); give a .pt file written "
+            "by `hybridpar export`") from None
+    with fail_together(CheckpointError):   # each stage checks its own keys: agree
+        try:
+            pipe.load_consolidated_state_dict(full)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"--init-from {path} does not fit model "
+                                  f"{config.model.name!r}: {e}") from None
+    log.info("initialized the weights from %s", path)
+
+def _init_from_safetensors(pipe: HybridPipe, config: Config, path: str) -> None:
+    from hybridpar.hf.shard_load import load_plain_shards
+
+    try:   # (load_plain_shards raises on every rank alike)
+        loaded = load_plain_shards(pipe, path,
+                                   model=f"model {config.model.name!r}")
+    except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"--init-from {path}: {e}") from None
+    log.info("initialized the weights from %s: read %d tensors (%.1f MiB) on this rank",
+             path, loaded.tensors, loaded.bytes_read / 2**20)
