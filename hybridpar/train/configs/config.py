@@ -139,6 +139,7 @@ class TrainConfig:
     # gradients and master weights, `hybridpar.optim.master`: 18 -> 6 + 12 / dp bytes with zero 1)
     sample_tokens: int = 200      # gpt: tokens sampled at the end; 0: none
     nonfinite: str = "stop"       # a NaN / inf loss or grad norm: "stop" (raise) | "skip" the step
+    max_skipped: int = 5          # "skip": this many skipped steps in a row stop the run; 0: no cap
     compile: bool = False         # torch.compile each repeated block, once (`hybridpar.compile`)
 
 
@@ -148,6 +149,7 @@ class CheckpointConfig:
 
     every: int = 100              # steps between checkpoints (and one at the end); 0: none
     keep: int = 2                 # the newest complete checkpoints kept
+    on_signal: bool = True        # SIGTERM / SIGINT: finish the step, save a checkpoint, exit
 
 
 @dataclass(frozen=True)
