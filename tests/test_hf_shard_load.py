@@ -143,6 +143,23 @@ def _small_llama(vocab=64, dtype=torch.float64, seed=11):
     return transformers.LlamaForCausalLM(config).to(dtype)
 
 
+def _poison(directory: Path, name: str, change) -> None:
+    """Rewrite the file of `directory` that holds `name` with ``change(tensor)`` in its place."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    file = directory / index["weight_map"][name]
+    tensors = load_file(str(file))
+    tensors[name] = change(tensors[name])
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _nan_row(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t[20, 0] = float("nan")   # row 20 of 32: tp rank 1's half of a column-parallel weight
+    return t
+
+
 def _rewrite(file: Path, drop: str) -> None:
     """Write `file` (one safetensors file) again without tensor `drop`."""
     from safetensors.torch import load_file, save_file
@@ -184,6 +201,14 @@ def checkpoints(tmp_path_factory):
     file.write_bytes(file.read_bytes()[:-1000])
     out["truncated"] = root / "truncated"
 
+    for case, name, change in (                                  # issue 40, points 4 and 8
+            ("nan", "model.layers.1.self_attn.q_proj.weight", _nan_row),    # stage 1, tp 1
+            ("int32", "model.layers.0.self_attn.k_proj.weight", lambda t: t.to(torch.int32)),
+            ("bool", "model.embed_tokens.weight", lambda t: t > 0)):
+        tiny("llama", seed=11).save_pretrained(root / case, max_shard_size="20KB")
+        _poison(root / case, name, change)
+        out[case] = (root / case, name)
+
     run = root / "run"                                           # float32, bytes
     _small_llama(vocab=256, dtype=torch.float32, seed=5).save_pretrained(
         run, max_shard_size="20KB")
@@ -211,6 +236,9 @@ def runs(checkpoints):
         "heads": (_error_case, (str(c["heads"]),)),
         "garbage": (_error_case, (str(c["garbage"][0]),)),
         "truncated": (_error_case, (str(c["truncated"]),)),
+        "nan": (_error_case, (str(c["nan"][0]),)),
+        "int32": (_error_case, (str(c["int32"][0]),)),
+        "bool": (_error_case, (str(c["bool"][0]),)),
         "run": (_run_case, (cfg, ids)),
     }
     return spawn_cases(_dispatch, 4, {k: (fn, args) for k, (fn, args) in cases.items()},
@@ -279,6 +307,20 @@ def test_a_truncated_file_is_named_on_every_rank(runs, checkpoints):
     for message in _messages(runs["truncated"]):
         assert str(checkpoints["truncated"] / "model.safetensors") in message
         assert "not a whole safetensors file" in message
+
+
+@pytest.mark.parametrize("case, says", [("nan", " holds 1 NaN of its 512 values"),
+                                         ("int32", " is I32, but the model's tensor is "),
+                                         ("bool", " is BOOL, but the model's tensor is ")])
+def test_a_nan_or_integer_weight_is_named_with_its_file_on_every_rank(runs, checkpoints, case,
+                                                                     says):
+    # issue 40: model.pretrained with a NaN (only tp rank 1 of stage 1 reads it), an int32
+    # k_proj or a bool embedding of the right shape loaded silently (cast to float)
+    directory, name = checkpoints[case]
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    for message in _messages(runs[case]):
+        assert message.startswith(f"{name} in {directory / index['weight_map'][name]}"), message
+        assert says in message, message
 
 
 def test_a_pretrained_run_builds_and_steps_as_the_whole_model_did(runs):

@@ -21,9 +21,10 @@ Peak host memory beyond the model's storage: one tensor (or its slice) in the fi
 and that tensor's pages of the memory-mapped file (a file is opened for each tensor, so its
 pages are unmapped after it). Every rank reads only its own keys; a tensor tied across
 stages is read by each stage that holds a copy. Everything is checked before anything is
-read (every key found, every shape the model's, no key the model lacks, every file a whole
-safetensors file), and an error is raised on every rank (`fail_together`), naming the key
-and the file(s).
+read (every key found, every shape the model's, no key the model lacks, no integer or bool
+where the model has floats, every file a whole safetensors file), every parameter is checked
+finite as it is read (`hybridpar.io.weight_checks`), and an error is raised on every rank
+(`fail_together`), naming the key and the file(s).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch.distributed import ProcessGroup
 from hybridpar.comm.agreement import fail_together
 from hybridpar.hf.checkpoint import _INDEX, _files, checkpoint_config
 from hybridpar.hf.keys import KeyMap, key_map
+from hybridpar.io.weight_checks import check_finite, check_kind
 from hybridpar.tensor_parallel.state import ShardRanges, full_shape, module_group, shard_ranges
 
 __all__ = ["FileNames", "ShardLoad", "init_for_loading", "load_hf_shards",
@@ -69,6 +71,7 @@ class _Entry:
     file: Path
     where: ShardRanges | None        # None: the whole tensor
     expected: tuple[int, ...]        # the full shape the model wants
+    param: bool                      # a parameter (checked finite), not a buffer
 
 
 @torch.no_grad()
@@ -266,7 +269,8 @@ def _plan(module: nn.Module, files: Mapping[str, Path], looked_in: str, names: F
         group = groups.get(id(tensor))
         where = shard_ranges(tensor, group)
         expected = tuple(full_shape(tensor, group) if where is not None else tensor.shape)
-        entries.append(_Entry(key, tensor, name, files[name], where, expected))
+        entries.append(_Entry(key, tensor, name, files[name], where, expected,
+                              id(tensor) in params))
     if missing:
         raise ValueError(f"{len(missing)} tensor(s) this rank needs are not in the checkpoint: "
                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; looked "
@@ -279,7 +283,9 @@ def _plan(module: nn.Module, files: Mapping[str, Path], looked_in: str, names: F
                 if e.hf not in held:
                     raise ValueError(f"{path} does not hold {e.hf} (the model's {e.key}), "
                                      f"though {looked_in} names it there")
-                shape = tuple(f.get_slice(e.hf).get_shape())
+                header = f.get_slice(e.hf)
+                check_kind(e.hf, str(path), header.get_dtype(), e.tensor)
+                shape = tuple(header.get_shape())
                 if shape != e.expected:
                     raise ValueError(
                         f"{e.hf} in {path} has shape {shape} but the model built from "
@@ -388,5 +394,7 @@ def load_slices(module: nn.Module, files: Mapping[str, Path], looked_in: str,
         for e in entries:
             with _opened(e.file) as f:   # one tensor a time: its pages unmapped after it
                 read += _read(f, e)
+            if e.param:   # (after the copy: a value the model's dtype cannot hold is inf)
+                check_finite(e.hf, str(e.file), e.tensor)
     return ShardLoad(tensors=len(entries), bytes_read=read,
                      files=tuple(str(p) for p in _by_file(entries)))

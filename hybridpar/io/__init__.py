@@ -1,3 +1,4 @@
 """Files: written crash-safe (`files`: to a temporary name, fsynced, renamed: never a
 half-written file) and model weight files read (`weight_files`: safetensors and PyTorch
-``.bin`` shards, one tensor at a time, without pickles). A leaf: imports nothing of hybridpar."""
+``.bin`` shards, one tensor at a time, without pickles) and checked (`weight_checks`: no
+integer or bool into float weights, no NaN or inf). A leaf: imports nothing of hybridpar."""

@@ -7,7 +7,9 @@
                               per key over the pp group)
     stream_state_dict         one full tensor at a time, to one rank: the key's stage gathers
                               it (`full_tensor`) and sends it; what `export_pipe` writes from
-    load_consolidated         each rank keeps its stage's keys, sliced to its tp shard
+    load_consolidated         each rank keeps its stage's keys, sliced to its tp shard (no
+                              integer or bool into a float, every parameter finite: a
+                              `ValueError` on every rank, `hybridpar.io.weight_checks`)
 
 Names are the unsplit `nn.Sequential`'s. A tied parameter (`pipeline.parameters.tied`) travels once,
 under its canonical name, and every other name gets the same tensor; a state dict may give
@@ -26,8 +28,10 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
+from hybridpar.comm.agreement import fail_together
 from hybridpar.comm.broadcast import broadcast_tensors
 from hybridpar.comm.p2p import DTYPES
+from hybridpar.io.weight_checks import check_finite, check_kind
 from hybridpar.tensor_parallel.state import full_shape, gather_full, shard_of
 from hybridpar.topology import Topology
 
@@ -213,8 +217,12 @@ def fill_aliases(state_dict: Mapping[str, Tensor], aliases: Mapping[str, str]
 
 
 def load_consolidated(stage: nn.Module, state_dict: Mapping[str, Tensor], topology: Topology,
-                      *, state_keys: Sequence[str], aliases: Mapping[str, str]) -> None:
-    """Load a full (unsharded) state dict into `stage`, keeping its keys and tp shard."""
+                      *, state_keys: Sequence[str], aliases: Mapping[str, str],
+                      source: str = "the state dict") -> None:
+    """Load a full (unsharded) state dict into `stage`, keeping its keys and tp shard.
+
+    A collective: each rank checks its own keys (dtype kind, a parameter's values finite)
+    and a `ValueError` naming the key and `source` is raised on every rank."""
     known = set(state_keys)
     state_dict = fill_aliases(state_dict, aliases)
     missing = [k for k in state_keys if k not in state_dict]
@@ -227,8 +235,12 @@ def load_consolidated(stage: nn.Module, state_dict: Mapping[str, Tensor], topolo
     group = topology.tp_group if topology.tp > 1 else None
     params = dict(stage.named_parameters())
     local = {}
-    for key in stage.state_dict():
-        param = params.get(key)
-        value = state_dict[key]
-        local[key] = shard_of(value, param, group) if param is not None else value
+    with fail_together(ValueError):
+        for key, target in stage.state_dict(keep_vars=True).items():
+            param = params.get(key)
+            value = state_dict[key]
+            check_kind(key, source, value.dtype, target)
+            local[key] = shard_of(value, param, group) if param is not None else value
+            if param is not None:
+                check_finite(key, source, local[key])
     stage.load_state_dict(local)
