@@ -196,9 +196,19 @@ def write_shards(target: str | os.PathLike[str] | None, sizes: Sequence[tuple[st
 
 
 def _save(shard: dict[str, Tensor], path: Path) -> None:
+    """``save_file``; a failed write (disk full, a file-size limit) as the `OSError` it was:
+    safetensors raises a `SafetensorError` ending in ``(os error N)``, which names no file."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(shard, str(path), metadata={"format": "pt"})
+    try:
+        save_file(shard, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        errno = int(code.group(1))
+        raise OSError(errno, os.strerror(errno), str(path)) from None
 
 
 def weight_files(path: str | os.PathLike[str]) -> list[Path]:

@@ -145,10 +145,26 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike
     plain = read_state(checkpoint)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)   # only once the checkpoint read
-        atomic_write(target, lambda tmp: torch.save(plain, tmp))
+        atomic_write(target, lambda tmp: _torch_save(plain, tmp))
     except OSError as e:
         raise ValueError(f"cannot write {out}: {e.strerror or e}") from None
     return plain
+
+
+def _torch_save(value: object, path: Path) -> None:
+    """``torch.save`` through a Python file, so that a failed write (disk full, a file-size
+    limit) is the `OSError` it was: torch's own writer raises ``RuntimeError: [enforce fail at
+    inline_container.cc:672] . unexpected pos``, with the `OSError` only as its context."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(value, f)
+    except RuntimeError as e:
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def _run_model(checkpoint: Path, config: str | os.PathLike[str] | None) -> dict[str, Any]:
