@@ -91,3 +91,36 @@ def test_on_nccl_the_way_back_is_a_restart(monkeypatch):
                        r"--max-restarts N resumes from the last checkpoint\): NCCL's "
                        r"communicators cannot be rebuilt in-process"):
         generation.check_usable(generation.current(), "train_step")
+
+
+class _Boom(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("boom in the last layer")
+
+
+def _one_rank_never_comes_back():
+    """pp=3: the last stage's layer raises; ranks 0 and 1 call hybridpar.init again (a 3 s
+    timeout), rank 2 does not (it goes on with something else, as a rank whose script let
+    the error end its loop)."""
+    topo = hybridpar.init(pp=3, timeout=10)
+    pipe = hybridpar.HybridPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), _Boom()),
+                                [1, 1, 1], topology=topo, loss_fn=_sum)
+    failed = attempt(lambda: pipe.train_step(torch.rand(2, 2), torch.zeros(2)))
+    if topo.rank == 2:
+        return failed, ["not called", ""]
+    return failed, attempt(lambda: hybridpar.init(pp=3, timeout=3))
+
+
+def test_a_rank_that_never_calls_init_again_is_named_with_the_remedy():
+    # issue 40 point 11: before, the ranks that came back ended with a bare
+    # "DistStoreError: wait timeout ..., keys: /hybridpar/generation/1/...", naming no rank
+    results = hybridpar.spawn(_one_rank_never_comes_back, 3, timeout=90)
+    assert results[2][0][0] == "RuntimeError"                    # the layer's own error
+    for rank in (0, 1):
+        kind, message = results[rank][1]
+        assert kind == "GroupsBroken", message
+        assert message.startswith(f"hybridpar.init on rank {rank} waited 0:00:03 for every "
+                                  "rank to rebuild the process groups after the failed step; "
+                                  "rank(s) [2] of 3 did not call hybridpar.init again."), message
+        assert "each must catch it and call hybridpar.init(...) again" in message
+        assert "hybridpar run --max-restarts N" in message

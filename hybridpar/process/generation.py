@@ -83,7 +83,8 @@ def check_usable(generation: int, what: str) -> None:
 def renew(timeout: datetime.timedelta) -> bool:
     """If the current generation is broken, start the next one (gloo); True if it did.
 
-    Collective: every rank of the job calls it (through `hybridpar.init`). On NCCL it raises
+    Collective: every rank of the job calls it (through `hybridpar.init`); the ranks that
+    came raise `GroupsBroken` naming those that did not within `timeout`. On NCCL it raises
     `GroupsBroken` with how to restart.
     """
     global _generation, _broken
@@ -96,6 +97,7 @@ def renew(timeout: datetime.timedelta) -> bool:
     while isinstance(base, dist.PrefixStore):   # torch's "default_pg/", a generation's prefix
         base = base.underlying_store
     rank, world = dist.get_rank(), dist.get_world_size()
+    _arrive(base, _generation + 1, rank, world, timeout)
     dist.destroy_process_group()
     _generation += 1
     _broken = None
@@ -103,3 +105,34 @@ def renew(timeout: datetime.timedelta) -> bool:
         f"hybridpar/generation/{_generation}", base), rank=rank, world_size=world,
         timeout=timeout)
     return True
+
+
+def _arrive(store: dist.Store, generation: int, rank: int, world: int,
+            timeout: datetime.timedelta) -> None:
+    """Note this rank's arrival at `generation`, then wait up to `timeout` for every rank's;
+    `GroupsBroken` naming the ranks that did not come (else torch's own barrier in
+    `init_process_group` ends in a bare ``DistStoreError: wait timeout`` naming store keys)."""
+    keys = [f"hybridpar/arrived/{generation}/{r}" for r in range(world)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timeout)
+        return
+    except RuntimeError:   # DistStoreError: a timeout (or the store went away)
+        pass
+    try:
+        absent = [r for r, key in enumerate(keys) if not store.check([key])]
+    except RuntimeError:   # the store itself is gone: its host (rank 0, the agent) ended
+        absent = []
+    if not absent:
+        raise GroupsBroken(
+            f"hybridpar.init on rank {rank} could not rebuild the process groups: the "
+            "rendezvous store stopped answering while it waited for the other ranks (the "
+            "process hosting it, rank 0 or the launcher's agent, ended?); restart the "
+            "processes (hybridpar run --max-restarts N resumes from the last checkpoint)")
+    raise GroupsBroken(
+        f"hybridpar.init on rank {rank} waited {timeout} for every rank to rebuild the "
+        f"process groups after the failed step; rank(s) {absent} of {world} did not call "
+        "hybridpar.init again. Every rank raised the step's error: each must catch it and "
+        "call hybridpar.init(...) again (then build a new HybridPipe), or let it end the "
+        "process so that the job restarts (hybridpar run --max-restarts N resumes from the "
+        "last checkpoint)")
