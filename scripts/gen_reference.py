@@ -1,7 +1,7 @@
 """Write docs/reference.md, the config and command-line reference, from the code itself.
 
     part                 read from
-    config sections      the dataclasses of `hybridpar.train.configs.config` (fields, types,
+    config sections      the dataclasses of `hybridpar.train.configs.sections` (fields, types,
                          defaults,
                          the comment on each field's line, the choices the loader accepts)
     [model] options      each builder's keyword-only parameters (`hybridpar.models.registry`)
@@ -54,10 +54,10 @@ def _type(hint: object) -> str:
 
 
 def _config_tables() -> list[str]:
-    from hybridpar.train.configs import config as cfg
+    from hybridpar.train.configs import sections as cfg
 
     lines: list[str] = []
-    for section, cls in cfg._CLASSES.items():
+    for section, cls in cfg.SECTION_CLASSES.items():
         doc = (cls.__doc__ or "").strip().splitlines()[0]
         lines += [f"### `[{section}]`", "", doc, "", "| key | type | default | meaning |",
                   "|---|---|---|---|"]
@@ -67,9 +67,9 @@ def _config_tables() -> list[str]:
             key = f"{section}.{f.name}"
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             meaning = notes.get(f.name, "")
-            if key in cfg._CHOICES:
+            if key in cfg.CHOICES:
                 meaning += ("; " if meaning else "") + "one of " + ", ".join(
-                    f"`{c}`" for c in cfg._CHOICES[key])
+                    f"`{c}`" for c in cfg.CHOICES[key])
             lines.append(f"| `{f.name}` | `{_type(hints[f.name])}` | `{default!r}` | "
                          f"{meaning.replace('|', '/')} |")
         lines.append("")
@@ -79,7 +79,7 @@ def _config_tables() -> list[str]:
 def _model_tables() -> list[str]:
     from hybridpar.models import MODELS
     from hybridpar.models.hf import FAMILIES
-    from hybridpar.train.configs import config as cfg
+    from hybridpar.train.configs import sections as cfg
 
     lines = ["### `[model]`", "", "`name` picks the builder; its keyword-only options are the "
              "other keys (`tp` and `group` come from `[parallel]`).", "",
