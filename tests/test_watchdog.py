@@ -223,3 +223,66 @@ def test_a_rank_stopped_after_its_schedule_is_reported_where_the_step_waits(tmp_
     assert waits or told, rank0
     assert "stage 0 (rank 1) is stuck at the end of train_step" in rank1 or \
         "a peer failed first: stage 0 (rank 0) is stuck" in rank1, rank1
+
+
+# a rank stuck in its own compute (issue 40 point 12) --------------------------------------------
+
+class _Stall(nn.Module):
+    """A linear layer whose first forward on rank 1 stalls 4 s (before its `all_reduce`
+    over the world, in mode "collective")."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.linear, self.mode, self.calls = nn.Linear(4, 4), mode, 0
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if self.calls == 1 and dist.get_rank() == 1:
+            time.sleep(4)
+        if self.mode == "collective" and self.calls == 1:
+            x = x.clone()
+            dist.all_reduce(x)               # rank 0 waits here for rank 1
+        return self.linear(x)
+
+
+def _stuck_in_compute(folder: str, mode: str):
+    """mode "layer": pp=2, stage 1's layer 1 stalls in F(0) after its receive completed;
+    mode "collective": dp=2, rank 0 blocks in a collective inside layer 0 that rank 1 joins
+    4 s late. A 1 s watchdog; each rank's report (or "")."""
+    topo = hybridpar.init(**({"pp": 2} if mode == "layer" else {"dp": 2}), timeout=30)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), _Stall(mode)] if mode == "layer" else [_Stall(mode)]
+    pipe = hybridpar.HybridPipe(nn.Sequential(*layers), [1, 1] if mode == "layer" else [1],
+                                chunks=2, topology=topo, loss_fn=lambda o, y: o.pow(2).mean(),
+                                watchdog=1.0)
+    report = Path(folder) / f"rank{topo.rank}.txt"
+    pipe._executor.watchdog.on_hang = report.write_text  # instead of exiting the process
+    pipe._executor.watchdog.publish = lambda _: None
+    x = torch.randn(4, 4)
+    pipe.train_step(x, x)
+    pipe.close()
+    return report.read_text() if report.exists() else ""
+
+
+def test_a_rank_stuck_in_its_own_layer_says_so_and_blames_no_peer(tmp_path):
+    # before: "waiting for: receive the activation of micro-batch 0 from stage 0 (rank 0)",
+    # a receive that had completed: it blamed a healthy peer
+    _, stage1 = hybridpar.spawn(_stuck_in_compute, 2, args=(str(tmp_path), "layer"),
+                                timeout=60)
+    assert stage1.startswith("stage 1 (rank 1) is stuck in its own compute at F(0) of "
+                             "train_step: no progress for "), stage1
+    assert "waiting for:    nothing from a peer: no communication of the pipeline is " \
+        "pending" in stage1, stage1
+    assert "computing:      the forward of micro-batch 0 on stage 1, in layer 1 (_Stall)\n" \
+        in stage1, stage1
+    assert "receive the activation" not in stage1, stage1
+
+
+def test_a_rank_blocked_in_a_collective_inside_its_layer_names_it(tmp_path):
+    rank0, rank1 = hybridpar.spawn(_stuck_in_compute, 2, args=(str(tmp_path), "collective"),
+                                   timeout=60)
+    assert rank0.startswith("stage 0 (rank 0) is stuck in its own compute at F(0)"), rank0
+    assert "in layer 0 (_Stall), blocked in torch.distributed's all_reduce" in rank0, rank0
+    assert "in layer 0 (_Stall)\n" in rank1, rank1        # rank 1 sleeps in it

@@ -39,8 +39,9 @@ from hybridpar.comm import p2p as comm
 from hybridpar.pipeline.schedules.schedule import Action
 
 __all__ = ["PEER_GRACE", "Aborted", "PeerStopped", "PipelineError", "Report", "StepPlace",
-           "WaitFailed", "action_name", "collective_error", "collective_stopped", "describe",
-           "hang_report", "peer_abort_report", "send_aborts"]
+           "WaitFailed", "action_name", "collective_error", "collective_stopped",
+           "compute_hang_report", "describe", "hang_report", "peer_abort_report",
+           "send_aborts"]
 
 PEER_GRACE = 0.5  # seconds a stage stopped by a peer's abort waits before raising
 
@@ -189,6 +190,26 @@ def hang_report(place: StepPlace, stuck_for: float, waiting: str,
     details = [("waiting for", waiting),
                ("hint", "the peer of that operation is stuck, died, or failed first (see its "
                         "error); if it is only slow, raise the topology timeout")]
+    return _block(headline, place, details)
+
+
+def compute_hang_report(place: StepPlace, stuck_for: float, computing: str,
+                        timeout: datetime.timedelta) -> str:
+    """The watchdog's report of a stage stuck in its own compute: no P2P of the pipeline
+    pending (its receives done, its sends not due yet), so no peer is to blame."""
+    action = place.action
+    assert action is not None
+    headline = (f"{place.who} is stuck in its own compute at {action_name(action)} of "
+                f"{place.what}: no progress for {stuck_for:.0f} s (watchdog, timeout "
+                f"{timeout})")
+    details = [("waiting for", "nothing from a peer: no communication of the pipeline is "
+                               "pending"),
+               ("computing", computing),
+               ("hint", "this rank's own work is stuck or slow, not a peer: a layer that "
+                        "loops or blocks (a lock, a file, a device), or a collective inside "
+                        "the layer that a tensor-parallel peer never joined; `py-spy dump "
+                        "--pid PID` shows its stack; if it is only slow, raise the topology "
+                        "timeout")]
     return _block(headline, place, details)
 
 

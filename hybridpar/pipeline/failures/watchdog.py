@@ -9,7 +9,10 @@ host sync. The watchdog covers both from a background thread:
     no progress for `timeout`                        report where the stage is stuck: the
                                                      step's first P2P operation that has not
                                                      completed (NCCL works can be polled),
-                                                     or the action the host is blocked in
+                                                     or the action the host is blocked in;
+                                                     with no P2P pending, its own compute
+                                                     (the layer and a collective in it, read
+                                                     from the thread's stack: `inside`)
     a peer of the pipeline published an abort        report "a peer failed first" with its
     in the store (`comm.publish_abort`)              error
 
@@ -33,9 +36,9 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["EXIT_CODE", "Watchdog"]
+__all__ = ["EXIT_CODE", "Watchdog", "inside"]
 
 EXIT_CODE = 75   # a stage stopped by its watchdog (EX_TEMPFAIL: a launcher may restart it)
 
@@ -78,6 +81,7 @@ class Watchdog:
         self._store_ok = True
         self._last = time.monotonic()
         self._left = -1                      # pending ops at the last check
+        self.thread: int | None = None       # the thread that entered the step (its stack)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hybridpar-watchdog",
                                         daemon=True)
@@ -89,6 +93,7 @@ class Watchdog:
             if self._depth == 0:
                 self._armed, self._last, self._left = True, time.monotonic(), -1
                 self._until = None
+                self.thread = threading.get_ident()
             self._depth += 1
 
     def beat(self) -> None:
@@ -170,3 +175,22 @@ class Watchdog:
         self._left = left
         stuck = now - self._last
         return (self.describe(stuck) if stuck > self.timeout else None), True
+
+
+def inside(thread: int | None, modules: Mapping[int, str]) -> tuple[str | None, str | None]:
+    """Where `thread` is now, read from its Python stack (no cost to the watched thread):
+    the name `modules` gives (``{id(module): name}``) of the innermost of those modules whose
+    code runs, and the ``torch.distributed`` function it is blocked in, if any (a collective
+    inside the layer). ``(None, None)`` when neither shows (a kernel on the device, C++
+    autograd with no module of ours in Python)."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    collective: str | None = None
+    while frame is not None:
+        code = frame.f_code
+        if collective is None and "torch/distributed/" in code.co_filename.replace("\\", "/"):
+            collective = code.co_name    # the innermost: the collective, not its wrappers
+        owner = frame.f_locals.get("self") if "self" in code.co_varnames else None
+        if owner is not None and id(owner) in modules:
+            return modules[id(owner)], collective
+        frame = frame.f_back
+    return None, collective

@@ -101,6 +101,7 @@ class StageMessages(StageStops):
         self.step.waiting = f"receive {message.label} from stage {stage} (rank {message.src})"
         try:
             spec = message.learn(self._timeout, self.step.signature)
+            self.step.waiting = ""   # done: the watchdog must not blame this peer now
         except comm.PeerFailed as e:
             raise Aborted(f"receive {message.label} from", stage, message.src, e) from e
         except ValueError:   # the peer's step has other shapes: this rank's failure
@@ -173,9 +174,11 @@ class StageMessages(StageStops):
                 self._wait(works, what, stage)
 
     def _wait(self, works: list[Any], what: str, stage: int) -> None:
+        self.step.waiting = f"send {what} to stage {stage} (rank {self._rank(stage)})"
         try:
             for work in works:
                 comm.wait(work, self._timeout)
+            self.step.waiting = ""
         except RuntimeError as e:
             raise WaitFailed(f"send {what} to", stage, self._rank(stage), e) from e
 
@@ -189,7 +192,9 @@ class StageMessages(StageStops):
             self._idle()
         self.step.waiting = f"receive {what} from stage {stage} (rank {posted.src})"
         try:
-            return posted.finish(self._timeout)
+            received = posted.finish(self._timeout)
+            self.step.waiting = ""   # done: the watchdog must not blame this peer now
+            return received
         except comm.PeerFailed as e:
             raise Aborted(f"receive {what} from", stage, posted.src, e) from e
         except RuntimeError as e:

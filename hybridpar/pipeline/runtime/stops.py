@@ -35,11 +35,18 @@ from hybridpar.pipeline.failures.failure import (
     WaitFailed,
 )
 from hybridpar.pipeline.failures.listener import Listener
-from hybridpar.pipeline.failures.watchdog import Watchdog
+from hybridpar.pipeline.failures.watchdog import Watchdog, inside
 from hybridpar.pipeline.runtime.skip import SkipRoute
 from hybridpar.pipeline.runtime.step import StageSpec, StepState, as_tuple
 from hybridpar.pipeline.schedules.lowering import FWD, SKIP, messages
-from hybridpar.pipeline.schedules.schedule import FORWARD, Action
+from hybridpar.pipeline.schedules.schedule import (
+    BACKWARD,
+    COMPUTE,
+    FORWARD,
+    INPUT,
+    WEIGHT,
+    Action,
+)
 from hybridpar.process import generation
 
 __all__ = ["StageStops"]
@@ -87,12 +94,34 @@ class StageStops:
         acting = self.acting or self
         assert self.watchdog is not None
         pending = self._pending() if self.spec.device.type != "cpu" else []
+        place = acting._place(acting.step.at)
+        timeout = datetime.timedelta(seconds=self.watchdog.timeout)
+        if not pending and not acting.step.waiting and not self.watchdog.host_done and \
+                place.action is not None and place.action.kind in COMPUTE:
+            return failure.compute_hang_report(place, stuck_for,
+                                               acting._computing(place.action), timeout)
         waiting = pending[0] if pending else acting.step.waiting or (
             "the device to finish the step's queued work (its collectives: loss, gradients, "
             "norm); the host has left the step" if self.watchdog.host_done
             else "an operation on the host")
-        return failure.hang_report(acting._place(acting.step.at), stuck_for, waiting,
-                                   datetime.timedelta(seconds=self.watchdog.timeout))
+        return failure.hang_report(place, stuck_for, waiting, timeout)
+
+    def _computing(self, action: Action) -> str:
+        """What this stage computes in `action`, the layer its thread runs in when its
+        Python stack shows it (`watchdog.inside`)."""
+        kinds = {FORWARD: "the forward", BACKWARD: "the backward",
+                 INPUT: "the input gradients", WEIGHT: "the weight gradients"}
+        text = f"{kinds.get(action.kind, action.kind)} of micro-batch {action.microbatch} " \
+               f"on stage {self.spec.stage}"
+        assert self.watchdog is not None
+        layers = {id(m): f"layer {name} ({type(m).__name__})"
+                  for name, m in self.spec.partition.named_children()}
+        layer, collective = inside(self.watchdog.thread, layers)
+        if layer is not None:
+            text += f", in {layer}"
+        if collective is not None:
+            text += f", blocked in torch.distributed's {collective} (a collective of the layer)"
+        return text
 
     def _peer_abort(self) -> str | None:
         """A published abort of this step by a peer of the pipeline, or a hang any rank's
