@@ -153,7 +153,7 @@ def test_a_bad_weight_is_named_with_its_file_on_every_rank(loaded, kind, case, n
         assert says in message, message
 
 
-def test_the_checks_alone():
+def test_the_checks_alone(monkeypatch):
     weight = torch.zeros(2, 2)
     check_kind("w", "f", "BF16", weight)                   # floats of any width convert
     check_kind("w", "f", torch.float16, weight)
@@ -165,3 +165,9 @@ def test_the_checks_alone():
     check_finite("w", "f", weight)
     with pytest.raises(ValueError, match="holds 1 NaN, 1 inf of its 4 values"):
         check_finite("w", "f", torch.tensor([0.0, float("nan"), float("-inf"), 1.0]))
+    monkeypatch.setattr("hybridpar.io.weight_checks._CHUNK", 10)   # checked in slices
+    wide = torch.zeros(3, 40)
+    check_finite("w", "f", wide[:, 20:])
+    wide[2, 39] = float("inf")
+    with pytest.raises(ValueError, match="holds 1 inf of its 60 values"):
+        check_finite("w", "f", wide[:, 20:])

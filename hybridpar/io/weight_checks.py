@@ -44,14 +44,24 @@ def check_kind(name: str, source: str, dtype: torch.dtype | str, target: Tensor)
         "weights it was made from")
 
 
+_CHUNK = 1 << 22   # elements checked at once: a bool temporary of 4 MiB, whatever the tensor
+
+
+def _all_finite(value: Tensor) -> bool:
+    """``isfinite(value).all()`` in slices along dim 0, so that the check's temporary stays
+    small next to a loader that holds one tensor at a time (an embedding of 1 GiB)."""
+    if value.dim() == 0 or value.numel() <= _CHUNK:
+        return bool(torch.isfinite(value).all())
+    rows = max(1, _CHUNK // max(1, value.numel() // value.shape[0]))
+    return all(bool(torch.isfinite(part).all()) for part in value.split(rows))
+
+
 def check_finite(name: str, source: str, value: Tensor) -> None:
     """Refuse `name` of `source` if `value` (a floating tensor, or a tp slice of one) holds
     a NaN or an infinity."""
-    if not value.is_floating_point():
+    if not value.is_floating_point() or _all_finite(value):
         return
     finite = torch.isfinite(value)
-    if bool(finite.all()):
-        return
     nan = int(torch.isnan(value).sum())
     inf = value.numel() - int(finite.sum()) - nan
     found = ", ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "inf")) if n)
