@@ -151,7 +151,7 @@ def test_invalid_toml_names_line_and_column(tmp_path):
 def test_unknown_section_lists_the_sections(tmp_path):
     message = error_of(write(tmp_path, "[trian]\nsteps = 3\n"))
     assert "unknown section trian" in message and "did you mean train?" in message
-    assert "model, data, parallel, train, checkpoint" in message
+    assert "model, data, parallel, train, optim, checkpoint, logging" in message
 
 
 def test_unknown_key_suggests_the_closest(tmp_path):
@@ -165,7 +165,9 @@ def test_an_unknown_key_given_by_set_is_the_same_error_and_says_so(small):
     assert "unknown key parallel.schedul" in message
     assert "did you mean parallel.schedule?" in message
     assert "(from --set parallel.schedul=1f1b)" in message
-    assert "unknown section optim" in error_of(small, "optim.lr=1")
+    message = error_of(small, "optimizer.lr=1")
+    assert "unknown section optimizer; did you mean optim?" in message
+    assert "unknown key optim.lr" in error_of(small, "optim.lr=1")
 
 
 def test_a_malformed_set_is_an_error(small):
@@ -356,3 +358,71 @@ def test_from_dict_checks_like_a_file():
 def test_virtual_stages_are_checked_against_the_schedule_and_the_model(small, overrides,
                                                                        expected):
     assert expected in error_of(small, *overrides)
+
+
+# every numeric key's range, from its declaration (issue 40, point 10) -------------------------
+
+def _numeric_fields():
+    import dataclasses
+    import typing
+
+    from hybridpar.train.configs.keys import numeric
+    from hybridpar.train.configs.sections import SECTION_CLASSES, ModelConfig
+
+    for section, cls in {"model": ModelConfig, **SECTION_CLASSES}.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name != "args" and numeric(hints[f.name]):
+                yield f"{section}.{f.name}", hints[f.name], f
+
+
+def _outside(spec, tp):
+    """Values just outside the field's range (and choices), as the field's type."""
+    from hybridpar.train.configs.keys import INT64_MAX
+
+    bounds, choices = spec.metadata["range"], spec.metadata["choices"]
+    integer = "int" in str(tp) and "float" not in str(tp)
+    out = []
+    if bounds.low is not None:
+        out.append(bounds.low if bounds.low_open else bounds.low - (1 if integer else 0.5))
+    high = bounds.high if bounds.high is not None else (INT64_MAX if integer else None)
+    if high is not None:
+        out.append(high if bounds.high_open else high + 1 if integer else high * 2 + 1)
+    if choices and not isinstance(choices[0], str):
+        out.append(max(choices) + 1)
+    return out
+
+
+def test_every_numeric_key_declares_a_range():
+    fields = list(_numeric_fields())
+    assert {"train.seed", "data.seed", "parallel.timeout", "optim.betas"} <= {k for k, *_ in
+                                                                              fields}
+    assert [k for k, _, f in fields if f.metadata.get("range") is None] == []
+
+
+@pytest.mark.parametrize("name,tp,spec", list(_numeric_fields()), ids=lambda v: v
+                         if isinstance(v, str) else "")
+def test_every_numeric_key_refuses_values_out_of_its_range_by_name(small, name, tp, spec):
+    values = _outside(spec, tp)
+    assert values, name
+    for value in values:
+        if "list" in str(tp) and not isinstance(value, list):
+            value = [value]
+        if name == "optim.betas":
+            value = [*value, 0.5]
+        message = error_of(small, f"{name}={value!r}".replace("'", '"'))
+        assert f"{name} must be" in message, (value, message)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.seed=18446744073709551616", "train.seed must be in [0, 4294967295] (torch's CPU "
+     "generator keeps 32 bits of a seed), got 18446744073709551616"),
+    ("data.seed=4294967296", "data.seed must be in [0, 4294967295]"),
+    ("parallel.timeout=1e10", "parallel.timeout must be in (0, 604800] (a week), got "
+     "10000000000.0"),
+    ("parallel.timeout=1e300", "parallel.timeout must be in (0, 604800] (a week)"),
+    ("train.steps=99999999999999999999", "train.steps must be <= 9223372036854775807 (a 64-bit "
+     "integer)"),
+])
+def test_numbers_that_failed_late_in_the_workers_are_refused_first(small, override, expected):
+    assert expected in error_of(small, override)

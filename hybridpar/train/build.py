@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -19,6 +20,8 @@ from hybridpar.tensor_parallel.random import model_parallel_manual_seed
 from hybridpar.topology import Topology, current_topology, init
 from hybridpar.train.configs.config import Config
 from hybridpar.train.configs.model_build import build_model
+from hybridpar.train.configs.optimizer import optimizer_class as configured_optimizer
+from hybridpar.train.configs.optimizer import optimizer_options
 
 __all__ = ["HOST_MEMORY_BUDGET", "build_optimizer", "build_pipe", "cap_host_memory", "loss_rank",
            "topology_for"]
@@ -129,20 +132,27 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
 
 
 def build_optimizer(pipe: HybridPipe, config: Config) -> Any:
-    """AdamW over this rank's shards: weight decay on matrices, none on biases and norms;
-    with ``parallel.zero`` >= 1 and dp > 1 its state (and at 2 the gradients) sharded over
-    dp, over float32 master weights of bf16 ones (`hybridpar.optim.pipe_optimizer`)."""
+    """The optimizer of ``[optim]`` (`train.configs.optimizer`: AdamW by default) over this
+    rank's shards, with its options: weight decay on matrices, none on biases and norms; with
+    ``parallel.zero`` >= 1 and dp > 1 its state (and at 2 the gradients) sharded over dp, over
+    float32 master weights of bf16 ones (`hybridpar.optim.pipe_optimizer`). ``load_config``
+    checked the class and options (`check_optim`)."""
+    optimizer_class = configured_optimizer(config.optim.name)
+    options = optimizer_options(config.optim, optimizer_class)
     params = [p for p in pipe.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": config.train.weight_decay},
+    groups = [g for g in ({"params": decay, "weight_decay": config.optim.weight_decay},
                           {"params": rest, "weight_decay": 0.0}) if g["params"]]
+    if "weight_decay" not in inspect.signature(optimizer_class.__init__).parameters:
+        groups = [{"params": g["params"]} for g in groups]   # (optim.weight_decay is 0 then)
     zero = config.parallel.zero
     if zero and pipe.topology.dp == 1:
         if pipe.topology.rank == 0:
             log.warning("parallel.zero = %d at dp = 1: nothing to shard, the optimizer state "
                         "is whole on every rank", zero)
         zero = 0
-    return pipe_optimizer(pipe, torch.optim.AdamW, groups, zero=zero, lr=config.train.lr)
+    return pipe_optimizer(pipe, optimizer_class, groups, zero=zero, lr=config.train.lr,
+                          **options)
 
 

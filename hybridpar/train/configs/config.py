@@ -5,15 +5,18 @@
     [data]        source, path, seq_len, val_fraction, seed, restart, pack
     [parallel]    pp, tp, dp, chunks, schedule, virtual_stages, checkpoint, balance, tp_plan,
                   deferred_batch_norm, timeout, check_replicas, replica_atol, zero
-    [train]       steps, batch_size, lr, warmup_steps, min_lr, weight_decay, grad_clip, ...,
-                  precision, param_dtype, nonfinite
+    [train]       steps, batch_size, lr, warmup_steps, min_lr, grad_clip, ..., precision,
+                  param_dtype, nonfinite
+    [optim]       name, weight_decay, betas, eps, momentum, nesterov (train.weight_decay: the
+                  older name of optim.weight_decay, still read)
     [checkpoint]  every, keep
     [logging]     tensorboard, wandb, wandb_mode, wandb_project (metrics.jsonl is always written)
 
 Every key has a default. A value is checked against its field's type (``--set`` values are
-parsed as TOML values, a bare word is a string), its choices and its range; then the whole
-config against the model (`config_check`). Every failure is one `ConfigError` line naming the
-file, the key and what would be valid, before any worker starts.
+parsed as TOML values, a bare word is a string), its choices and its range, all declared
+with the field (`sections`, `keys.key`); then the whole config against the model
+(`config_check`) and the optimizer (`optimizer.check_optim`). Every failure is one
+`ConfigError` line naming the file, the key and what would be valid, before any worker starts.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from hybridpar.io.files import atomic_write_text
 from hybridpar.models.registry import builder
 from hybridpar.train.configs.config_check import check_layout
 from hybridpar.train.configs.keys import ConfigError, Where, check_value, typed
+from hybridpar.train.configs.optimizer import check_optim
 from hybridpar.train.configs.sections import (
     INITS,
     SECTION_CLASSES,
@@ -42,13 +46,14 @@ from hybridpar.train.configs.sections import (
     DataConfig,
     LoggingConfig,
     ModelConfig,
+    OptimConfig,
     ParallelConfig,
     TrainConfig,
 )
 
 __all__ = ["INITS", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-           "LoggingConfig", "ModelConfig", "ParallelConfig", "TrainConfig", "Where", "load_config",
-           "load_resolved", "write_resolved"]
+           "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
+           "Where", "load_config", "load_resolved", "write_resolved"]
 
 
 _SET_BY_PARALLEL = ("tp", "group")   # model options the trainer fills from [parallel]
@@ -64,6 +69,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -82,14 +88,15 @@ class Config:
 
 def _section(cls: type, section: str, table: Mapping[str, Any], where: Where) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]
+    specs = {f.name: f for f in dataclasses.fields(cls)}
+    fields = list(specs)
     values: dict[str, Any] = {}
     for key, raw in table.items():
         full = f"{section}.{key}"
         if key not in fields:
             raise where.unknown("key", key, fields, prefix=f"{section}.")
         values[key] = typed(raw, hints[key], full, where)
-        check_value(values[key], full, where)
+        check_value(values[key], full, specs[key], where)
     return cls(**values)
 
 
@@ -111,7 +118,7 @@ def _model_section(table: Mapping[str, Any], where: Where) -> ModelConfig:
         hints = {}
     args = {n: p.default for n, p in options.items() if p.default is not inspect.Parameter.empty}
     init = typed(table.get("init", "keyed"), str, "model.init", where)
-    check_value(init, "model.init", where)
+    check_value(init, "model.init", _INIT, where)
     for key, raw in table.items():
         full = f"model.{key}"
         if key in _RUN_KEYS:
@@ -126,6 +133,29 @@ def _model_section(table: Mapping[str, Any], where: Where) -> ModelConfig:
         args[key] = typed(raw, tp, full, where)
     return ModelConfig(name=name, args=args, init=init)
 
+_INIT = next(f for f in dataclasses.fields(ModelConfig) if f.name == "init")
+
+
+def _moved_weight_decay(raw: Mapping[str, Any], where: Where) -> Mapping[str, Any]:
+    """`raw` with ``train.weight_decay`` (its older place) moved to ``optim.weight_decay``;
+    both set to different values is an error."""
+    train = raw.get("train")
+    if not isinstance(train, dict) or "weight_decay" not in train:
+        return raw
+    train = dict(train)
+    value = train.pop("weight_decay")
+    optim = dict(raw.get("optim") or {})
+    if "weight_decay" in optim and optim["weight_decay"] != value:
+        raise where.error(f"train.weight_decay = {value!r} and optim.weight_decay = "
+                          f"{optim['weight_decay']!r}: train.weight_decay is the older name "
+                          "of optim.weight_decay; set one of them", "train.weight_decay",
+                          "optim.weight_decay")
+    optim["weight_decay"] = value
+    if "train.weight_decay" in where.overrides:
+        where.overrides.setdefault("optim.weight_decay", where.overrides["train.weight_decay"])
+    return {**raw, "train": train, "optim": optim}
+
+
 def _build(raw: Mapping[str, Any], *, name: str, where: Where, check: bool = True) -> Config:
     for section, table in raw.items():
         if section not in SECTIONS:
@@ -133,11 +163,13 @@ def _build(raw: Mapping[str, Any], *, name: str, where: Where, check: bool = Tru
                 (k for k in where.overrides if k.startswith(section + ".")), section))
         if not isinstance(table, dict):
             raise where.error(f"[{section}] must be a table of keys, got {table!r}", section)
+    raw = _moved_weight_decay(raw, where)
     model = _model_section(raw.get("model", {}), where)
     parts = {s: _section(cls, s, raw.get(s, {}), where) for s, cls in SECTION_CLASSES.items()}
     config = Config(name=name, model=model, **parts)
     if check:
         _check_logging(config, where)
+        check_optim(config, where)
     return check_layout(config, where) if check else config
 
 

@@ -1,8 +1,11 @@
-"""A config value as its key's type, checked against the key's choices and range; the
-`ConfigError` line naming the file, the key and the ``--set`` it came from (`Where`)."""
+"""A config key's declaration (`key`: its default, meaning, choices and `Range`), a value as
+the key's type, checked against them; the `ConfigError` line naming the file, the key and the
+``--set`` it came from (`Where`)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
 import math
 import types
@@ -11,9 +14,65 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridpar.train.configs.sections import CHOICES, FRACTION, POSITIVE
+__all__ = ["INT64_MAX", "ConfigError", "Range", "Where", "check_value", "key", "numeric",
+           "typed"]
 
-__all__ = ["ConfigError", "Where", "check_value", "typed"]
+INT64_MAX = 2**63 - 1   # torch's (and TOML's) widest integer: every integer key's ceiling
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a key takes: ``low <= v <= high``, an open end excluding its bound (None:
+    unbounded); `note` says why a bound is where it is. Integers stop at `INT64_MAX`."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def text(self, *, integer: bool = False) -> str:
+        """``">= 1"``, ``"> 0"``, ``"in [0, 1)"``: what the docs and errors say."""
+        high = None if self.high == INT64_MAX else self.high
+        if high is None and self.low is not None:
+            if (self.low == 0 and self.low_open) or (integer and self.low == 1):
+                return "positive"
+            return f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        return (f"in {'(' if self.low_open else '['}{_num(self.low)}, {_num(high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _num(value: float | None) -> str:
+    return repr(int(value)) if value is not None and float(value).is_integer() else repr(value)
+
+
+def key(default: Any, *, doc: str, range: Range | None = None,
+        choices: Sequence[Any] | None = None) -> Any:
+    """A dataclass field: `default` (a list or table: copied per instance), its meaning `doc`
+    (markdown: the docs' tables are made of it, `scripts/gen_reference.py`), the `choices` a
+    value must be one of, the `range` each of its numbers must be in."""
+    meta = {"doc": doc, "range": range, "choices": tuple(choices) if choices else None}
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def numeric(tp: Any) -> bool:
+    """Whether a field of type `tp` holds numbers (int, float, or a list of them; with None or a
+    string beside), so its declaration needs a `Range`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(numeric(a) for a in args if a not in (type(None), str))
+    if origin is list:
+        return numeric(args[0])
+    return tp in (int, float)
 
 
 class ConfigError(ValueError):
@@ -96,18 +155,31 @@ def typed(value: Any, tp: Any, key: str, where: Where) -> Any:
         raise where.error(f"{key} must be {_describe(tp)}, got {value!r}", key) from None
 
 
-def check_value(value: Any, key: str, where: Where) -> None:
-    choices = CHOICES.get(key)
-    if choices and isinstance(value, str) and value not in choices:
-        raise where.error(f"{key} must be one of {', '.join(map(repr, choices))}, "
-                          f"got {value!r}", key)
-    if value is None or isinstance(value, list | dict | str | bool):
+def check_value(value: Any, name: str, spec: dataclasses.Field[Any] | None,
+                where: Where) -> None:
+    """Raise if `value` (typed) of key `name` is not one of its field's choices or a number
+    outside its range (each number of a list); numbers must be finite."""
+    meta = spec.metadata if spec is not None else {}
+    choices = meta.get("choices")
+    if value is None or isinstance(value, dict | bool):
         return
-    if not math.isfinite(value):
-        raise where.error(f"{key} must be a finite number, got {value!r}", key)
-    if key in POSITIVE and value <= 0:
-        raise where.error(f"{key} must be positive, got {value!r}", key)
-    if key in FRACTION and not 0 <= value < 1:
-        raise where.error(f"{key} must be in [0, 1), got {value!r}", key)
-    if value < 0:
-        raise where.error(f"{key} must be >= 0, got {value!r}", key)
+    if choices and isinstance(value, str) and value not in choices:
+        raise where.error(f"{name} must be one of {', '.join(map(repr, choices))}, "
+                          f"got {value!r}", name)
+    for number in value if isinstance(value, list) else [value]:
+        if isinstance(number, str | bool):
+            continue
+        if isinstance(number, float) and not math.isfinite(number):
+            raise where.error(f"{name} must be a finite number, got {value!r}", name)
+        bounds: Range | None = meta.get("range")
+        integer = isinstance(number, int)
+        if integer and bounds is not None and bounds.high is None:   # torch's int64
+            bounds = dataclasses.replace(bounds, high=INT64_MAX)
+        if bounds is not None and number not in bounds:
+            what = bounds.text(integer=integer) + (f" ({bounds.note})" if bounds.note else "")
+            if integer and number > INT64_MAX and bounds.high == INT64_MAX:
+                what = f"<= {INT64_MAX} (a 64-bit integer)"
+            raise where.error(f"{name} must be {what}, got {value!r}", name)
+        if choices and not isinstance(choices[0], str) and number not in choices:
+            raise where.error(f"{name} must be one of {', '.join(map(repr, choices))} "
+                              f"(docs/reference.md says what each does), got {value!r}", name)
