@@ -1,9 +1,9 @@
 """Write docs/reference.md, the config and command-line reference, from the code itself.
 
     part                 read from
-    config sections      the dataclasses of `hybridpar.train.configs.sections` (fields, types,
-                         defaults,
-                         the comment on each field's line, the choices the loader accepts)
+    config sections      the declarations of `hybridpar.train.configs.sections` (each field's
+                         type, default, range, choices and doc: `keys.key`), into
+                         docs/reference.md and docs/training.md's tables
     [model] options      each builder's keyword-only parameters (`hybridpar.models.registry`)
     commands             the argparse parsers of `hybridpar.cli`
     bad-input table      the rows of tests/test_bad_inputs.py, into docs/reliability.md
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import re
 import sys
 import typing
 from pathlib import Path
@@ -29,49 +28,60 @@ RELIABILITY = ROOT / "docs" / "reliability.md"
 _BEGIN = ("<!-- bad-input rows: generated from tests/test_bad_inputs.py by "
           "scripts/gen_reference.py -->")
 _END = "<!-- end of the generated rows -->"
-
-
-def _comments(cls: type) -> dict[str, str]:
-    """The comment on each field's line of a dataclass, continued by comment-only lines."""
-    out: dict[str, str] = {}
-    last = None
-    for line in inspect.getsource(cls).splitlines():
-        field = re.match(r"    (\w+): [^#]*?(?:#\s*(.*))?$", line)
-        if field:
-            last = field.group(1)
-            if field.group(2):
-                out[last] = field.group(2).strip()
-        elif line.strip().startswith("#") and last is not None:
-            out[last] = (out.get(last, "") + " " + line.strip().lstrip("# ")).strip()
-        else:
-            last = None
-    return out
+TRAINING = ROOT / "docs" / "training.md"
+_TABLES = ("<!-- config tables: generated from hybridpar/train/configs/sections.py by "
+           "scripts/gen_reference.py -->")
+_TABLES_END = "<!-- end of the generated tables -->"
+INTEGERS = ("Every integer is at most 2^63 − 1 (9223372036854775807); every number is "
+            "finite. A value outside its range or choices is one `ConfigError` naming the key.")
 
 
 def _type(hint: object) -> str:
     text = str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    return text.replace(" | ", " or ")
+    return text.replace(" | ", " or ").replace("None", "none")
 
 
-def _config_tables() -> list[str]:
+def _default(value: object) -> str:
+    """A default as TOML writes it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def _range(spec: dataclasses.Field, hint: object) -> str:
+    """The range and choices column: what the loader accepts (`keys.check_value`)."""
+    bounds, choices = spec.metadata.get("range"), spec.metadata.get("choices")
+    parts = []
+    if bounds is not None:
+        integer = "int" in str(hint) and "float" not in str(hint)
+        note = f" ({bounds.note})" if bounds.note else ""
+        parts.append(bounds.text(integer=integer).replace(">=", "≥").replace("<=", "≤") + note)
+    if choices:
+        parts.append("one of " + ", ".join(f"`{_default(c)}`" for c in choices))
+    return "; ".join(parts) or "—"
+
+
+def config_tables(*, heading: str = "**`[{}]`**: ") -> list[str]:
+    """One table per section: key, type, default, range / choices, meaning; all from the
+    declarations in `hybridpar.train.configs.sections` (`keys.key`)."""
     from hybridpar.train.configs import sections as cfg
 
     lines: list[str] = []
     for section, cls in cfg.SECTION_CLASSES.items():
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
-        lines += [f"### `[{section}]`", "", doc, "", "| key | type | default | meaning |",
-                  "|---|---|---|---|"]
+        doc = " ".join((cls.__doc__ or "").split()).split(": ", 1)[1]
+        lines += [heading.format(section) + doc, "",
+                  "| key | type | default | range / choices | meaning |",
+                  "|---|---|---|---|---|"]
         hints = typing.get_type_hints(cls)
-        notes = _comments(cls)
         for f in dataclasses.fields(cls):
-            key = f"{section}.{f.name}"
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            meaning = notes.get(f.name, "")
-            if key in cfg.CHOICES:
-                meaning += ("; " if meaning else "") + "one of " + ", ".join(
-                    f"`{c}`" for c in cfg.CHOICES[key])
-            lines.append(f"| `{f.name}` | `{_type(hints[f.name])}` | `{default!r}` | "
-                         f"{meaning.replace('|', '/')} |")
+            meaning = f.metadata["doc"].replace("|", "/")
+            lines.append(f"| `{f.name}` | {_type(hints[f.name])} | `{_default(default)}` | "
+                         f"{_range(f, hints[f.name])} | {meaning} |")
         lines.append("")
     return lines
 
@@ -117,7 +127,9 @@ def render() -> str:
     lines = ["# Reference: config keys and commands", "",
              "Generated by `python scripts/gen_reference.py` from the code (the config "
              "dataclasses, the model builders and the argparse parsers); do not edit by hand.",
-             "", "## Config keys", "", *_model_tables(), *_config_tables(), *_cli()]
+             "", "## Config keys", "", *_model_tables(), INTEGERS, "",
+             *config_tables(heading="### `[{}]`\n\n"),
+             *_cli()]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -134,6 +146,15 @@ def render_reliability() -> str:
     return head + _BEGIN + "\n" + "\n".join(table) + "\n" + _END + tail
 
 
+def render_training() -> str:
+    """docs/training.md with its config tables made from the declarations."""
+    text = TRAINING.read_text(encoding="utf-8")
+    head, rest = text.split(_TABLES + "\n", 1)
+    _, tail = rest.split(_TABLES_END, 1)
+    return head + _TABLES + "\n" + "\n".join([INTEGERS, "", *config_tables()]) + _TABLES_END \
+        + tail
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
@@ -141,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
     opts = args.parse_args(argv)
-    outputs = {TARGET: render(), RELIABILITY: render_reliability()}
+    outputs = {TARGET: render(), RELIABILITY: render_reliability(),
+               TRAINING: render_training()}
     if opts.check:
         stale = [p for p, text in outputs.items()
                  if not p.exists() or p.read_text(encoding="utf-8") != text]

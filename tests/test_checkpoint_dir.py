@@ -67,25 +67,35 @@ def test_lr_warms_up_linearly_to_the_peak_at_step_warmup():
     assert lr_at(4, lr=1.0, steps=20, warmup_steps=4, min_lr=0.1) == 1.0   # peak at warmup
 
 
-@pytest.mark.parametrize("steps,warmup", [(20, 4), (10, 0), (7, 1), (3, 0)])
-def test_lr_decays_monotonically_to_exactly_min_lr_at_the_last_step(steps, warmup):
+@pytest.mark.parametrize("steps,warmup", [(20, 4), (10, 0), (7, 1), (3, 0), (1, 0)])
+def test_lr_decays_monotonically_towards_min_lr_and_the_last_step_still_trains(steps, warmup):
+    # the cosine reaches min_lr one step after the last (issue 39): with the default
+    # min_lr = 0 a last step at exactly 0 would update nothing
     lrs = [lr_at(s, lr=3e-3, steps=steps, warmup_steps=warmup, min_lr=3e-4)
            for s in range(steps)]
     assert lrs[warmup] == 3e-3
-    assert lrs[-1] == 3e-4                                       # exactly, not approximately
+    last = 3e-4 + (3e-3 - 3e-4) * (1 - math.cos(math.pi / (steps - warmup))) / 2
+    assert lrs[-1] == pytest.approx(last) and (lrs[-1] > 3e-4 or steps - warmup == 1)
     decay = lrs[warmup:]
-    assert all(b <= a for a, b in itertools.pairwise(decay))
-    assert all(3e-4 <= v <= 3e-3 for v in lrs)
-    # past the end (a longer resumed run's config aside): stays at the floor
+    assert all(b < a for a, b in itertools.pairwise(decay))
+    assert all(3e-4 < v <= 3e-3 for v in lrs)
+    # the step after the last is the floor, and past it (a longer resumed run's config
+    # aside) it stays there
+    assert lr_at(steps, lr=3e-3, steps=steps, warmup_steps=warmup, min_lr=3e-4) == 3e-4
     assert lr_at(steps + 5, lr=3e-3, steps=steps, warmup_steps=warmup, min_lr=3e-4) == 3e-4
 
 
+def test_the_last_step_of_a_short_run_at_the_default_min_lr_updates():
+    assert lr_at(3, lr=1e-3, steps=4) == pytest.approx(1e-3 * (1 - math.cos(math.pi / 4)) / 2)
+    assert lr_at(3, lr=1e-3, steps=4) > 0
+
+
 def test_lr_cosine_midpoint_and_no_warmup():
-    # 11 steps, no warm-up: t = step / 10, the midpoint (step 5) is halfway between
-    assert lr_at(0, lr=2.0, steps=11) == 2.0
-    assert lr_at(5, lr=2.0, steps=11, min_lr=1.0) == pytest.approx(1.5)
-    assert lr_at(10, lr=2.0, steps=11) == 0.0
-    assert lr_at(3, lr=2.0, steps=11) == pytest.approx(1.0 + math.cos(math.pi * 0.3))
+    # 10 steps, no warm-up: t = step / 10, the midpoint (step 5) is halfway between
+    assert lr_at(0, lr=2.0, steps=10) == 2.0
+    assert lr_at(5, lr=2.0, steps=10, min_lr=1.0) == pytest.approx(1.5)
+    assert lr_at(10, lr=2.0, steps=10) == 0.0
+    assert lr_at(3, lr=2.0, steps=10) == pytest.approx(1.0 + math.cos(math.pi * 0.3))
 
 
 def test_lr_is_a_pure_function_of_the_step():
