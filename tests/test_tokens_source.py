@@ -259,7 +259,10 @@ def test_a_resume_on_other_data_names_what_changed_and_restart_overrides(folders
     for name, overrides, folder in (("seq", ["data.seq_len=8"], "bpe"),
                                     ("corpus", [], "other"), ("seed", ["data.seed=4"], "bpe"),
                                     ("tokenizer", [], "bytes"),
-                                    ("restart", ["data.seq_len=8", "data.restart=true"], "bpe")):
+                                    ("restart", ["data.seq_len=8", "data.restart=true"], "bpe"),
+                                    ("bytes", ["data.source=corpus"], "bpe"),
+                                    ("bytes-restart", ["data.source=corpus",
+                                                       "data.restart=true"], "bpe")):
         copy_checkpoint(ref_dir / "checkpoints" / "step-4", tmp_path / name)
         cases.append((config(folders[folder], "parallel.pp=1", *overrides), str(tmp_path / name)))
     out = hybridpar.spawn(_resume_errors, 1, args=(cases,), timeout=TIMEOUT)[0]
@@ -270,3 +273,8 @@ def test_a_resume_on_other_data_names_what_changed_and_restart_overrides(folders
     assert "changed: data.seed: 3 -> 4" in out[2]
     assert "changed: the tokenizer (meta.json tokenizer.sha256)" in out[3]
     assert out[4]["start"] == 4 and len(out[4]["losses"]) == STEPS - 4    # restarted order
+    # issue 40.5: another source (bytes of the embedded corpus) is a change too, not a resume
+    # that silently reads the token folder's position into other data
+    assert "changed: data.source: 'tokens' -> 'corpus' (it was trained on a token folder" \
+        in out[5] and out[5].startswith("CheckpointError")
+    assert out[6]["start"] == 4 and len(out[6]["losses"]) == STEPS - 4

@@ -7,6 +7,7 @@
     p2p_abort   aborting a receive a failed peer will never answer
     broadcast   a value or an object from one rank to the others
     agreement   a decision all ranks take together (an error raised on every rank)
+    stop_request  a stop asked for by a signal, agreed by every rank at a step boundary
 
 Imports `hybridpar.sharded` (tags carried with a message), `pipeline.schedules` (the NCCL
 replay's op records) and the leaf modules."""

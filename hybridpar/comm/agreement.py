@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["fail_together"]
+__all__ = ["agreement_device", "fail_together"]
 
 
 def _device_type(backend: str) -> str:
@@ -45,7 +45,8 @@ def _device_type(backend: str) -> str:
     return "cpu" if "cpu" in devices else devices[0]
 
 
-def _device(group: ProcessGroup | None) -> torch.device:
+def agreement_device(group: ProcessGroup | None) -> torch.device:
+    """The device of a decision's tensors on `group`: the CPU where it has gloo (`_device_type`)."""
     kind = _device_type(dist.get_backend(group))
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -72,7 +73,7 @@ def fail_together(error_type: type[Exception] | tuple[type[Exception], ...], *,
     except types as e:
         error = e
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    device = _device(group)
+    device = agreement_device(group)
     first = torch.tensor([rank if error is not None else world], device=device)
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
     src = int(first.item())

@@ -35,12 +35,15 @@ class PipeParameters(PipeSteps):
                 self, self.topology, stage_keys=self._stage_keys, state_keys=self._state_keys,
                 aliases=self.tied_aliases)
 
-    def load_consolidated_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
-        """Load a full (unsharded) state dict, keeping this rank's stage and tp shard."""
+    def load_consolidated_state_dict(self, state_dict: Mapping[str, Tensor], *,
+                                     source: str = "the state dict") -> None:
+        """Load a full (unsharded) state dict, keeping this rank's stage and tp shard; an
+        integer / bool value for a float tensor or a non-finite parameter is a `ValueError`
+        naming the key and `source` (its file), on every rank."""
         with self._communicating("load_consolidated_state_dict"):
             consolidate.load_consolidated(self, state_dict, self.topology,
                                           state_keys=self._state_keys,
-                                          aliases=self.tied_aliases)
+                                          aliases=self.tied_aliases, source=source)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the global norm over all stages and tp shards (`pipeline.parameters.clip`:

@@ -105,9 +105,7 @@ class RunState:
         state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
         state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)
                                       for k, v in self.batches.state_dict().items()}))
-        if isinstance(self.batches, TokenWindows):
-            state.update({_DATA_ID + k: _encode_id(v)
-                          for k, v in self.batches.identity().items()})
+        state.update({_DATA_ID + k: _encode_id(v) for k, v in self.data_identity().items()})
         state["layout"] = self._layout()
         state.update(flatten(self._coordinate(), get_rng_state_all()))
         return state
@@ -128,8 +126,7 @@ class RunState:
         for key in [*rng_keys, *(k for k in state if k.startswith(_DATA_ID))]:
             del state[key]
         saved_rng = [k for k in rng_keys if k in metadata.state_dict_metadata]
-        saved_id = [k for k in metadata.state_dict_metadata if k.startswith(_DATA_ID)] \
-            if isinstance(self.batches, TokenWindows) else []
+        saved_id = [k for k in metadata.state_dict_metadata if k.startswith(_DATA_ID)]
         state.update(allocate_like(metadata, ["layout", *saved_rng, *saved_id]))
         load_checkpoint(path, state)
         if isinstance(self.optimizer, MasterWeights):   # the masters read: the weights follow
@@ -139,11 +136,10 @@ class RunState:
         self.step = int(step)
         position = {k.removeprefix("data/"): int(v) for k, v in state.items()
                     if k.startswith("data/") and isinstance(v, Tensor)}
-        if isinstance(self.batches, TokenWindows) and self._data_changed(path, {
+        if not self._data_changed(path, {
                 k.removeprefix(_DATA_ID): _decode_id(v) for k, v in state.items()
                 if k.startswith(_DATA_ID) and isinstance(v, Tensor)}):
-            position = {"epoch": 0, "index": 0}
-        self.batches.load_state_dict(position)
+            self.batches.load_state_dict(position)   # (changed: the new data from its start)
         same_layout = torch.equal(state["layout"], self._layout()) \
             if isinstance(state["layout"], Tensor) else False
         if same_layout and len(saved_rng) == len(rng_keys):
@@ -157,17 +153,39 @@ class RunState:
                      "from train.seed + step; dropout masks differ from an unchanged run")
         log.info("resumed from %s at step %d", path, self.step)
 
+    def data_identity(self) -> dict[str, Any]:
+        """What the run's batches are, as a checkpoint records it: ``data.source``, and of a
+        token folder its windows' identity (tokens, tokenizer, seq_len, seed)."""
+        identity: dict[str, Any] = {"source": self.config.data.source}
+        if isinstance(self.batches, TokenWindows):
+            identity.update(self.batches.identity())
+        return identity
+
     def _data_changed(self, path: Path, saved: dict[str, Any]) -> bool:
-        """Whether the token windows differ from those checkpoint `path` was trained on: a
-        `CheckpointError` naming what changed, or True (start the data order over) with
-        ``data.restart``; False when they are the same."""
-        assert isinstance(self.batches, TokenWindows)
-        now = self.batches.identity()
+        """Whether the batches differ from those checkpoint `path` was trained on, whatever the
+        source of either: a `CheckpointError` naming what changed, or True (start the data
+        order over) with ``data.restart``; False when they are the same.
+
+            checkpoint's data        the run's data           what is compared
+            tokens (folder)          tokens (folder)          tokens, tokenizer, seq_len, seed
+            any source               another source           data.source: a change
+            before sources were saved (tokens: its folder keys; else nothing to compare)
+        """
+        now = self.data_identity()
+        source = saved.get("source") or ("tokenizer" in saved and "tokens") or None
         what = {"tokenizer": "the tokenizer (meta.json tokenizer.sha256)",
                 "fingerprint": "the corpus (meta.json fingerprint: its tokens)",
                 "seq_len": "data.seq_len", "seed": "data.seed"}
-        if not saved:
+        if source is None and now["source"] != "tokens":
+            return False   # a checkpoint of text, corpus or synthetic data from before 2026-11-28
+        if source is None:
             changed = ["the data: the checkpoint was not trained on a token folder"]
+        elif source != now["source"]:
+            changed = [f"data.source: {source!r} -> {now['source']!r}" + (
+                f" (it was trained on a token folder, tokenizer sha256 "
+                f"{str(saved.get('tokenizer'))[:12]}...)" if source == "tokens" else "")]
+        elif source != "tokens":
+            changed = []
         elif saved.get("tokenizer") != now["tokenizer"]:
             changed = [what["tokenizer"]]   # (a new tokenizer changes the tokens too)
         else:
@@ -176,8 +194,10 @@ class RunState:
                        if saved.get(k) != now[k]]
         if not changed:
             return False
-        message = (f"checkpoint {path} was trained on other data windows than "
-                   f"data.path {self.config.data.path!r} gives; changed: {'; '.join(changed)}")
+        gives = f"data.path {self.config.data.path!r}" if now["source"] == "tokens" else \
+            f"data.source {now['source']!r}"
+        message = (f"checkpoint {path} was trained on other data windows than {gives} gives; "
+                   f"changed: {'; '.join(changed)}")
         if not self.config.data.restart:
             raise CheckpointError(f"{message}. Resume with the data it was trained on, or set "
                                   "data.restart = true (--set data.restart=true) to keep the "
@@ -235,8 +255,10 @@ def init_weights_from(pipe: HybridPipe, config: Config, path: str) -> None:
             "by `hybridpar export`") from None
     with fail_together(CheckpointError):   # each stage checks its own keys: agree
         try:
-            pipe.load_consolidated_state_dict(full)
-        except (KeyError, ValueError, RuntimeError) as e:
+            pipe.load_consolidated_state_dict(full, source=path)
+        except ValueError as e:   # a tensor that cannot be a weight (its kind, NaN / inf)
+            raise CheckpointError(f"--init-from {path}: {e}") from None
+        except (KeyError, RuntimeError) as e:
             raise CheckpointError(f"--init-from {path} does not fit model "
                                   f"{config.model.name!r}: {e}") from None
     log.info("initialized the weights from %s", path)

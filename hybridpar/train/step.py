@@ -21,7 +21,7 @@ from hybridpar.train.data import TokenBatches, decode, make_batches
 from hybridpar.train.lr import lr_at
 from hybridpar.train.state import RunState
 
-__all__ = ["resolve", "text_sample", "train_step", "validation_loss"]
+__all__ = ["check_skipped", "resolve", "text_sample", "train_step", "validation_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,11 @@ def _nonfinite(loss: float, norm: float) -> str | None:
     return None
 
 
-def resolve(records: list[dict[str, Any]], *, clipped: bool) -> None:
+def resolve(records: list[dict[str, Any]], *, clipped: bool, first: int) -> None:
     """Read the steps' losses and gradient norms in one host read (what waits for the GPU),
     as floats in place; a non-finite one stops the run (``train.nonfinite = "stop"``) with
-    `FloatingPointError` naming its step. Without clipping the norm leaves the record."""
+    `FloatingPointError` naming its step. Without clipping the norm leaves the record.
+    `first`: the first step this process ran (before it, no update of its own had run)."""
     if not records:
         return
     values = torch.stack([torch.stack([r["loss"].float(), r["grad_norm"].float()])
@@ -111,12 +112,35 @@ def resolve(records: list[dict[str, Any]], *, clipped: bool) -> None:
         else:
             del r["grad_norm"]
         problem = None if r.get("skipped") else _nonfinite(loss, norm)
+        if problem is not None and r["step"] == first:
+            raise FloatingPointError(
+                f"{problem} at step {r['step']}, the first step of this run, before any update: "
+                "the learning rate is not the cause. The weights it started from or the batch "
+                "hold a NaN / inf (check the checkpoint or --init-from file, and the data), or "
+                "the model's forward overflows (use precision = 'fp32')")
         if problem is not None:
             raise FloatingPointError(
                 f"{problem} at step {r['step']}; lower train.lr, set train.grad_clip, or use "
                 "precision = 'fp32' (or set train.nonfinite = 'skip' to drop such steps' "
                 "updates and go on). The losses are read every train.log_every steps: the "
                 "updates after that step ran, but no checkpoint holds them")
+
+
+def check_skipped(records: list[dict[str, Any]], *, limit: int, before: int) -> int:
+    """The skipped steps in a row at the end of `records` (`before`: the run of them the
+    previous call ended with); `FloatingPointError` once `limit` (``train.max_skipped``,
+    0: none) are skipped in a row: a run whose every step is skipped learns nothing."""
+    run = before
+    for r in records:
+        run = run + 1 if r.get("skipped") else 0
+        if limit and run >= limit:
+            raise FloatingPointError(
+                f"{run} steps in a row were skipped (train.nonfinite = 'skip', steps "
+                f"{r['step'] - run + 1}-{r['step']}; train.max_skipped = {limit}): the loss or "
+                "the gradients are not finite at every step, so the run stopped. Check the "
+                "weights it started from and the data, lower train.lr, or raise "
+                "train.max_skipped (0: no limit)")
+    return run
 
 
 def validation_loss(run: RunState) -> float:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from hybridpar.comm.stop_request import stop_on_signals
 from hybridpar.optim import MasterWeights
 from hybridpar.pipeline.tracing.trace_report import TraceRequest
 from hybridpar.train.build import (
@@ -39,7 +40,13 @@ from hybridpar.train.configs.config import Config, write_resolved
 from hybridpar.train.nccl_env import nccl_env
 from hybridpar.train.report import Reporter
 from hybridpar.train.state import RunState, init_weights_from, resume_step
-from hybridpar.train.step import resolve, text_sample, train_step, validation_loss
+from hybridpar.train.step import (
+    check_skipped,
+    resolve,
+    text_sample,
+    train_step,
+    validation_loss,
+)
 
 __all__ = ["HOST_MEMORY_BUDGET", "build_pipe", "cap_host_memory", "loss_rank", "train"]
 
@@ -56,7 +63,10 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
     step (and its checkpoint, if one is due), as an interruption would. `trace`: the step to
     trace (`trace_report.request_trace`). `write_config`: rank 0 writes RUN_DIR/config.json
     (False: `hybridpar run` wrote it before starting the workers). Returns, on every rank,
-    ``{"start": first step run, "losses": [...], "eval": {step: loss}, "sample": text}``.
+    ``{"start": first step run, "losses": [...], "eval": {step: loss}, "sample": text,
+    "steps": the last step run, "stopped_by": the signal that stopped it early (or None)}``.
+    With ``checkpoint.on_signal``, SIGTERM or SIGINT on any rank ends the run after the step
+    in flight, with a checkpoint (`comm.stop_request`).
     """
     run_dir = Path(run_dir)
     nccl_env(run_dir, create=torch.cuda.is_available())   # before the process group exists
@@ -83,19 +93,24 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
     last = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
     every = config.checkpoint.every
     quiet = logging_redirect_tqdm() if run.reporter and progress else contextlib.nullcontext()
-    with quiet:  # log lines go above the bar, not through it
+    stopped: str | None = None   # the signal a rank received: the loop stops, a checkpoint saved
+    with quiet, stop_on_signals(config.checkpoint.on_signal) as stop:   # log lines go above
         pending: list[dict[str, Any]] = []   # steps whose loss the host has not read yet
+        skipped = 0                          # steps skipped in a row (train.nonfinite = "skip")
         while run.step < last:
             began = time.perf_counter()
             record = train_step(run, autocast, trace)
             elapsed = time.perf_counter() - began
             pending.append(record)
-            evaluate = bool(cfg.eval_every) and run.step % cfg.eval_every == 0
-            save = bool(every) and (run.step % every == 0 or run.step == cfg.steps)
+            skipped = check_skipped([record], limit=cfg.max_skipped, before=skipped)
+            stopped = stop.agreed() if config.checkpoint.on_signal else None
+            evaluate = bool(cfg.eval_every) and run.step % cfg.eval_every == 0 and not stopped
+            save = (bool(every) and (run.step % every == 0 or run.step == cfg.steps)) or \
+                stopped is not None
             show = run.step % cfg.log_every == 0 or run.step == cfg.steps or evaluate or \
-                "skipped" in record
+                "skipped" in record or stopped is not None
             if show or save or run.step == last:   # never a checkpoint of a non-finite step
-                resolve(pending, clipped=bool(cfg.grad_clip))
+                resolve(pending, clipped=bool(cfg.grad_clip), first=start + 1)
                 losses.extend(r["loss"] for r in pending)
                 pending = []
             if evaluate:
@@ -104,12 +119,19 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
             reporter.step(record, elapsed, log=show)
             if save:
                 run.save()
+            if stopped is not None:
+                if run.reporter:
+                    log.warning("%s: stopped after step %d with a checkpoint "
+                                "(checkpoint.on_signal = true); run again to resume", stopped,
+                                run.step)
+                break
         reporter.close()
         with evaluating:
-            sample = text_sample(run) if run.step == cfg.steps and start < run.step else None
+            sample = text_sample(run) if run.step == cfg.steps and start < run.step and \
+                stopped is None else None
         if sample is not None and run.reporter:
             (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
             log.info("sample:\n%s", sample)
     run.pipe.close()   # its threads stop before the process group goes
     return {"start": start, "losses": losses, "eval": evals, "sample": sample,
-            "steps": run.step}
+            "steps": run.step, "stopped_by": stopped}

@@ -1,0 +1,165 @@
+"""How a run stops early: endless skipped steps (`train.max_skipped`), a non-finite first
+step (whose cause is not the learning rate), and a signal (`checkpoint.on_signal`: the step in
+flight finishes on every rank, a checkpoint is written, a new run resumes from it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_bad_inputs import _config, _poison
+
+import hybridpar
+from hybridpar.train.metrics import read_metrics
+
+TIMEOUT = 120
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _always_nan(state_module):
+    """Every batch's inputs NaN: every step's loss is NaN (the weights stay finite)."""
+    real = state_module.make_batches
+
+    def make_batches(config, *, split, **kw):
+        batches = real(config, split=split, **kw)
+        next_batch = batches.next_batch
+        batches.next_batch = lambda: (next_batch()[0] * float("nan"), next_batch()[1])
+        return batches
+
+    state_module.make_batches = make_batches
+    return lambda: setattr(state_module, "make_batches", real)
+
+
+def _train_failing(run_dir, changes, poison):
+    from hybridpar.train import state
+    from hybridpar.train.trainer import train
+
+    undo = _always_nan(state) if poison == "always nan" else _poison(*poison)
+    try:
+        train(_config(**changes), run_dir, progress=False)
+    except FloatingPointError as e:
+        return str(e)
+    finally:
+        undo()
+    return "no error"
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+
+
+def test_steps_skipped_in_a_row_stop_the_run_on_every_rank(tmp_path):
+    changes = {"train__steps": 8, "train__nonfinite": "skip", "train__max_skipped": 3}
+    out = hybridpar.spawn(_train_failing, 2, args=(str(tmp_path), changes, "always nan"),
+                          timeout=TIMEOUT)
+    for message in out:
+        assert message.startswith("3 steps in a row were skipped (train.nonfinite = 'skip', "
+                                  "steps 1-3; train.max_skipped = 3)"), message
+        assert "raise train.max_skipped (0: no limit)" in message
+    assert _checkpoints(tmp_path) == ["step-1", "step-2"]   # step 3 stopped before its save
+
+
+def test_max_skipped_0_lets_a_run_skip_every_step(tmp_path):
+    changes = {"train__steps": 4, "train__nonfinite": "skip", "train__max_skipped": 0,
+               "checkpoint__every": 0}
+    out = hybridpar.spawn(_train_failing, 2, args=(str(tmp_path), changes, "always nan"),
+                          timeout=TIMEOUT)
+    assert out == ["no error", "no error"]
+    assert [r.get("skipped") for r in read_metrics(tmp_path / "metrics.jsonl")] == [True] * 4
+
+
+def test_a_non_finite_first_step_does_not_blame_the_learning_rate(tmp_path):
+    out = hybridpar.spawn(_train_failing, 2, args=(str(tmp_path), {}, ("nan loss", 1)),
+                          timeout=TIMEOUT)
+    for message in out:
+        assert message.startswith("the loss is nan at step 1, the first step of this run, "
+                                  "before any update: the learning rate is not the cause"), message
+        assert "lower train.lr" not in message
+
+
+# checkpoint.on_signal ----------------------------------------------------------------------
+
+def _signalled(run_dir, changes, rank_step):
+    """Train; rank `rank_step[0]` sends itself SIGTERM during step `rank_step[1]` (its peers
+    get none): every rank must stop after the same step."""
+    from hybridpar.train import state
+    from hybridpar.train.trainer import train
+
+    real = state.build_pipe
+
+    def build_pipe(config, topo, **kw):
+        pipe = real(config, topo, **kw)
+        steps, train_step = [0], pipe.train_step
+
+        def counted(x, y):
+            steps[0] += 1
+            if (topo.rank, steps[0]) == tuple(rank_step):
+                os.kill(os.getpid(), signal.SIGTERM)
+            return train_step(x, y)
+
+        pipe.train_step = counted
+        return pipe
+
+    state.build_pipe = build_pipe
+    try:
+        result = train(_config(**changes), run_dir, progress=False)
+    finally:
+        state.build_pipe = real
+    return result["steps"], result["stopped_by"]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(
+        tmp_path, rank):
+    changes = {"train__steps": 6, "checkpoint__every": 0}
+    out = hybridpar.spawn(_signalled, 2, args=(str(tmp_path), changes, (rank, 3)),
+                          timeout=TIMEOUT)
+    assert out == [(3, "SIGTERM"), (3, "SIGTERM")]
+    assert _checkpoints(tmp_path) == ["step-3"]          # checkpoint.every = 0: the signal's
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")][-1] == 3
+
+
+def test_on_signal_false_leaves_the_signal_its_default(tmp_path):
+    changes = {"train__steps": 6, "checkpoint__every": 0, "checkpoint__on_signal": False}
+    with pytest.raises(hybridpar.SpawnError, match=r"exited with code -15|lost stage 1 \(rank 1\)"):
+        hybridpar.spawn(_signalled, 2, args=(str(tmp_path), changes, (1, 2)), timeout=TIMEOUT)
+    assert not (tmp_path / "checkpoints").exists() or _checkpoints(tmp_path) == []
+
+
+def test_sigterm_to_hybridpar_run_saves_a_checkpoint_and_the_next_run_resumes(tmp_path):
+    """The real launcher: SIGTERM to the agent reaches every worker, which finish their step,
+    save, and exit; `hybridpar run` again resumes from that checkpoint."""
+    config = tmp_path / "mlp.toml"
+    config.write_text(
+        '[model]\nname = "mlp"\nin_features = 8\nhidden = 8\nout_features = 4\nn_layer = 2\n'
+        '[parallel]\npp = 2\nchunks = 2\ntimeout = 60.0\n'
+        '[train]\nsteps = 100000\nbatch_size = 4\nlog_every = 1\nsample_tokens = 0\n'
+        '[checkpoint]\nevery = 0\n')
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "hybridpar.cli", "run", str(config),
+               "--run-dir", str(run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (metrics.exists() and
+                                                 len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    agent.send_signal(signal.SIGTERM)
+    output, _ = agent.communicate(timeout=90)
+    assert agent.returncode != 0, output                 # stopped, not finished
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert _checkpoints(run_dir) == [f"step-{last}"], output
+    assert f"SIGTERM: stopped after step {last} with a checkpoint" in output, output
+    second = subprocess.run([*command, "--set", f"train.steps={last + 2}"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{last}'} at step {last}" in \
+        second.stderr, second.stderr
