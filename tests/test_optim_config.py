@@ -47,7 +47,14 @@ def batches():
 
 
 def _sgd_steps(zero):
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(torch.float64)   # the model is built in float64
+    try:
+        return _sgd_steps_float64(zero)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _sgd_steps_float64(zero):
     cfg = sgd_config(zero)
     topo = topology_for(cfg)
     pipe = build_pipe(cfg, topo)
@@ -68,21 +75,26 @@ def _sgd_steps(zero):
             "optimizer": type(getattr(optimizer, "optim", optimizer)).__name__}
 
 
-def _train_bf16(run_dir):
+def _train_bf16(zero, run_dir):
     from hybridpar.train.trainer import train
 
-    cfg = sgd_config(2, train={"steps": 4, "batch_size": BATCH, "lr": LR, "sample_tokens": 0,
+    cfg = sgd_config(zero, train={"steps": 4, "batch_size": BATCH, "lr": LR, "sample_tokens": 0,
                                "precision": "bf16", "param_dtype": "bf16", "log_every": 1})
     return train(cfg, run_dir, progress=False)["losses"]
 
 
+def _call(fn, *args):
+    return fn(*args)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cases = {f"zero {z}": (z,) for z in (0, 1, 2)}
-    out = spawn_cases(_sgd_steps, 4, cases, timeout=TIMEOUT)
-    bf16 = spawn_cases(_train_bf16, 4, {"bf16": (str(tmp_path_factory.mktemp("bf16")),)},
-                       timeout=TIMEOUT)
-    return out, bf16["bf16"]
+    """The float64 steps at zero 0, 1, 2 and the bf16 runs at zero 1, 2: one spawn of 4 ranks."""
+    cases = {**{f"zero {z}": (_sgd_steps, z) for z in (0, 1, 2)},
+             **{f"bf16 zero {z}": (_train_bf16, z, str(tmp_path_factory.mktemp("bf16")))
+                for z in (1, 2)}}
+    out = spawn_cases(_call, 4, cases, timeout=TIMEOUT)
+    return out, {k.removeprefix("bf16 "): v for k, v in out.items() if k.startswith("bf16")}
 
 
 def plain_sgd(start):
@@ -122,10 +134,14 @@ def test_sgd_with_momentum_trains_as_a_plain_torch_loop_in_float64(runs, zero):
     assert moved > 1e-3   # the steps changed the weights
 
 
-def test_sgd_trains_with_bf16_weights_at_zero_2(runs):
-    losses = runs[1][0]
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
-    assert all(r == losses for r in runs[1])
+def test_sgd_trains_with_bf16_weights_at_zero_1_and_2(runs):
+    """`train` with SGD over float32 masters of bf16 weights (`MasterWeights`, sharded)."""
+    first = runs[1]["zero 1"][0]
+    for zero in (1, 2):
+        losses = runs[1][f"zero {zero}"][0]
+        assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+        assert all(r == losses for r in runs[1][f"zero {zero}"])
+        assert losses == pytest.approx(first, abs=2e-2)   # the same update, summed otherwise
 
 
 @pytest.mark.parametrize("optim,extra,message", [

@@ -100,8 +100,7 @@ def check_optim(config: Config, where: Where) -> None:
     try:
         options = optimizer_options(optim, cls)
     except ValueError as e:
-        raise where.error(str(e), *[f"optim.{k}" for k in (*_OPTIONS, "weight_decay")]) \
-            from None
+        raise where.error(str(e), str(e).split(" ", 1)[0]) from None   # "optim.<key> = ..."
     if config.parallel.zero:
         try:
             check_shardable(cls)
