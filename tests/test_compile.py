@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 import hybridpar
 from hybridpar.compile import BlockCompileWarning, block_classes, compile_blocks
 from hybridpar.models import example_batch, gpt, gpt_loss, mlp, unet
-from hybridpar.models.gpt import Block
+from hybridpar.models.gpt_layers import Block
 from hybridpar.models.mlp import MLPBlock
 from hybridpar.models.unet import Down, Up
 from hybridpar.pipeline.activations.split_backward import SplitLinear, WeightGrads, deferring

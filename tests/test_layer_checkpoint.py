@@ -109,7 +109,7 @@ def _selective(mode, dropout=0.1):
     """A one-rank gpt step under `mode`: the attention core's calls (recomputing or not)
     and the bytes autograd saved outside checkpointed regions."""
     from hybridpar.models import example_batch, gpt, gpt_loss
-    from hybridpar.models.gpt import CausalSelfAttention
+    from hybridpar.models.gpt_layers import CausalSelfAttention
 
     topo = hybridpar.init(timeout=60)
     torch.manual_seed(0)

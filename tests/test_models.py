@@ -28,7 +28,7 @@ from hybridpar.models import (
     mlp,
     unet,
 )
-from hybridpar.models.gpt import Block, Embeddings, Head
+from hybridpar.models.gpt_layers import Block, Embeddings, Head
 from hybridpar.sharded.attrs import get_parallel_dim
 from hybridpar.sharded.mappings import all_gather_along
 from hybridpar.tensor_parallel.state import shard_of

@@ -20,7 +20,7 @@ from test_pipe_tp import BATCH, SMALL, _batches, assert_like_one_device
 
 import hybridpar
 from hybridpar.models import gpt, gpt_loss
-from hybridpar.models.gpt import Block
+from hybridpar.models.gpt_layers import Block
 from hybridpar.sharded.attrs import SEQUENCE, get_parallel_dim
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hybridpar.models.gpt import generate, gpt, gpt_loss
+from hybridpar.models.gpt import gpt, gpt_loss
 from hybridpar.models.mlp import mlp, mlp_loss
+from hybridpar.models.sampling import generate
 from hybridpar.models.unet import unet, unet_loss
 
 __all__ = [

@@ -59,7 +59,7 @@ def pack_documents(model: nn.Sequential) -> nn.Sequential:
     replaces layer 0 must leave it out (its replacement would not pass the positions on).
     """
     from hybridpar.hf.blocks import DecoderBlock
-    from hybridpar.models.gpt import Block, Embeddings
+    from hybridpar.models.gpt_layers import Block, Embeddings
 
     layers = list(model)
     blocks = [i for i, m in enumerate(layers) if isinstance(m, (Block, DecoderBlock))]

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.models.gpt import Block, Embeddings, Head
+from hybridpar.models.gpt_layers import Block, Embeddings, Head
 from hybridpar.tensor_parallel.layers import ParallelEmbedding, ParallelLinear
 
 from .comm import QUICKSTART

@@ -34,7 +34,7 @@ from hybridpar.balance.profile import DEFAULT_BANDWIDTH
 from hybridpar.balance.table import stage_table
 from hybridpar.flops import PEAK_BF16, flops_per_token, matmul_params, peak_bf16
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.models.gpt import Block
+from hybridpar.models.gpt_layers import Block
 from hybridpar.tensor_parallel.state import shard_of
 from hybridpar.train.data import TokenBatches, byte_tokens, default_corpus
 
