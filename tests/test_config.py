@@ -426,3 +426,11 @@ def test_every_numeric_key_refuses_values_out_of_its_range_by_name(small, name, 
 ])
 def test_numbers_that_failed_late_in_the_workers_are_refused_first(small, override, expected):
     assert expected in error_of(small, override)
+
+
+def test_model_options_are_finite_and_integers_within_int64(small):
+    # (each builder checks its own ranges: `n_layer must be a positive integer`); past int64
+    # torch failed with a multi-line "Overflow when unpacking long long"
+    message = error_of(small, "model.vocab_size=99999999999999999999999")
+    assert "model.vocab_size must be <= 9223372036854775807 (a 64-bit integer)" in message
+    assert "model.dropout must be a finite number, got nan" in error_of(small, "model.dropout=nan")

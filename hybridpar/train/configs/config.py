@@ -131,6 +131,7 @@ def _model_section(table: Mapping[str, Any], where: Where) -> ModelConfig:
         default = options[key].default
         tp = hints.get(key, Any if default in (None, inspect.Parameter.empty) else type(default))
         args[key] = typed(raw, tp, full, where)
+        check_value(args[key], full, None, where)   # finite, integers within int64
     return ModelConfig(name=name, args=args, init=init)
 
 _INIT = next(f for f in dataclasses.fields(ModelConfig) if f.name == "init")

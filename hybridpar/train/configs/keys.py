@@ -173,8 +173,8 @@ def check_value(value: Any, name: str, spec: dataclasses.Field[Any] | None,
             raise where.error(f"{name} must be a finite number, got {value!r}", name)
         bounds: Range | None = meta.get("range")
         integer = isinstance(number, int)
-        if integer and bounds is not None and bounds.high is None:   # torch's int64
-            bounds = dataclasses.replace(bounds, high=INT64_MAX)
+        if integer and (bounds is None or bounds.high is None):   # torch's int64, declared or not
+            bounds = dataclasses.replace(bounds or Range(), high=INT64_MAX)
         if bounds is not None and number not in bounds:
             what = bounds.text(integer=integer) + (f" ({bounds.note})" if bounds.note else "")
             if integer and number > INT64_MAX and bounds.high == INT64_MAX:
