@@ -194,3 +194,17 @@ def test_a_users_optimizer_class_by_path_is_built_with_the_options_it_takes():
     cls = optimizer_class(cfg.optim.name)
     assert cls is torch.optim.RMSprop
     assert optimizer_options(cfg.optim, cls) == {"eps": 1e-6, "momentum": 0.5}
+
+
+def test_the_sgd_example_of_docs_training_md_loads(tmp_path):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    example = text.split("**The optimizer and the learning rate.**", 1)[1]
+    example = example.split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "sgd.toml"
+    path.write_text('[model]\nname = "gpt"\n' + example)
+    from hybridpar.train import load_config
+
+    cfg = load_config(path)
+    assert (cfg.optim.name, cfg.optim.momentum, cfg.optim.weight_decay) == ("sgd", 0.9, 0.1)
