@@ -123,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
                            workers=args.workers, shard_tokens=args.shard_tokens,
                            overwrite=args.overwrite, progress=not args.quiet)
     meta = done.meta
+    for note in done.notes:   # a folder replaced, or one another process wrote meanwhile
+        print(note)
     if done.up_to_date:
         print(f"{done.folder} is up to date (the same inputs, tokenizer and options: "
               f"{meta['documents']:,} documents, {meta['tokens']:,} tokens); nothing to do")

@@ -17,12 +17,13 @@ only that hidden folder (removed by the next run), never an OUT that looks compl
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -32,7 +33,7 @@ import numpy as np
 from hybridpar.data.tokenizer import Encoder, TokenizerSpec
 from hybridpar.io.files import fsync_dir
 
-__all__ = ["FORMAT", "SPLITS", "VERSION", "Shard", "ShardWriter", "TokenFolder",
+__all__ = ["FORMAT", "SPLITS", "VERSION", "FolderAppeared", "Shard", "ShardWriter", "TokenFolder",
            "TokenFolderError", "open_tokens", "staged_folder", "write_meta"]
 
 FORMAT, VERSION = "hybridpar-tokens", 1
@@ -56,13 +57,13 @@ class ShardWriter:
         self._bin: IO[bytes] | None = None
         self._idx: IO[bytes] | None = None
         self._hash = hashlib.sha256()
-        self._tokens = self._documents = 0
+        self._tokens = self._documents = self._max = 0
 
     def _open(self) -> None:
         stem = f"{self.split}-{len(self.shards):05d}"
         self._bin = open(self.folder / f"{stem}.bin", "wb")
         self._idx = open(self.folder / f"{stem}.idx", "wb")
-        self._hash, self._tokens, self._documents = hashlib.sha256(), 0, 0
+        self._hash, self._tokens, self._documents, self._max = hashlib.sha256(), 0, 0, 0
 
     def _close(self) -> None:
         assert self._bin is not None and self._idx is not None
@@ -72,7 +73,7 @@ class ShardWriter:
             f.close()
         self.shards.append({"file": Path(self._bin.name).name, "index": Path(self._idx.name).name,
                             "tokens": self._tokens, "documents": self._documents,
-                            "sha256": self._hash.hexdigest()})
+                            "sha256": self._hash.hexdigest(), "max_id": self._max})
         self._bin = self._idx = None
 
     def write(self, ids: np.ndarray, lengths: np.ndarray) -> None:
@@ -86,7 +87,9 @@ class ShardWriter:
             k = int(np.searchsorted(ends, self.shard_tokens, side="left")) + 1
             k = min(k, len(lengths))
             n = int(ends[k - 1]) - self._tokens
-            chunk = np.ascontiguousarray(ids[:n], dtype=self.dtype).data.cast("B")
+            part = np.ascontiguousarray(ids[:n], dtype=self.dtype)
+            self._max = max(self._max, int(part.max()))   # the run's id check reads it
+            chunk = part.data.cast("B")
             self._bin.write(chunk)
             self._hash.update(chunk)
             self._idx.write(ends[:k].tobytes())
@@ -120,13 +123,64 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class FolderAppeared(FileExistsError):
+    """The target of `staged_folder` was filled by someone else while this one was staged."""
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one step (Linux renameat2 RENAME_EXCHANGE); False where the system
+    or the file system cannot (then nothing moved)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        rename = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, exchange = -100, 2
+    if rename(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(code, f"cannot swap {a} and {b}: {os.strerror(code)}")
+
+
+def _swap_in(tmp: Path, out: Path, *, replace: bool) -> bool:
+    """Rename `tmp` to `out`; True when a non-empty `out` was replaced (only with `replace`).
+
+    Without `replace`, a non-empty `out` (one that appeared since the caller looked) raises
+    `FolderAppeared`: rename(2) refuses to put a folder onto a non-empty one, so there is no
+    window between a check and the rename. With it, the two folders are exchanged in one
+    step where the system can (a reader sees the old folder or the new, never none), else
+    the old is moved aside first; `tmp` then holds the old folder, for the caller to remove.
+    """
+    try:
+        os.replace(tmp, out)               # onto nothing, or an empty folder
+        return False
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+    if not replace or not out.is_dir():
+        raise FolderAppeared(f"{out} appeared while tokenizing (another hybridpar tokenize "
+                             "writing the same folder?); not replacing it")
+    if not _exchange(tmp, out):
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        os.replace(old, tmp)
+    return True
+
+
 @contextlib.contextmanager
-def staged_folder(out: Path, *, replace: bool = False) -> Iterator[Path]:
+def staged_folder(out: Path, *, replace: bool = False,
+                  replaced: Callable[[], None] | None = None) -> Iterator[Path]:
     """A fresh hidden sibling of `out` to fill; renamed to `out` when the block ends cleanly.
 
     Removed instead when the block raises. Leftovers of killed runs (``.OUT.PID.tmp`` whose
-    process is gone) are removed first. An existing `out` is replaced only with `replace`
-    (moved aside, the new folder renamed in, the old one deleted).
+    process is gone) are removed first. A non-empty `out` at the end (there before, or one
+    that appeared meanwhile) is replaced only with `replace` (atomically where the system
+    can: `_swap_in`), and `replaced` is called; without it, `FolderAppeared` is raised.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}.*.tmp"):
@@ -139,18 +193,11 @@ def staged_folder(out: Path, *, replace: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         fsync_dir(tmp)
-        if out.exists() and any(out.iterdir()):
-            if not replace:
-                raise FileExistsError(f"{out} appeared while tokenizing; not replacing it")
-            old = out.with_name(f".{out.name}.{os.getpid()}.old")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)      # onto nothing, or an empty folder
+        if _swap_in(tmp, out, replace=replace) and replaced is not None:
+            replaced()
         fsync_dir(out.parent)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)   # what failed, or the folder replaced
 
 
 def write_meta(folder: Path, meta: Mapping[str, Any]) -> None:
@@ -255,6 +302,8 @@ def _check_meta(folder: Path, meta: Any) -> None:
             for key in ("tokens", "documents"):
                 if _need(shard, key, int, folder, f"{at}shards[{i}].") < 1:
                     raise _corrupt(folder, f"{at}shards[{i}].{key} is {shard[key]}")
+            if "max_id" in shard and _need(shard, "max_id", int, folder, f"{at}shards[{i}].") < 0:
+                raise _corrupt(folder, f"{at}shards[{i}].max_id is {shard['max_id']}")
         for key in ("tokens", "documents"):
             total = _need(record, key, int, folder, at)
             if total != sum(s[key] for s in shards):

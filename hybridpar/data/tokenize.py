@@ -35,6 +35,7 @@ from hybridpar.data.shards import (
     FORMAT,
     SPLITS,
     VERSION,
+    FolderAppeared,
     ShardWriter,
     TokenFolderError,
     open_tokens,
@@ -61,12 +62,14 @@ _BATCH_DOCS = 4096
 
 
 class Tokenized(NamedTuple):
-    """What `tokenize_corpus` did: the folder, its meta.json, and whether it was up to date."""
+    """What `tokenize_corpus` did: the folder, its meta.json, whether it was up to date, and
+    notes for the user (a folder replaced, another process's identical folder kept)."""
 
     folder: Path
     meta: dict[str, Any]
     up_to_date: bool
     seconds: float
+    notes: tuple[str, ...] = ()
 
 
 def default_workers() -> int:
@@ -229,23 +232,51 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.Path
     if workers is None:   # a small corpus is not worth starting processes for
         workers = default_workers() if prints["bytes"] > 8 * batch_bytes else 1
 
+    notes: list[str] = []
     counts = Counts()
     documents = (doc for source in sources for doc in read_documents(
         source, field=field, separator=separator, errors=errors, counts=counts))
     batches = _encoded(_batches(documents, batch_bytes=batch_bytes), spec, workers)
-    with staged_folder(target, replace=True) as tmp, contextlib.closing(batches):
-        records = _write(tmp, batches, spec=spec, split=split, shard_tokens=shard_tokens,
-                         progress=progress, start=start)
-        if sum(r["documents"] for r in records.values()) == 0:
-            raise CorpusError(f"the corpus has no documents: {len(sources)} file(s) read, "
-                              f"{counts.empty} empty, {counts.skipped} skipped as not UTF-8"
-                              + (f" (--field {field!r})" if format != "txt" else "")
-                              + "; give files that hold text")
-        if spec.kind == "tokenizers":
-            (tmp / "tokenizer.json").write_text(spec.json, encoding="utf-8")
-        meta = _meta(spec, records, request, prints, counts)
-        write_meta(tmp, meta)
-    return Tokenized(target, meta, False, time.perf_counter() - start)
+    # another process may fill OUT meanwhile (two tokenize runs into one folder): without
+    # --overwrite that is an error (or nothing to do, if it holds these very tokens); with
+    # it, OUT is replaced in one step and the output says so
+    replaced = f"replaced the folder that was at {target} (--overwrite)"
+    try:
+        with staged_folder(target, replace=overwrite, replaced=lambda: notes.append(replaced)
+                           ) as tmp, contextlib.closing(batches):
+            records = _write(tmp, batches, spec=spec, split=split, shard_tokens=shard_tokens,
+                             progress=progress, start=start)
+            if sum(r["documents"] for r in records.values()) == 0:
+                raise CorpusError(f"the corpus has no documents: {len(sources)} file(s) read, "
+                                  f"{counts.empty} empty, {counts.skipped} skipped as not "
+                                  "UTF-8" + (f" (--field {field!r})" if format != "txt" else "")
+                                  + "; give files that hold text")
+            if spec.kind == "tokenizers":
+                (tmp / "tokenizer.json").write_text(spec.json, encoding="utf-8")
+            meta = _meta(spec, records, request, prints, counts)
+            write_meta(tmp, meta)
+    except FolderAppeared:
+        theirs = _appeared(target, request)
+        note = (f"{target} appeared while tokenizing, written by another process with the "
+                "same inputs, tokenizer and options: kept it (the same tokens)")
+        return Tokenized(target, theirs, True, time.perf_counter() - start, (note,))
+    return Tokenized(target, meta, False, time.perf_counter() - start, tuple(notes))
+
+
+def _appeared(out: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """The meta of an `out` that another process wrote meanwhile, when it holds `request`'s
+    tokens; else the error (this run's tokens are discarded, `out` is left alone)."""
+    try:
+        meta = open_tokens(out, mmap=False).meta
+    except TokenFolderError:
+        meta = None
+    if meta is not None and meta["request"] == _digest(request):
+        return meta
+    raise CorpusError(f"{out} appeared while tokenizing (another hybridpar tokenize into the "
+                      "same folder?) and holds other tokens"
+                      + ("" if meta is not None else " or other files")
+                      + "; it was left as it is and this run's tokens were discarded: give "
+                      "another folder, or --overwrite to replace it") from None
 
 
 def _write(folder: Path, batches: Iterator[tuple[int, np.ndarray, np.ndarray]], *,

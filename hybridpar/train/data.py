@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hybridpar.data.ids import check_ids, model_vocab
 from hybridpar.data.order import WindowOrder
 from hybridpar.data.shards import TokenFolder, TokenFolderError
 from hybridpar.data.windows import TokenWindows, check_folder
@@ -210,14 +211,20 @@ class SyntheticBatches:
         return self.next_batch()
 
 
-def token_folder(config: Config) -> TokenFolder:
+def token_folder(config: Config, *, ids: bool = False) -> TokenFolder:
     """The checked token folder of ``data.source = "tokens"`` (meta.json and file sizes; no
-    shard mapped); a ValueError naming ``data.path`` and the fix."""
+    shard mapped); with `ids`, also every shard's largest id against meta.json's and the
+    model's vocabulary (`hybridpar.data.ids`: cached in the folder, so cheap after the
+    first); a ValueError naming ``data.path`` and the fix."""
     if config.data.path is None:
         raise ValueError("data.path is required with data.source = 'tokens': a folder "
                          "written by hybridpar tokenize")
     try:
-        return check_folder(config.data.path)
+        folder = check_folder(config.data.path)
+        if ids:
+            check_ids(folder, model_vocab=model_vocab(config.model.args),
+                      model=f"model {config.model.name!r}")
+        return folder
     except TokenFolderError as e:
         raise ValueError(f"data.path {config.data.path!r}: {e}") from None
 
@@ -232,7 +239,9 @@ def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: 
     train head or the val tail (``data.val_fraction``) of the bytes. tokens: `TokenWindows`
     of the folder's split, which read x only with `inputs` and y only with `targets` (a rank
     with neither maps no shard and gets zeros of the batch's shape); with ``data.pack =
-    "documents"`` x is (ids, document positions).
+    "documents"`` x is (ids, document positions). The train split's batches check every
+    shard's ids first (`token_folder`): each rank makes them before step 1, so a shard of
+    another tokenizer is an error on every rank then, not an IndexError when it is drawn.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -243,7 +252,8 @@ def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: 
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"data.seq_len is not set and model {config.model.name!r} has no "
                              "block_size; set data.seq_len")
-        return TokenWindows(token_folder(config), split, seq_len=seq_len, batch_size=batch_size,
+        folder = token_folder(config, ids=split == "train")
+        return TokenWindows(folder, split, seq_len=seq_len, batch_size=batch_size,
                             seed=data.seed, dp_rank=dp_rank, dp=dp, inputs=inputs,
                             targets=targets, pack=data.pack == "documents")
     if data.source == "synthetic":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import inspect
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -209,22 +208,18 @@ def _check_pack(cfg: Config, where: Where) -> None:
 def _model_vocab(model: ModelConfig) -> int | None:
     """The model's vocabulary size: a ``model.pretrained`` folder's config.json (the model is
     built from it, whatever the other keys say), else its ``vocab_size`` option; None when
-    neither says."""
-    pretrained = model.args.get("pretrained")
-    if isinstance(pretrained, str) and (Path(pretrained) / "config.json").is_file():
-        try:
-            value = json.loads((Path(pretrained) / "config.json").read_text()).get("vocab_size")
-        except (OSError, ValueError):
-            return None
-        return value if isinstance(value, int) else None
-    if isinstance(model.args.get("vocab_size"), int):
-        return int(model.args["vocab_size"])
-    return None
+    neither says (`hybridpar.data.ids.model_vocab`, which every rank checks again)."""
+    from hybridpar.data.ids import model_vocab
+
+    return model_vocab(model.args)
 
 
 def _check_tokens(model: ModelConfig, data: DataConfig, where: Where) -> None:
     """data.path is a token folder (meta.json and file sizes) whose ids fit the model: its
-    vocabulary, and a ``model.pretrained`` folder's own tokenizer (`hybridpar.data.match`)."""
+    vocabulary, a ``model.pretrained`` folder's own tokenizer (`hybridpar.data.match`), and
+    every shard's largest id (`hybridpar.data.ids`: computed here once and cached for the
+    ranks, which check it again)."""
+    from hybridpar.data.ids import check_ids
     from hybridpar.data.shards import TokenFolderError
     from hybridpar.data.windows import check_folder
 
@@ -242,6 +237,10 @@ def _check_tokens(model: ModelConfig, data: DataConfig, where: Where) -> None:
                           f"{model.name!r} has vocab_size={vocab}: ids >= {vocab} have no "
                           f"embedding; set model.vocab_size >= {folder.vocab_size}, or tokenize "
                           "with the model's own tokenizer", "data.path", "model.vocab_size")
+    try:
+        check_ids(folder, model_vocab=vocab, model=f"model {model.name!r}")
+    except TokenFolderError as e:
+        raise where.error(f"data.path {data.path!r}: {e}", "data.path") from None
     pretrained = model.args.get("pretrained")
     if isinstance(pretrained, str):
         from hybridpar.data.match import pretrained_mismatch
