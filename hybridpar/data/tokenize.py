@@ -20,7 +20,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import signal
 import sys
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
@@ -53,6 +52,7 @@ from hybridpar.data.sources import (
 )
 from hybridpar.data.split import ValSplit
 from hybridpar.data.tokenizer import Encoder, TokenizerSpec, load_tokenizer
+from hybridpar.process.lifetime import die_with_parent
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "Tokenized", "default_workers", "tokenize_corpus"]
 
@@ -97,22 +97,9 @@ def _batches(documents: Iterable[str], *, batch_bytes: int) -> Iterator[list[str
 _ENCODER: Encoder | None = None
 
 
-def _die_with(parent: int) -> None:
-    """End this worker when `parent` ends, even by SIGKILL (Linux; elsewhere, nothing)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)                  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:                         # it ended before the prctl
-        os._exit(1)
-
-
 def _init_worker(spec: TokenizerSpec, parent: int) -> None:
     global _ENCODER
-    _die_with(parent)            # a killed tokenize leaves no idle workers behind
+    die_with_parent(parent)      # a killed tokenize leaves no idle workers behind
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one thread a worker
     _ENCODER = Encoder(spec)
 

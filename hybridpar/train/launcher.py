@@ -12,11 +12,25 @@ transformers family once (`_preload`): a worker starts in milliseconds instead o
 them itself (3-6 s of CPU each, every worker of a node at once), and the workers share those
 pages. The server imports, it never runs a kernel or touches a GPU, so forking it is safe.
 Each worker notes its pid in RUN_DIR/workers/ while it runs (`worker_pids`). With
-``--max-restarts N`` the
-agent restarts every worker after a failure, up to N times; each restart resumes from the
-latest complete checkpoint. The rendezvous store is not shared with the workers
-(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): stale addresses in a shared store broke restarts.
-With no endpoint or a loopback one, the agent's store and the workers' listen on loopback only.
+``--max-restarts N`` the agent restarts every worker after a failure, up to N times; each
+restart resumes from the latest complete checkpoint.
+
+The run's lifetime is the agent's:
+- the agent holds RUN_DIR (`hybridpar.io.run_lock`: an flock on RUN_DIR/.lock naming its pid
+  and host) from before it writes RUN_DIR/config.json until it exits: a second run into the
+  same folder fails at once naming the holder, and so does one while workers of an earlier
+  run still run there (their pid files);
+- a worker dies with its agent, however the agent ends (kill -9 included): its parent, the
+  fork server, ends when the agent does, and the kernel then kills the worker (the
+  parent-death signal, `hybridpar.process.lifetime`); a worker started after the agent died
+  sees it gone and ends. No orphan goes on writing checkpoints nobody will stop.
+
+With no endpoint or a loopback one (`hybridpar.train.rendezvous`), the agent's store and the
+workers' listen on loopback only, and the workers' store is one the host node's agent binds
+and holds for each attempt (no port picked, released and bound again: two runs started at
+once never collide). A network endpoint uses torch's c10d rendezvous (its store not shared
+with the workers, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: stale addresses in a shared store
+broke restarts).
 """
 
 from __future__ import annotations
@@ -31,12 +45,15 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from hybridpar.io.run_lock import LOCK_NAME, RunDirInUse, hold_run_dir
+from hybridpar.process.lifetime import die_with_parent, end_with, start_time
 from hybridpar.process.loopback import bind_host, is_loopback
 from hybridpar.train.configs.config import Config, ConfigError, load_config, write_resolved
 
 __all__ = ["launch", "registered_worker", "worker_args", "worker_pids"]
 
 log = logging.getLogger(__name__)
+
 
 
 def worker_args(config_path: str, *, run_dir: Path, overrides: Sequence[str],
@@ -120,9 +137,6 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     worker starts (raises `ConfigError`). `trace` / `trace_step`: trace the last / that step
     into RUN_DIR/trace (`hybridpar.pipeline.tracing.trace_report`).
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     from hybridpar.train.configs.options import check_init_from, check_trace_step, default_run_dir
 
     config = load_config(config_path, overrides)
@@ -137,11 +151,44 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     if problem:
         raise ConfigError(problem)
     folder = Path(run_dir) if run_dir is not None else default_run_dir(config_path)
+    # Held before anything is written: a run already there keeps its config.json.
+    with hold_run_dir(folder, name=lock_name(node_rank)):
+        _check_no_workers(folder)
+        return _launch(config, folder, world=world, max_restarts=max_restarts,
+                       nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                       init_from=init_from, trace=trace, trace_step=trace_step)
+
+
+def lock_name(node_rank: int) -> str:
+    """The lock file of `node_rank`'s agent in RUN_DIR: each node's agent holds its own (the
+    folder may be one shared by every node, or each node's own)."""
+    return LOCK_NAME if node_rank == 0 else f"{LOCK_NAME}.node-{node_rank}"
+
+
+def _check_no_workers(folder: Path) -> None:
+    """Refuse a run directory where workers of an earlier run still run on this machine (one
+    started by torchrun, whose agent holds no lock, or an orphan of a killed agent)."""
+    alive = worker_pids(folder)
+    if alive:
+        pids = " ".join(map(str, alive))
+        raise RunDirInUse(f"workers of another run still run in {folder} (pids {pids}): wait "
+                          f"for them to end or stop them (kill {pids}), or give another "
+                          "--run-dir")
+
+
+def _launch(config: Config, folder: Path, *, world: int, max_restarts: int, nnodes: int,
+            node_rank: int, rdzv_endpoint: str | None, init_from: str | None, trace: bool,
+            trace_step: int | None) -> int:
+    """`launch` once the config is checked and the run directory held."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     resolved = write_resolved(config, folder)   # each node's workers read it: loaded once
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     single = nnodes == 1
     backend, endpoint, local_addr = _rendezvous(rdzv_endpoint, single=single)
+    if backend == "c10d":
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launch_config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=world // nnodes,
         run_id=f"hybridpar-{config.name}" if not single else f"hybridpar-{uuid.uuid4().hex[:8]}",
@@ -155,7 +202,7 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     multiprocessing.get_context("forkserver").set_forkserver_preload(_preload(config))
     log.info("starting %d workers (%s) in %s", world // nnodes, config.name, folder)
     try:
-        elastic_launch(launch_config, run_worker)(args)
+        elastic_launch(launch_config, run_worker)((os.getpid(), start_time("self")), args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -167,8 +214,10 @@ def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
     return 0
 
 
-def run_worker(args: list[str]) -> None:
-    """A worker of `launch`: the worker's ``main(args)``; a non-zero status exits with it."""
+def run_worker(agent: tuple[int, str | None], args: list[str]) -> None:
+    """A worker of `launch`: the worker's ``main(args)``; a non-zero status exits with it.
+    `agent`: the pid and start time of the agent that started it."""
+    _end_with_agent(os.getppid(), agent)
     from hybridpar.train.__main__ import main
 
     status = main(args)
@@ -176,20 +225,22 @@ def run_worker(args: list[str]) -> None:
         raise SystemExit(status)
 
 
-def _start_time(pid: int | str) -> str | None:
-    """When process `pid` started (clock ticks since boot, /proc/PID/stat), or None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]   # field 22, counted after the command's name
+def _end_with_agent(parent: int, agent: tuple[int, str | None]) -> None:
+    """Have this worker end when its agent ends (`parent`: the pid that started it, the
+    agent's fork server or the agent itself), even by kill -9, within milliseconds."""
+    # Two ways, each enough alone: a thread here waits for the agent's end (a pidfd), and
+    # the kernel kills this worker when its parent ends (the fork server ends when the agent
+    # does, as it reads a pipe only the agent holds; but it takes a second or two to shut its
+    # interpreter down).
+    die_with_parent(parent)
+    end_with(*agent)
 
 
 @contextlib.contextmanager
 def registered_worker(run_dir: Path, rank: int) -> Iterator[None]:
     """While inside: RUN_DIR/workers/<rank>.pid holds this process's pid and start time
     (`worker_pids` reads it; a file left by a killed worker names a process that is gone)."""
-    started = _start_time("self")
+    started = start_time("self")
     if started is None:   # no /proc: nothing to note
         yield
         return
@@ -210,6 +261,6 @@ def worker_pids(run_dir: str | os.PathLike[str]) -> list[int]:
     for path in (Path(run_dir) / "workers").glob("*.pid"):
         with contextlib.suppress(OSError, ValueError):
             pid, started = path.read_text().split()
-            if _start_time(pid) == started:
+            if start_time(pid) == started:
                 pids.append(int(pid))
     return sorted(pids)
