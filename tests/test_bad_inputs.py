@@ -236,7 +236,7 @@ def _config(**changes):
 
 def _poison(kind, step):
     """Make step `step` non-finite: NaN in the batch (the loss) or inf in a gradient."""
-    from hybridpar.train import state as trainer   # the run's state builds its data and pipe
+    from hybridpar.train import state as trainer  # the run's state builds its data and pipe
 
     if kind == "nan loss":
         real = trainer.make_batches

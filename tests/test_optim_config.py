@@ -150,7 +150,8 @@ def test_sgd_trains_with_bf16_weights_at_zero_1_and_2(runs):
     ({"name": "nosuch.module:Opt"}, {}, "cannot import optimizer 'nosuch.module:Opt'"),
     ({"name": "torch.nn:Linear"}, {}, "not a torch.optim.Optimizer class"),
     ({"name": "torch.optim:LBFGS"}, NO_CHECKPOINTS, "LBFGS.step needs a closure"),
-    ({"name": "sgd"}, {}, "checkpoints hold Adam / AdamW state only"),
+    ({"name": "test_optim_config:CountingSGD"}, {},
+     "CountingSGD keeps state that is not a tensor (calls: int)"),
     ({"momentum": 0.9}, {}, "optim.momentum = 0.9, but AdamW takes no momentum"),
     ({"name": "sgd", "betas": [0.8, 0.9]}, NO_CHECKPOINTS,
      "optim.betas = [0.8, 0.9], but SGD takes no betas"),
@@ -173,6 +174,37 @@ def test_bad_optim_values_are_refused_naming_the_key(optim, extra, message):
     with pytest.raises(ConfigError) as e:
         Config.from_dict(raw)
     assert message in str(e.value)
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that also counts its steps in a Python int: state a checkpoint cannot hold."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["calls"] = self.state[p].get("calls", 0) + 1
+        return out
+
+
+def _sgd_resumed(run_dir, zero):
+    """SGD with momentum: 4 steps at once, then 2 + 2 through a checkpoint; both losses."""
+    from hybridpar.train.trainer import train
+
+    cfg = sgd_config(zero, checkpoint={"every": 2})
+    whole = train(cfg, f"{run_dir}/whole", progress=False)["losses"]
+    train(cfg, f"{run_dir}/halves", progress=False, stop_at=2)
+    resumed = train(cfg, f"{run_dir}/halves", progress=False)
+    return whole, resumed["start"], resumed["losses"]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_sgd_with_momentum_resumes_exactly_from_a_checkpoint(tmp_path, zero):
+    import hybridpar
+
+    for whole, start, resumed in hybridpar.spawn(_sgd_resumed, 4, args=(str(tmp_path), zero),
+                                                 timeout=TIMEOUT):
+        assert start == 2 and resumed == whole[2:], (whole, resumed)   # the momentum came back
 
 
 def test_train_weight_decay_is_the_older_name_of_optim_weight_decay(tmp_path):

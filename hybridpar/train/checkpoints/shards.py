@@ -194,8 +194,8 @@ def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group
     `masters`: the state is `optimizer`'s of each parameter's master, `MasterWeights`).
 
     State that does not exist yet (no step taken) is created first, as the optimizer's first
-    step would (AdamW: ``step`` 0, ``exp_avg`` and ``exp_avg_sq`` zeros), so a load has
-    tensors to fill in place.
+    step would (AdamW: ``step`` 0, ``exp_avg`` and ``exp_avg_sq`` zeros; any other class:
+    `_initial_state`), so a load has tensors to fill in place.
     """
     out: dict[str, Tensor | ShardChunk] = {}
     for name, param in module.named_parameters():
@@ -206,6 +206,8 @@ def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group
         if not state:
             state.update(_initial_state(optimizer, key_of))
         for key, value in state.items():
+            if value is None:   # (SGD without momentum: momentum_buffer = None)
+                continue
             if not isinstance(value, Tensor):
                 raise TypeError(f"optimizer state {name}/{key} is {type(value).__name__}; "
                                 "only tensor state can be checkpointed")
@@ -214,13 +216,26 @@ def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group
 
 
 def _initial_state(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str, Tensor]:
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        raise TypeError(f"checkpoints hold Adam / AdamW state; got {type(optimizer).__name__}")
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise ValueError("checkpoints of amsgrad optimizers are not supported")
-    zeros = torch.zeros_like(param, memory_format=torch.preserve_format)
-    return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": zeros,
-            "exp_avg_sq": zeros.clone()}
+    """The state `optimizer`'s first step would give `param`, before it took one.
+
+    Adam / AdamW: ``step`` 0 and zero moments, made directly. Any other class: the state a
+    throwaway optimizer of the same class and hyper-parameters (lr 0) makes in one step on a
+    zero tensor like `param` with a zero gradient (SGD: its momentum buffer); state that is
+    None (SGD without momentum keeps ``momentum_buffer = None``) is no state.
+    """
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        if any(g.get("amsgrad") for g in optimizer.param_groups):
+            raise ValueError("checkpoints of amsgrad optimizers are not supported")
+        zeros = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return {"step": torch.zeros((), dtype=torch.float32), "exp_avg": zeros,
+                "exp_avg_sq": zeros.clone()}
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    probe = torch.zeros_like(param, memory_format=torch.preserve_format, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    options = {k: v for k, v in group.items() if k != "params"}
+    throwaway = type(optimizer)([probe], **{**options, "lr": 0.0})
+    throwaway.step()
+    return {k: v for k, v in throwaway.state[probe].items() if v is not None}
 
 
 def check_unique(keys: Iterable[str], layers: Sequence[int], *,

@@ -20,8 +20,6 @@ __all__ = ["OPTIMIZERS", "check_optim", "optimizer_class", "optimizer_options"]
 #: the short names of optim.name; any other optimizer: "package.module:Class"
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-# the optimizers whose state a checkpoint holds (`train.checkpoints.shards.optimizer_entries`)
-_CHECKPOINTED = (torch.optim.Adam, torch.optim.AdamW)
 # [optim] keys handed to the constructor when it takes them (weight_decay goes per group)
 _OPTIONS = ("betas", "eps", "momentum", "nesterov")
 
@@ -72,11 +70,10 @@ def _steps_without_closure(cls: type[torch.optim.Optimizer]) -> bool:
 
 def check_optim(config: Config, where: Where) -> None:
     """Raise `where.error` if [optim] cannot train: an unknown or unimportable class, state a
-    checkpoint cannot hold (not Adam / AdamW) in a run that saves, betas that are not two
-    numbers, a key the class does not take, a step that needs a closure
-    (the trainer steps without one), state that ZeRO cannot shard, or options the class
-    refuses (it is built and stepped once over a two-element parameter, as every rank will
-    build it over its shard)."""
+    checkpoint cannot hold (not tensors), betas that are not two numbers, a key the class
+    does not take, a step that needs a closure (the trainer steps without one), state that
+    ZeRO cannot shard, or options the class refuses (it is built and stepped once over a
+    two-element parameter, as every rank will build it over its shard)."""
     optim, name = config.optim, config.optim.name
     try:
         cls = optimizer_class(name)
@@ -87,13 +84,6 @@ def check_optim(config: Config, where: Where) -> None:
                           "re-evaluates the loss, which the trainer's step does not give; "
                           "choose an optimizer that steps on the gradients alone (adamw, "
                           "adam, sgd)", "optim.name")
-    saves = config.checkpoint.every > 0 or config.checkpoint.on_signal
-    if saves and not issubclass(cls, _CHECKPOINTED):
-        raise where.error(f"optim.name = {name!r}: checkpoints hold Adam / AdamW state only "
-                          "(train/checkpoints/shards.py), so this run could not save or "
-                          "resume; use adamw or adam, or set checkpoint.every = 0 and "
-                          "checkpoint.on_signal = false to train without checkpoints",
-                          "optim.name", "checkpoint.every", "checkpoint.on_signal")
     if len(optim.betas) != 2:
         raise where.error(f"optim.betas must be two numbers (the first and second moments' "
                           f"decay rates), got {optim.betas!r}", "optim.betas")
@@ -115,9 +105,17 @@ def check_optim(config: Config, where: Where) -> None:
         group["weight_decay"] = optim.weight_decay
     try:
         made: Any = cls   # a subclass's constructor takes lr; Optimizer's own takes defaults
-        made([group], lr=config.train.lr, **options).step()
+        probe = made([group], lr=config.train.lr, **options)
+        probe.step()
     except Exception as e:   # a user's class may raise anything: one line, before the workers
         raise where.error(f"optim.name = {name!r}: {cls.__name__} refuses these options "
                           f"({', '.join(f'{k}={v!r}' for k, v in options.items())}): "
                           f"{type(e).__name__}: {e}", "optim.name",
                           *[f"optim.{k}" for k in options]) from None
+    kept = {k: type(v).__name__ for k, v in probe.state[weight].items()
+            if v is not None and not isinstance(v, torch.Tensor)}
+    if kept:   # a checkpoint holds tensors (train/checkpoints/shards.py)
+        raise where.error(f"optim.name = {name!r}: {cls.__name__} keeps state that is not a "
+                          f"tensor ({', '.join(f'{k}: {t}' for k, t in kept.items())}), which "
+                          "a checkpoint cannot hold; choose an optimizer whose state is "
+                          "tensors (adamw, adam, sgd)", "optim.name")

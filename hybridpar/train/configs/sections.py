@@ -193,9 +193,9 @@ class OptimConfig:
         "`\"adamw\"` (`torch.optim.AdamW`), `\"adam\"`, `\"sgd\"`, or any "
         "`torch.optim.Optimizer` subclass as `\"package.module:Class\"` (it gets `lr` and "
         "those of the keys below its constructor takes; one whose step needs a closure, as "
-        "LBFGS, is refused). Checkpoints hold Adam / AdamW state only: another optimizer "
-        "needs `checkpoint.every = 0` and `checkpoint.on_signal = false`. Any of them works "
-        "with `parallel.zero` 1 and 2 and bf16 weights (float32 masters)"))
+        "LBFGS, is refused, and so is one that keeps state other than tensors, which a "
+        "checkpoint cannot hold). Any of them works with checkpoints and resumes, "
+        "`parallel.zero` 1 and 2 and bf16 weights (float32 masters)"))
     weight_decay: float = key(0.0, range=_NONNEGATIVE, doc=(
         "on matrices only (none on biases and norms): AdamW's is decoupled, Adam's and SGD's "
         "are torch's L2 term in the gradient; `train.weight_decay` is its older name, still "
