@@ -3,10 +3,17 @@
     resume (latest complete checkpoint) | init-from (a plain export: safetensors read
     by keys and slices, or a .pt file) | fresh (the seed)
     per step:  lr_at(step) -> data -> HybridPipe.train_step -> [replica check] -> global
-               grad clip -> AdamW (a NaN / inf loss or gradient norm: stop, or skip the
-               update: train.nonfinite; the replica check every parallel.check_replicas steps)
+               grad clip -> the [optim] optimizer (a NaN / inf loss or gradient norm: stop,
+               or skip the update: train.nonfinite, at most train.max_skipped in a row; the
+               replica check every parallel.check_replicas steps)
     then:      metrics.jsonl and the progress bar (the rank holding the loss),
                eval loss every eval_every, a checkpoint every `every`, a text sample at the end
+    a signal:  SIGTERM / SIGINT on any rank: every rank stops after the same step, with a
+               checkpoint (checkpoint.on_signal)
+
+The parts, each named for its job: `build` (topology, pipe, optimizer), `state` (what a
+checkpoint holds, resume, --init-from), `step` (one step, evaluation, the sample), `report`
+(progress bar, metrics, MFU).
 
 Every rank runs the same loop in lockstep; each builds the whole model from the seed and keeps
 its stage's tp shards, so every layout starts from the weights of the one-device model (with
