@@ -63,6 +63,13 @@ def test_byte_tokens_and_decode_round_trip():
     assert decode(tokens) == "héllo\n"
 
 
+def test_decode_of_ids_past_a_byte_is_a_replacement_character():
+    # a model of a larger vocabulary trained on bytes (a resume on data.source = "corpus" of
+    # a token-folder checkpoint) samples ids >= 256: the end-of-run sample failed with
+    # "bytes must be in range(0, 256)" after training and saving
+    assert decode(torch.tensor([104, 105, 300, 301, 0xC3, 0xA9])) == "hi\ufffd\ufffdé"
+
+
 def test_batches_have_the_right_shape_and_y_is_x_shifted_by_one():
     batches = make_batches(config(batch_size=4))
     for x, y in take(batches, 3):

@@ -37,12 +37,26 @@ from torch import Tensor
 from hybridpar.data.order import WindowOrder
 from hybridpar.data.shards import SPLITS, Shard, TokenFolder, open_tokens
 
-__all__ = ["TokenWindows", "check_folder", "document_positions"]
+__all__ = ["TokenWindows", "check_folder", "document_positions", "no_val_window"]
 
 
 def check_folder(path: str | os.PathLike[str]) -> TokenFolder:
     """The folder's meta.json and file sizes checked, nothing mapped (``splits`` is empty)."""
     return open_tokens(path, mmap=False)
+
+
+def no_val_window(folder: TokenFolder, seq_len: int) -> str | None:
+    """Why the val split of `folder` has no window of ``seq_len + 1`` tokens (a clause naming
+    the folder and the fix), or None when it has one; meta.json only."""
+    counts = [int(s["tokens"]) for s in folder.meta["splits"]["val"]["shards"]]
+    if any((n - 1) // seq_len > 0 for n in counts):
+        return None
+    fraction = folder.meta.get("split", {}).get("val_fraction")
+    why = (f"it was tokenized with --val-fraction {fraction}" if fraction == 0 else
+           f"its val split holds {sum(counts):,} tokens in {len(counts)} shard(s)")
+    return (f"the token folder {str(folder.path)!r} has no validation window of data.seq_len "
+            f"+ 1 = {seq_len + 1} tokens ({why}); tokenize it again with --val-fraction > 0 "
+            "(e.g. 0.05)")
 
 
 def document_positions(ends: np.ndarray, start: int, length: int) -> np.ndarray:

@@ -16,12 +16,12 @@ from torch import Tensor
 from hybridpar.data.ids import check_ids, model_vocab
 from hybridpar.data.order import WindowOrder
 from hybridpar.data.shards import TokenFolder, TokenFolderError
-from hybridpar.data.windows import TokenWindows, check_folder
+from hybridpar.data.windows import TokenWindows, check_folder, no_val_window
 from hybridpar.models import example_batch
 from hybridpar.train.configs.config import Config
 
 __all__ = ["SyntheticBatches", "TokenBatches", "byte_tokens", "decode", "default_corpus",
-           "make_batches", "read_text", "split_tokens", "token_folder"]
+           "make_batches", "read_text", "split_tokens", "token_folder", "validation_problem"]
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test",
                         "__pycache__"})
@@ -81,9 +81,25 @@ def byte_tokens(data: bytes) -> Tensor:
 
 
 def decode(ids: Tensor | list[int]) -> str:
-    """Byte token ids back to text (invalid UTF-8, e.g. a cut character, becomes U+FFFD)."""
+    """Byte token ids back to text (invalid UTF-8, e.g. a cut character, becomes U+FFFD; so
+    does an id past 255, which a model with a larger vocabulary can sample from bytes)."""
     values = ids.tolist() if isinstance(ids, Tensor) else ids
-    return bytes(values).decode("utf-8", errors="replace")
+    if all(0 <= v < 256 for v in values):
+        return bytes(values).decode("utf-8", errors="replace")
+    return "".join(bytes(run).decode("utf-8", errors="replace") if ok else "\ufffd" * len(run)
+                   for ok, run in _runs(values))
+
+
+def _runs(values: list[int]) -> list[tuple[bool, list[int]]]:
+    """`values` cut into runs of bytes (True) and of ids past a byte (False), in order."""
+    out: list[tuple[bool, list[int]]] = []
+    for v in values:
+        ok = 0 <= v < 256
+        if out and out[-1][0] == ok:
+            out[-1][1].append(v)
+        else:
+            out.append((ok, [v]))
+    return out
 
 
 def split_tokens(tokens: Tensor, *, val_fraction: float) -> tuple[Tensor, Tensor]:
@@ -227,6 +243,30 @@ def token_folder(config: Config, *, ids: bool = False) -> TokenFolder:
         return folder
     except TokenFolderError as e:
         raise ValueError(f"data.path {config.data.path!r}: {e}") from None
+
+
+def validation_problem(config: Config) -> str | None:
+    """Why ``split="val"`` of `config` has no batch (no window of ``data.seq_len + 1``
+    tokens), as a clause naming the data and the fix; None when it has one. Cheap: it reads
+    meta.json or a file's size, no token (the embedded corpus is made once per process)."""
+    data = config.data
+    seq_len = data.seq_len or config.model.args.get("block_size")
+    if data.source == "synthetic" or not isinstance(seq_len, int) or seq_len < 1:
+        return None
+    if data.source == "tokens":
+        return no_val_window(token_folder(config), seq_len)
+    if data.source == "text" and data.path is not None:
+        size, what = Path(data.path).stat().st_size, f"data.path {data.path!r}"
+    elif data.source == "corpus":
+        size, what = len(default_corpus()), "the embedded corpus"
+    else:
+        return None
+    held = int(size * data.val_fraction)
+    if held >= seq_len + 1:
+        return None
+    return (f"data.val_fraction = {data.val_fraction} holds out {held} bytes of {what}, "
+            f"fewer than data.seq_len + 1 = {seq_len + 1}: no validation window; set a larger "
+            "data.val_fraction")
 
 
 def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: int = 1,

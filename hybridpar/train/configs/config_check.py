@@ -176,7 +176,8 @@ def check_layout(cfg: Config, where: Where) -> Config:
                           f"{train.param_dtype!r} (the layers compute under autocast with "
                           f"{train.param_dtype} weights); set both, or param_dtype = 'fp32'",
                           "train.param_dtype", "train.precision")
-    return dataclasses.replace(cfg, data=_check_data(model, data, where))
+    evaluates = train.eval_every if train.eval_every <= train.steps else 0
+    return dataclasses.replace(cfg, data=_check_data(model, data, where, eval_every=evaluates))
 
 
 def _check_pack(cfg: Config, where: Where) -> None:
@@ -254,7 +255,11 @@ def _check_tokens(model: ModelConfig, data: DataConfig, where: Where) -> None:
                               "data.path", "model.pretrained")
 
 
-def _check_data(model: ModelConfig, data: DataConfig, where: Where) -> DataConfig:
+def _check_data(model: ModelConfig, data: DataConfig, where: Where, *,
+                eval_every: int = 0) -> DataConfig:
+    """The data against the model; `data.seq_len` resolved (a gpt's block_size); with
+    `eval_every`, a validation split that holds a window (else evaluation would fail at its
+    first step: `--val-fraction 0`, `data.val_fraction = 0`)."""
     if data.source == "synthetic" and not has_synthetic_data(model.name):
         raise where.error(f"data.source = 'synthetic' has batches for the zoo's models only; "
                           f"model {model.name!r} trains on tokens: set data.source = 'corpus' "
@@ -281,8 +286,27 @@ def _check_data(model: ModelConfig, data: DataConfig, where: Where) -> DataConfi
     if model.name == "gpt":
         block = model.args["block_size"]
         if data.seq_len is None:
-            return dataclasses.replace(data, seq_len=block)
-        if data.seq_len > block:
+            data = dataclasses.replace(data, seq_len=block)
+        elif data.seq_len > block:
             raise where.error(f"data.seq_len={data.seq_len} is longer than model.block_size="
                               f"{block}; use at most {block}", "data.seq_len")
+    if eval_every and data.seq_len:   # a validation window, or no evaluation can run
+        from hybridpar.data.windows import check_folder, no_val_window
+
+        why, length = None, data.seq_len
+        if data.source == "tokens" and data.path is not None:
+            why = no_val_window(check_folder(data.path), length)
+        elif data.source == "text" and data.path is not None:
+            held = int(Path(data.path).stat().st_size * data.val_fraction)
+            if held <= length:
+                why = (f"data.val_fraction = {data.val_fraction} holds out {held} bytes of "
+                       f"data.path, fewer than data.seq_len + 1 = {length + 1}: set a larger "
+                       "data.val_fraction")
+        elif data.source == "corpus" and data.val_fraction == 0:   # 2 MB: any other holds one
+            why = "data.val_fraction = 0 holds out nothing: set it above 0 (e.g. 0.05)"
+        if why is not None:
+            raise where.error(f"train.eval_every = {eval_every} evaluates on the validation "
+                              f"split, but {why}; or set train.eval_every = 0 (no evaluation; "
+                              "the end-of-run sample is then skipped too)", "train.eval_every",
+                              "data.val_fraction", "data.path")
     return data
