@@ -111,6 +111,80 @@ def test_a_run_dir_where_workers_still_run_is_refused_before_anything_is_written
     assert not (run_dir / "config.json").exists()
 
 
+def test_a_lock_that_cannot_be_opened_is_named(tmp_path: Path) -> None:
+    (tmp_path / LOCK_NAME).mkdir()        # not a file: cannot be opened for writing
+    with pytest.raises(OSError, match=r"cannot open the run directory's lock .*\.lock: Is a "
+                                      "directory"), hold_run_dir(tmp_path):
+        pass
+
+
+# a process that ends with another -------------------------------------------------------------
+LIFETIME = Path(__file__).resolve().parents[1] / "hybridpar" / "process" / "lifetime.py"
+# The module alone (stdlib only), without importing hybridpar and torch: a child in 50 ms.
+LOAD = ("import importlib.util as u, os, sys, time; "
+        f"s = u.spec_from_file_location('lifetime', {str(LIFETIME)!r}); "
+        "m = u.module_from_spec(s); s.loader.exec_module(m); ")
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def _armed(code: str) -> subprocess.Popen[str]:
+    """A python child running LOAD + `code`, once it printed its first line."""
+    child = subprocess.Popen([sys.executable, "-c", LOAD + code], stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "armed"
+    return child
+
+
+@LINUX
+def test_a_process_ends_within_milliseconds_of_the_process_it_names(tmp_path: Path) -> None:
+    agent = subprocess.Popen(SLEEPER)      # not the child's parent: its end is still seen
+    try:
+        child = _armed(f"m.end_with({agent.pid}, m.start_time({agent.pid})); print('armed', "
+                       "flush=True); time.sleep(60)")
+        agent.kill()
+        agent.wait()
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        agent.kill()
+
+
+@LINUX
+def test_a_process_ends_with_its_parent_by_the_parent_death_signal(tmp_path: Path) -> None:
+    # parent: starts the grandchild and prints its pid; the grandchild arms the signal alone
+    grandchild = ("import subprocess; g = subprocess.Popen([sys.executable, '-c', sys.argv[1]],"
+                  " stdout=subprocess.PIPE, text=True); print(g.stdout.readline().strip(), "
+                  "flush=True); time.sleep(60)")
+    armed = LOAD + ("m.die_with_parent(os.getppid()); print(os.getpid(), flush=True); "
+                    "time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", LOAD + grandchild, armed],
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    try:
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while _alive(pid):
+            assert time.monotonic() < deadline, "the grandchild outlived its parent"
+            time.sleep(0.01)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@LINUX
+def test_a_process_whose_parent_or_named_process_is_gone_ends_at_once() -> None:
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    gone = int(ended.stdout)
+    for code in (f"m.end_with({gone}, '1')",                         # ended, or another's pid
+                 "m.end_with(os.getppid(), '1')",                    # a pid of another start
+                 f"m.die_with_parent({gone})"):                      # reparented already
+        done = subprocess.run([sys.executable, "-c", LOAD + code + "; print('lived')"],
+                              capture_output=True, text=True, timeout=30)
+        assert (done.returncode, done.stdout) == (1, ""), code
+
+
 # the workers' store -------------------------------------------------------------------------
 def test_the_workers_store_is_bound_by_the_agent_and_new_for_each_attempt() -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
