@@ -87,7 +87,8 @@ def test_a_txt_file_is_one_document_and_bytes_round_trip(tmp_path):
     assert done.meta["documents"] == 1 and done.meta["tokens"] == len(tokens)
     assert done.meta["tokenizer"] | {"sha256": ""} == {"name": "bytes", "kind": "bytes",
                                                       "sha256": "", "vocab_size": 256,
-                                                      "eos_id": 0, "eos": "\0"}
+                                                      "eos_id": 0, "eos": "\0",
+                                                      "bos_ids": [], "bos_rule": "auto"}
 
 
 def test_a_separator_splits_txt_into_documents_and_drops_empty_ones(tmp_path):

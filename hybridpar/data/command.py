@@ -15,12 +15,14 @@ def add_parser(commands: Any) -> None:
     """Add the `tokenize` command to the `hybridpar` subparsers."""
     from hybridpar.data.sources import ERRORS, FORMATS
     from hybridpar.data.tokenize import DEFAULT_SHARD_TOKENS
+    from hybridpar.data.tokenizer import BOS_RULES
 
     p = commands.add_parser(
         "tokenize", help="tokenize a corpus into a folder of token shards",
         description="Tokenize text files, jsonl, parquet (also .gz / .zst, folders and globs) "
         "into a folder of uint16 / uint32 token shards and meta.json, an EOS after each "
-        "document, split into train and val by documents. Written whole or not at all; "
+        "document (a BOS before it as --bos says), split into train and val by documents. "
+        "Written whole or not at all; "
         "running it again on the same inputs and options does nothing. Formats: "
         "docs/data.md.")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -36,6 +38,11 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--eos", default=None, metavar="TOKEN",
                    help="the end-of-document token: its id (digits) or its text (escapes "
                    "such as \\n work); default: the tokenizer's own EOS, byte 0 for bytes")
+    p.add_argument("--bos", nargs="?", const="yes", default="auto", choices=BOS_RULES,
+                   help="the start-of-document token before each document: auto (the "
+                   "default) as the tokenizer's post-processor adds it (Llama's <s>; none for "
+                   "GPT-2 or bytes), --bos: always (that, else the tokenizer's BOS token by "
+                   "name), --bos no: never; the output says which")
     p.add_argument("--format", choices=("auto", *FORMATS), default="auto",
                    help="how to read the inputs (default auto: from each name's suffix)")
     p.add_argument("--field", default="text",
@@ -94,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     """Tokenize as `args` say; print what was written, or that it was up to date."""
     from hybridpar.data.match import pretrained_mismatch
     from hybridpar.data.tokenize import tokenize_corpus
-    from hybridpar.data.tokenizer import load_tokenizer
+    from hybridpar.data.tokenizer import bos_note, load_tokenizer
 
     tokenizer, vocab, pretrained = args.tokenizer, None, None
     if args.config is not None:
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tokenizer or "bytes"
     eos = _unescape(args.eos)
     if vocab is not None or pretrained is not None:
-        spec = load_tokenizer(tokenizer, eos=eos)
+        spec = load_tokenizer(tokenizer, eos=eos, bos=args.bos)
         if vocab is not None and spec.vocab_size > vocab:
             raise ValueError(f"tokenizer {tokenizer!r} has {spec.vocab_size} ids, but the "
                              f"model of {args.config} has a vocabulary of {vocab}; use the "
@@ -116,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if why is not None:
             raise ValueError(f"--config {args.config}: {why}; leave out --tokenizer to use the "
                              "model's own")
-    done = tokenize_corpus(args.inputs, args.out, tokenizer=tokenizer, eos=eos,
+    done = tokenize_corpus(args.inputs, args.out, tokenizer=tokenizer, eos=eos, bos=args.bos,
                            format=args.format, field=args.field,
                            separator=_unescape(args.separator), errors=args.errors,
                            val_fraction=args.val_fraction, seed=args.seed,
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
           f"shard(s), val {val['tokens']:,} in {len(val['shards'])}), EOS id "
           f"{meta['tokenizer']['eos_id']}, {meta['tokens'] / max(done.seconds, 1e-9):,.0f} "
           "tokens/s")
+    print(bos_note(meta["tokenizer"]))
     errors = meta["errors"]
     if errors["replaced_documents"] or errors["skipped_documents"]:
         print(f"not UTF-8: {errors['replaced_documents']} document(s) with U+FFFD, "

@@ -145,8 +145,9 @@ def _request(sources: Sequence[Source], spec: TokenizerSpec, options: dict[str, 
              ) -> dict[str, Any]:
     """Everything that decides the tokens: the version, the sources' and tokenizer's hashes,
     the EOS and the options."""
+    bos = {"bos": list(spec.bos)} if spec.bos else {}   # absent: the requests made before it
     return {"version": VERSION, "sources": fingerprint(sources)["sha256"],
-            "tokenizer": spec.sha256, "eos_id": spec.eos_id, **options}
+            "tokenizer": spec.sha256, "eos_id": spec.eos_id, **bos, **options}
 
 
 def _digest(value: Any) -> str:
@@ -184,6 +185,7 @@ def _up_to_date(out: Path, request: dict[str, Any], overwrite: bool) -> dict[str
 
 def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *,
                     tokenizer: str | os.PathLike[str] = "bytes", eos: str | int | None = None,
+                    bos: str = "auto",
                     format: str = "auto", field: str = "text", separator: str | None = None,
                     errors: str = "strict", val_fraction: float = 0.05, seed: int = 0,
                     workers: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
@@ -191,9 +193,10 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.Path
                     batch_bytes: int = _BATCH_BYTES) -> Tokenized:
     """Tokenize the documents of `inputs` into the token folder `out` (see `shards`).
 
-    `tokenizer` and `eos`: `load_tokenizer`; `format`, `field`, `separator`, `errors`: how the
-    files are read (`sources`); `val_fraction`, `seed`: the split (`ValSplit`). A no-op when
-    `out` already holds the same request; `overwrite` replaces an `out` of another one.
+    `tokenizer`, `eos` and `bos`: `load_tokenizer`; `format`, `field`, `separator`,
+    `errors`: how the files are read (`sources`); `val_fraction`, `seed`: the split
+    (`ValSplit`). A no-op when `out` already holds the same request; `overwrite` replaces an
+    `out` of another one.
     Errors in the inputs raise `CorpusError` naming the file and line; `out` is then untouched.
     """
     start = time.perf_counter()
@@ -208,7 +211,7 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.Path
                           "'\\n\\n', or leave it out for a document per file")
     split = ValSplit(val_fraction, seed=seed)
     sources = find_sources(inputs, format=format)
-    spec = load_tokenizer(tokenizer, eos=eos)
+    spec = load_tokenizer(tokenizer, eos=eos, bos=bos)
     options = {"format": format, "field": field, "separator": separator, "errors": errors,
                "val_fraction": float(val_fraction), "seed": seed, "shard_tokens": shard_tokens}
     request, prints = _request(sources, spec, options), fingerprint(sources)

@@ -7,8 +7,10 @@
                               transformers' AutoTokenizer   eos_token (or config.json's id)
 
 `eos` names the token, by its id (digits) or its text, and overrides the default. Documents
-are encoded without the tokenizer's own special tokens (no BOS); `Encoder` puts the EOS after
-each one.
+are encoded without the tokenizer's own special tokens; `Encoder` puts the BOS (if any)
+before each one and the EOS after it. `bos`: "auto" takes what the tokenizer's post-processor
+puts before a text (Llama's ``<s>``; GPT-2's nothing), "yes" that or else the tokenizer's
+BOS token by name, "no" none.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Encoder", "TokenizerSpec", "dtype_for", "load_tokenizer"]
+__all__ = ["BOS_RULES", "Encoder", "TokenizerSpec", "bos_note", "dtype_for", "load_tokenizer"]
 
 # special tokens taken as the end of document when nothing names one, in this order
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>",
               "<|end|>", "[SEP]", "<|eos|>")
+# and as the start of document for bos="yes" when the post-processor adds none
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<|startoftext|>", "<bos>", "<|bos|>", "[CLS]")
+BOS_RULES = ("auto", "yes", "no")
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -49,6 +54,8 @@ class TokenizerSpec:
     eos: str            # the EOS token's text
     sha256: str         # of `json` (tokenizers) or of "bytes"
     json: str = ""      # the tokenizers.Tokenizer as JSON ("" for bytes)
+    bos: tuple[int, ...] = ()   # ids put before each document (`load_tokenizer`'s bos)
+    bos_rule: str = "auto"
 
     @property
     def dtype(self) -> str:
@@ -57,7 +64,22 @@ class TokenizerSpec:
     def record(self) -> dict[str, Any]:
         """The meta.json entry: everything but the JSON itself."""
         return {"name": self.name, "kind": self.kind, "sha256": self.sha256,
-                "vocab_size": self.vocab_size, "eos_id": self.eos_id, "eos": self.eos}
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id, "eos": self.eos,
+                "bos_ids": list(self.bos), "bos_rule": self.bos_rule}
+
+
+def bos_note(record: dict[str, Any]) -> str:
+    """One line for the log from meta.json's tokenizer record: what each document starts
+    with, and why."""
+    ids, rule = record.get("bos_ids", []), record.get("bos_rule", "auto")
+    if not ids:
+        why = {"no": "--bos no", "auto": "the tokenizer's post-processor adds none"}
+        return (f"BOS: none before each document ({why.get(rule, rule)}"
+                + ("; --bos puts the tokenizer's BOS token there" if record["kind"] != "bytes"
+                   and rule == "auto" else "") + ")")
+    what = "the tokenizer's post-processor adds it" if rule == "auto" else "--bos"
+    return (f"BOS: ids {ids} before each document ({what}"
+            + ("; --bos no for none" if rule == "auto" else "") + ")")
 
 
 class Encoder:
@@ -65,7 +87,7 @@ class Encoder:
 
     def __init__(self, spec: TokenizerSpec) -> None:
         self.spec, self.dtype = spec, np.dtype(spec.dtype)
-        self._eos = [spec.eos_id]
+        self._eos, self._bos = [spec.eos_id], list(spec.bos)
         self._tok: Any = None
         if spec.kind == "tokenizers":
             from tokenizers import Tokenizer
@@ -74,7 +96,7 @@ class Encoder:
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(ids, lengths): ``(sum(lengths),)`` of the dtype, and ``(len(texts),)`` int64 counts
-        of each document's ids with its EOS."""
+        of each document's ids with its BOS (if any) and EOS."""
         if self._tok is None:
             raw = [t.encode("utf-8") for t in texts]
             lengths = np.fromiter((len(r) + 1 for r in raw), np.int64, len(raw))
@@ -83,8 +105,9 @@ class Encoder:
             return np.frombuffer(joined, np.uint8).astype(self.dtype), lengths
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # < 0.20
         ids = [e.ids for e in encode(list(texts), add_special_tokens=False)]
-        lengths = np.fromiter((len(i) + 1 for i in ids), np.int64, len(ids))
-        flat = itertools.chain.from_iterable(x for i in ids for x in (i, self._eos))
+        extra = len(self._bos) + 1
+        lengths = np.fromiter((len(i) + extra for i in ids), np.int64, len(ids))
+        flat = itertools.chain.from_iterable(x for i in ids for x in (self._bos, i, self._eos))
         return np.fromiter(flat, self.dtype, int(lengths.sum())), lengths
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -166,11 +189,40 @@ def _id_of(eos: str, vocab: dict[str, int], vocab_size: int, where: str,
                      f"{', '.join(specials[:12]) or 'none'}")
 
 
-def load_tokenizer(name: str | os.PathLike[str], *, eos: str | int | None = None
-                   ) -> TokenizerSpec:
+def _bos(tok: Any, folder: Path | None, rule: str, name: str, specials: list[str]
+         ) -> tuple[int, ...]:
+    """The ids to put before each document under `rule` (see the module)."""
+    if rule == "no":
+        return ()
+    bare = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    start = next((k for k in range(len(full) - len(bare) + 1)
+                  if full[k:k + len(bare)] == bare), 0)
+    if full[:start] or rule == "auto":          # what the post-processor puts before a text
+        return tuple(full[:start])
+    token = _read_json(folder / "tokenizer_config.json").get("bos_token") if folder else None
+    if isinstance(token, dict):
+        token = token.get("content")
+    vocab = tok.get_vocab(with_added_tokens=True)
+    for candidate in ([token] if isinstance(token, str) else []) + list(_BOS_NAMES):
+        if candidate in vocab:
+            return (int(vocab[candidate]),)
+    raise ValueError(f"--bos: tokenizer {name!r} names no start-of-document token (its "
+                     f"post-processor adds none, and none of its tokens is named "
+                     f"{', '.join(_BOS_NAMES)}; its special tokens: "
+                     f"{', '.join(specials[:12]) or 'none'}); leave out --bos")
+
+
+def load_tokenizer(name: str | os.PathLike[str], *, eos: str | int | None = None,
+                   bos: str = "auto") -> TokenizerSpec:
     """The tokenizer `name` as a `TokenizerSpec` (see the table at the top of this module)."""
     name = os.fspath(name)
+    if bos not in BOS_RULES:
+        raise ValueError(f"--bos {bos!r}: choose one of {', '.join(BOS_RULES)}")
     if name == "bytes":
+        if bos == "yes":
+            raise ValueError("--bos: the bytes tokenizer has no start-of-document token (its "
+                             "ids are the 256 bytes); leave out --bos")
         if eos is None:
             eos_id = 0
         elif isinstance(eos, int) or eos.isdigit():
@@ -183,7 +235,7 @@ def load_tokenizer(name: str | os.PathLike[str], *, eos: str | int | None = None
         if not 0 <= eos_id < 256:
             raise ValueError(f"--eos {eos_id} is not a byte; give an id 0-255")
         return TokenizerSpec("bytes", "bytes", 256, eos_id, chr(eos_id),
-                             hashlib.sha256(b"bytes").hexdigest())
+                             hashlib.sha256(b"bytes").hexdigest(), bos_rule=bos)
     tok, text, folder = _load_tokenizers(name)
     vocab = tok.get_vocab(with_added_tokens=True)
     vocab_size = max(vocab.values()) + 1
@@ -204,4 +256,5 @@ def load_tokenizer(name: str | os.PathLike[str], *, eos: str | int | None = None
                          "pass --eos TOKEN")
     eos_text = tok.id_to_token(eos_id) or ""
     return TokenizerSpec(name, "tokenizers", vocab_size, eos_id, eos_text,
-                         hashlib.sha256(text.encode("utf-8")).hexdigest(), text)
+                         hashlib.sha256(text.encode("utf-8")).hexdigest(), text,
+                         _bos(tok, folder, bos, name, specials), bos)
