@@ -20,10 +20,11 @@ The run's lifetime is the agent's:
   and host) from before it writes RUN_DIR/config.json until it exits: a second run into the
   same folder fails at once naming the holder, and so does one while workers of an earlier
   run still run there (their pid files);
-- a worker dies with its agent, however the agent ends (kill -9 included): its parent, the
-  fork server, ends when the agent does, and the kernel then kills the worker (the
-  parent-death signal, `hybridpar.process.lifetime`); a worker started after the agent died
-  sees it gone and ends. No orphan goes on writing checkpoints nobody will stop.
+- a worker dies with its agent, however the agent ends (kill -9 included), within
+  milliseconds: it waits on a pidfd of the agent, and its parent, the fork server, ends when
+  the agent does, upon which the kernel kills the worker (the parent-death signal); both in
+  `hybridpar.process.lifetime`. A worker started after the agent died sees it gone and ends.
+  No orphan goes on writing checkpoints nobody will stop.
 
 With no endpoint or a loopback one (`hybridpar.train.rendezvous`), the agent's store and the
 workers' listen on loopback only, and the workers' store is one the host node's agent binds
