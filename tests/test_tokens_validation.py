@@ -72,3 +72,34 @@ def test_bytes_with_no_validation_fraction_are_a_config_error(tmp_path):
     assert "holds out 0 bytes of data.path 'a.txt'".replace("'a.txt'", repr(str(text))) \
         in str(validation_problem(none))
     assert validation_problem(config("data.source=synthetic", "train.eval_every=2")) is None
+
+
+def _train(cfg, run_dir):
+    import logging
+
+    from hybridpar.train.trainer import train
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("hybridpar.train").addHandler(Keep())
+    result = train(cfg, run_dir, progress=False)
+    return result["steps"], result["sample"], warnings
+
+
+def test_a_run_on_a_folder_without_validation_trains_saves_and_skips_the_sample(folders,
+                                                                                  tmp_path):
+    import hybridpar
+
+    cfg = config("data.source=tokens", f"data.path={folders / 'none'}", "model.vocab_size=320",
+                 "parallel.pp=2", "parallel.tp=1", "train.sample_tokens=8", "checkpoint.every=4")
+    out = hybridpar.spawn(_train, 2, args=(cfg, str(tmp_path)), timeout=120)
+    assert [(steps, sample) for steps, sample, _ in out] == [(4, None), (4, None)]
+    reporter = out[1][2]                                     # the last stage reports
+    assert any(w.startswith("no sample at the end of the run: the token folder") and
+               "--val-fraction 0.0" in w for w in reporter), reporter
+    assert (tmp_path / "checkpoints" / "step-4" / ".metadata").exists()
+    assert not (tmp_path / "sample.txt").exists()

@@ -17,7 +17,7 @@ from hybridpar.models.registry import takes_tokens
 from hybridpar.pipeline.parameters.replicas import ReplicaMismatchError
 from hybridpar.pipeline.tracing.trace_report import TraceRequest, traced_step
 from hybridpar.trace import comm_stats, reset_comm_stats
-from hybridpar.train.data import TokenBatches, decode, make_batches
+from hybridpar.train.data import TokenBatches, decode, make_batches, validation_problem
 from hybridpar.train.lr import lr_at
 from hybridpar.train.state import RunState
 
@@ -157,10 +157,17 @@ def validation_loss(run: RunState) -> float:
 
 
 def text_sample(run: RunState) -> str | None:
-    """A text sample through the pipeline, from the start of the validation text."""
+    """A text sample through the pipeline, from the start of the validation text; None
+    (with a warning) when there is no validation text to start from."""
     cfg = run.config
     if not takes_tokens(cfg.model.name) or cfg.train.sample_tokens == 0 \
             or cfg.data.source == "synthetic":
+        return None
+    problem = validation_problem(cfg)   # (the same answer on every rank: the config's data)
+    if problem is not None:
+        if run.reporter:
+            log.warning("no sample at the end of the run: %s (or set train.sample_tokens = 0)",
+                        problem)
         return None
     val = make_batches(cfg, split="val", **run.reads)
     if isinstance(val, TokenWindows):   # the prompt matters on the first stage only
