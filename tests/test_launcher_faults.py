@@ -293,3 +293,37 @@ def test_kill_9_of_the_agent_ends_its_workers_and_the_run_dir_is_held_until_then
     assert f"held by pid {agent.pid} on host {socket.gethostname()}" in caplog.text
     assert "which ended without releasing it (killed?); taking it over" in caplog.text
     assert holder(run_dir) is None
+
+
+def _hold_then_train(run_dir, hold):
+    """Rank 0 of a library-path run (`train`, no agent) while another process holds RUN_DIR
+    (`hold`), or not: what each rank raised."""
+    from hybridpar.train import Config
+    from hybridpar.train.trainer import train
+
+    cfg = Config.from_dict({"model": {"name": "mlp", "in_features": 8, "hidden": 8,
+                                      "out_features": 4, "n_layer": 2},
+                            "parallel": {"pp": 2, "timeout": 30.0},
+                            "train": {"steps": 1, "batch_size": 4, "sample_tokens": 0},
+                            "checkpoint": {"every": 0}})
+    try:
+        return train(cfg, run_dir, progress=False)["steps"]
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_a_library_run_holds_its_run_dir_and_refuses_a_held_one_on_every_rank(tmp_path):
+    """`train()` started without `hybridpar run` (torchrun, a notebook): rank 0 holds RUN_DIR
+    for the run, and a folder another run holds is refused on every rank, naming it."""
+    import hybridpar
+    from hybridpar.io.run_lock import hold_run_dir, holder
+
+    with hold_run_dir(tmp_path):
+        out = hybridpar.spawn(_hold_then_train, 2, args=(str(tmp_path), True), timeout=120)
+    for message in out:
+        assert message.startswith("RunDirInUse: the run directory") and \
+            f"(pid {os.getpid()} on host" in message, out
+    assert not (tmp_path / "config.json").exists()           # nothing written
+    assert hybridpar.spawn(_hold_then_train, 2, args=(str(tmp_path), False),
+                           timeout=120) == [1, 1]
+    assert holder(tmp_path) is None                          # released at the end

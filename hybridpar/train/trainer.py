@@ -33,9 +33,12 @@ from typing import Any
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from hybridpar.comm.agreement import fail_together
 from hybridpar.comm.stop_request import stop_on_signals
+from hybridpar.io.run_lock import RunDirInUse, hold_run_dir
 from hybridpar.optim import MasterWeights
 from hybridpar.pipeline.tracing.trace_report import TraceRequest
+from hybridpar.topology import Topology
 from hybridpar.train.build import (
     HOST_MEMORY_BUDGET,
     build_pipe,
@@ -68,8 +71,10 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
     Resumes from RUN_DIR/checkpoints when a complete checkpoint is there, else starts from
     `init_from` (a plain state dict) or from the seed. `stop_at` ends this process after that
     step (and its checkpoint, if one is due), as an interruption would. `trace`: the step to
-    trace (`trace_report.request_trace`). `write_config`: rank 0 writes RUN_DIR/config.json
-    (False: `hybridpar run` wrote it before starting the workers). Returns, on every rank,
+    trace (`trace_report.request_trace`). `write_config`: rank 0 holds RUN_DIR for the run
+    (`io.run_lock`: another run there is `RunDirInUse` on every rank) and writes its
+    config.json (False: `hybridpar run`'s agent holds it and wrote it before starting the
+    workers). Returns, on every rank,
     ``{"start": first step run, "losses": [...], "eval": {step: loss}, "sample": text,
     "steps": the last step run, "stopped_by": the signal that stopped it early (or None)}``.
     With ``checkpoint.on_signal``, SIGTERM or SIGINT on any rank ends the run after the step
@@ -78,8 +83,19 @@ def train(config: Config, run_dir: str | os.PathLike[str], *, init_from: str | N
     run_dir = Path(run_dir)
     nccl_env(run_dir, create=torch.cuda.is_available())   # before the process group exists
     topo = topology_for(config)
-    if topo.rank == 0 and write_config:
-        write_resolved(config, run_dir)
+    with contextlib.ExitStack() as held:
+        if write_config:   # not started by `hybridpar run`, whose agent holds RUN_DIR
+            with fail_together(RunDirInUse):
+                if topo.rank == 0:
+                    held.enter_context(hold_run_dir(run_dir))
+                    write_resolved(config, run_dir)
+        return _train(config, run_dir, topo, init_from=init_from, stop_at=stop_at,
+                      progress=progress, trace=trace)
+
+
+def _train(config: Config, run_dir: Path, topo: Topology, *, init_from: str | None,
+           stop_at: int | None, progress: bool, trace: TraceRequest | None) -> dict[str, Any]:
+    """`train` once the run directory is held."""
     run = RunState(config, run_dir, topo)
     cfg = config.train
     resume = resume_step(run_dir / "checkpoints")
