@@ -333,10 +333,23 @@ def test_optimizer_entries_before_a_step_look_like_after_one():
     assert {k.rsplit("/", 1)[1] for k in after} == {"step", "exp_avg", "exp_avg_sq"}
 
 
-def test_optimizer_entries_reject_unsupported_optimizers():
+def test_optimizer_entries_of_any_optimizer_are_its_first_steps_tensor_state():
     model = _tiny()
-    with pytest.raises(TypeError, match="Adam / AdamW"):
-        optimizer_entries(model, torch.optim.SGD(model.parameters(), lr=0.1), None)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    entries = optimizer_entries(model, sgd, None)            # before any step: made as the
+    names = [n for n, _ in model.named_parameters()]         # first step would make them
+    assert sorted(entries) == sorted(f"optim/{n}/momentum_buffer" for n in names)
+    assert all(not e.any() for e in entries.values())
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)      # momentum 0: no state at all
+    assert optimizer_entries(model, plain, None) == {}
+
+
+def test_optimizer_entries_reject_state_a_checkpoint_cannot_hold():
+    model = _tiny()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    sgd.state[next(model.parameters())]["calls"] = 3
+    with pytest.raises(TypeError, match="only tensor state can be checkpointed"):
+        optimizer_entries(model, sgd, None)
     with pytest.raises(ValueError, match="amsgrad"):
         optimizer_entries(model, torch.optim.Adam(model.parameters(), amsgrad=True), None)
 
