@@ -11,22 +11,23 @@
 At zero 2 each gradient lives on its owner only, so the parameters whose gradients are also
 summed over another group have one owner on every rank of that group: a tie's copies (over
 stages) and the replicated parameters used on tp shards are pinned to the dp rank their
-canonical name hashes to; the others are dealt by their full (unsharded) size, which is the
-same on every tp rank. ZeroRedundancyOptimizer deals by its own rule, so zero 2 does not use
-it.
+canonical name hashes to; the others go to the ranks in contiguous runs of the model's
+order, balanced by their full (unsharded) size, which is the same on every tp rank, so each
+rank's gradient buckets cover one stretch of the backward (`contiguous_owners`).
+ZeroRedundancyOptimizer deals by its own rule, so zero 2 does not use it.
 """
 
 from __future__ import annotations
 
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hybridpar.optim.master import MasterWeights, deal
+from hybridpar.optim.master import MasterWeights
 from hybridpar.optim.zero import ZERO_LEVELS, check_shardable, zero_optimizer
 from hybridpar.precision import has_main_grad
 from hybridpar.sharded.attrs import get_parallel_dim
@@ -34,7 +35,7 @@ from hybridpar.sharded.attrs import get_parallel_dim
 if TYPE_CHECKING:
     from hybridpar.pipe import HybridPipe
 
-__all__ = ["gradient_owners", "pipe_optimizer"]
+__all__ = ["contiguous_owners", "gradient_owners", "pipe_optimizer"]
 
 
 def pipe_optimizer(pipe: HybridPipe, optimizer_class: type[torch.optim.Optimizer],
@@ -73,7 +74,8 @@ def pipe_optimizer(pipe: HybridPipe, optimizer_class: type[torch.optim.Optimizer
 
 def gradient_owners(pipe: HybridPipe, groups: list[dict[str, Any]]) -> dict[int, int]:
     """``id(parameter) -> dp rank`` for every parameter of `groups`: the pinned ones (ties'
-    copies, partial-gradient replicas) by a hash of their canonical name, the rest dealt."""
+    copies, partial-gradient replicas) by a hash of their canonical name, the rest in
+    contiguous runs of the pipe's parameter order (`contiguous_owners`)."""
     dp = pipe.topology.dp
     aliases = pipe.tied_aliases
     tied = set(aliases) | set(aliases.values())
@@ -84,11 +86,47 @@ def gradient_owners(pipe: HybridPipe, groups: list[dict[str, Any]]) -> dict[int,
             canonical = aliases.get(name, name)
             pinned.setdefault(id(p), zlib.crc32(canonical.encode()) % dp)
     tp = pipe.topology.tp
-    sizes = {id(p): p.numel() * (tp if get_parallel_dim(p) is not None else 1)
-             for g in groups for p in g["params"]}
-    tensors = [g["params"] for g in groups]
-    owners = deal(tensors, dp, pinned=pinned, sizes=sizes)
-    return dict(zip((id(p) for ps in tensors for p in ps), owners, strict=True))
+    listed = {id(p): p for g in groups for p in g["params"]}
+    order = [p for p in pipe.parameters() if id(p) in listed]
+    seen = {id(p) for p in order}
+    order += [p for p in listed.values() if id(p) not in seen]   # none in a pipe's groups
+    sizes = [p.numel() * (tp if get_parallel_dim(p) is not None else 1) for p in order]
+    owners = contiguous_owners(sizes, dp, pinned=[pinned.get(id(p)) for p in order])
+    return dict(zip((id(p) for p in order), owners, strict=True))
+
+
+def contiguous_owners(sizes: Sequence[int], ranks: int, *,
+                      pinned: Sequence[int | None] | None = None) -> list[int]:
+    """The owner of each tensor of `sizes` (elements, in the model's order): the unpinned
+    ones in `ranks` contiguous runs, rank 0 first, each run filled until its rank holds about
+    its 1 / `ranks` of all elements (pinned ones included: their rank's run is shorter).
+
+    Contiguous, so that zero 2's gradient buckets, which are cut per owner
+    (`pipeline.parameters.grad_shards`), each cover one stretch of the backward: a bucket's
+    staging buffer lives from its first gradient to its reduce, so the staging alive is
+    one bucket filling and one in flight. Dealt largest first (`deal`) the owners alternate
+    along the model, every owner's bucket fills during the whole backward, and the staging
+    alive is the gradients of the whole model again (tests/test_zero.py).
+    """
+    fixed = list(pinned) if pinned is not None else [None] * len(sizes)
+    load = [0] * ranks
+    for size, rank in zip(sizes, fixed, strict=True):
+        if rank is not None:
+            load[rank] += size
+    share = sum(sizes) / ranks
+    owners: list[int] = []
+    rank = 0
+    for size, pin in zip(sizes, fixed, strict=True):
+        if pin is not None:
+            owners.append(pin)
+            continue
+        # the next rank once this one is full: half of the tensor would go past its share
+        # (a rank holding nothing yet takes it: the runs never skip a rank for a large one)
+        while rank < ranks - 1 and load[rank] and load[rank] + size / 2 > share:
+            rank += 1
+        owners.append(rank)
+        load[rank] += size
+    return owners
 
 
 def _as_groups(pipe: HybridPipe, params: Iterable[Any] | None) -> list[dict[str, Any]]:
