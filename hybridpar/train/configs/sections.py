@@ -64,9 +64,10 @@ class DataConfig:
     seed: int = key(0, range=_SEED, doc=(
         "data order (epoch e is shuffled with seed + e) and synthetic batches"))
     restart: bool = key(False, doc=(
-        "`\"tokens\"`: resume a checkpoint whose data changed (corpus, tokenizer, `seq_len`, "
-        "`seed`), keeping its weights and starting the new data's order from the beginning; "
-        "without it such a resume is an error naming what changed"))
+        "resume a checkpoint whose data changed (`data.source`; of a token folder its "
+        "corpus, tokenizer, `seq_len`, `seed`), keeping its weights and starting the new "
+        "data's order from the beginning; without it such a resume is an error naming what "
+        "changed"))
     pack: str = key("none", choices=PACKS, doc=(
         "`\"documents\"` (with `\"tokens\"`; gpt and `hf:llama` / `mistral` / `qwen2` / "
         "`qwen3`): positions restart at each document and attention stays inside it "
