@@ -82,6 +82,11 @@ QUICKSTART = ROOT / "configs" / "quickstart.toml"
 COLUMNS = ("params", "grads", "buckets", "optimizer")
 # --smoke: a tiny GPT (what is checked is the script and the exact counts, not the speed)
 SMOKE_MODEL = ["model.n_embd=16", "model.n_layer=1", "model.n_head=2", "model.block_size=16"]
+# the peak rows: the issue's GPT of 25 M parameters (n_embd 512, 8 layers), each rank after
+# one step of a tiny one (what a process's first step costs once is not the model's)
+PEAK_MODEL = ["model.n_embd=512", "model.n_layer=8"]
+PEAK_WARM_UP = ["model.n_embd=32", "model.n_layer=1"]
+M_MMAP_THRESHOLD = -3   # mallopt's parameter number (malloc.h)
 
 
 def _overrides(dp: int, zero: int, dtype: str, model: list[str]) -> list[str]:
@@ -140,6 +145,68 @@ def _memory_rank(overrides: list[str]) -> dict[str, int]:
                step_counts=tensor_bytes(v for s in state for k, v in s.items() if k == "step"))
     pipe.close()
     return out
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _peak_rank(overrides: list[str], warm_up: list[str]) -> int:
+    """This rank's peak resident set above its baseline over build, optimizer and two steps
+    (as tests/test_check_memory.py measures it: glibc's mmap threshold fixed at 128 KiB, one
+    step of a tiny model first, ``/proc/self/clear_refs`` = 5 to reset VmHWM)."""
+    import ctypes
+    import ctypes.util
+
+    from hybridpar.train import load_config
+    from hybridpar.train.build import build_optimizer
+    from hybridpar.train.data import make_batches
+    from hybridpar.train.trainer import build_pipe
+
+    ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 128 << 10)
+    par = load_config(QUICKSTART, overrides).parallel
+    topo = hybridpar.init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=par.timeout)
+    peak = 0
+    for extra in (warm_up, []):
+        config = load_config(QUICKSTART, [*overrides, *extra])
+        x, y = make_batches(config, split="train", dp_rank=topo.dp_rank,
+                            dp=topo.dp).next_batch()
+        Path("/proc/self/clear_refs").write_text("5")    # VmHWM := VmRSS
+        before = _status("VmRSS")
+        pipe = build_pipe(config, topo)
+        optimizer = build_optimizer(pipe, config)
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            with _autocast(config):
+                pipe.train_step(x, y)
+            pipe.clip_grad_norm_(config.train.grad_clip or float("inf"))
+            optimizer.step()
+        peak = _status("VmHWM") - before
+        pipe.close()
+        del pipe, optimizer
+    return peak
+
+
+def peaks(dp: int, zeros: list[int], dtype: str, model: list[str], repeats: int
+          ) -> list[dict[str, Any]]:
+    """Per zero level: the worst rank's peak above its baseline, median of `repeats` spawns
+    (the levels in turn, the order swapped every other repeat), and its ratio to zero 0's."""
+    samples: dict[int, list[float]] = {z: [] for z in zeros}
+    for i in range(repeats):
+        for zero in zeros if i % 2 == 0 else zeros[::-1]:
+            ranks = hybridpar.spawn(_peak_rank, dp, timeout=600, args=(
+                _overrides(dp, zero, dtype, model), PEAK_WARM_UP))
+            samples[zero].append(max(ranks) / 2**20)
+    rows = [{"dp": dp, "zero": z, "param_dtype": dtype, "peak_mib": spread(samples[z]),
+             "samples_mib": samples[z]} for z in zeros]
+    if 0 in samples:
+        for r in rows:
+            r["ratio"] = r["peak_mib"]["median"] / rows[zeros.index(0)]["peak_mib"]["median"]
+    return rows
 
 
 def _formula(dp: int, zero: int, dtype: str) -> tuple[float, str]:
@@ -231,6 +298,14 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
           f"{r['total_per_param']['spread_pct']:.1f}%"] for r in rows])
 
 
+def peak_table(rows: list[dict[str, Any]]) -> str:
+    return markdown_table(
+        ["weights", "dp", "zero", "peak above baseline (MiB, worst rank)", "/ zero 0",
+         "repeats"],
+        [[r["param_dtype"], r["dp"], r["zero"], fmt(r["peak_mib"], 1, 0),
+          f"{r['ratio']:.2f}" if "ratio" in r else "", len(r["samples_mib"])] for r in rows])
+
+
 def time_table(times: list[dict[str, Any]]) -> str:
     return markdown_table(
         ["weights", "dp", "zero 0 (ms / step)", "zero 1 (ms / step)", "zero 2 (ms / step)",
@@ -252,20 +327,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=30, help="timed steps per spawn")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per spawn")
     p.add_argument("--repeats", type=int, default=3, help="spawns of each zero, alternating")
+    p.add_argument("--peak-dp", type=int, default=4, help="dp of the peak rows (0: none)")
+    p.add_argument("--peak-repeats", type=int, default=3, help="spawns of each zero's peak")
     p.add_argument("--out", default="results/bench_zero.json")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny model, 1 repeat, few steps: checks the script, not speed")
     args = p.parse_args(argv)
     model: list[str] = []
+    peak_model = PEAK_MODEL
     if args.smoke:
-        model = SMOKE_MODEL
-        args.steps, args.warmup, args.repeats = 3, 1, 1
+        model = peak_model = SMOKE_MODEL
+        args.steps, args.warmup, args.repeats, args.peak_repeats = 3, 1, 1, 1
     started, load_before = time.perf_counter(), load()
     rows = memory(args.dp, args.zero, args.param_dtype, model)
     timing = [step_time(args.time_dp, dtype, model, warmup=args.warmup, steps=args.steps,
                         repeats=args.repeats)
               for dtype in args.time_param_dtype or args.param_dtype]
-    result = {"memory": rows, "step_time": timing, "model_overrides": model,
+    peak_rows = peaks(args.peak_dp, args.zero, "fp32", peak_model, args.peak_repeats) \
+        if args.peak_dp else []
+    result = {"memory": rows, "step_time": timing, "peak": peak_rows,
+              "peak_model_overrides": peak_model, "model_overrides": model,
               "config": str(QUICKSTART.relative_to(ROOT)), "smoke": args.smoke,
               "machine": machine(), "load_before": load_before, "load_after": load(),
               "seconds": round(time.perf_counter() - started, 1)}
@@ -276,6 +357,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nstep time at dp = {args.time_dp} (median of {args.steps} steps per spawn, "
           f"median of {args.repeats} spawns each, ± half the range):\n")
     print(time_table(timing))
+    if peak_rows:
+        print(f"\npeak resident set per rank above its baseline, fp32 weights, "
+              f"{' '.join(peak_model)} (median of {args.peak_repeats} spawns):\n")
+        print(peak_table(peak_rows))
     print(f"\n{machine_line(result)}")
     write_json(args.out, result)
     return result

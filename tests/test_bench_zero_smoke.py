@@ -4,7 +4,7 @@ params 4, gradients 4 in the buckets at dp > 1, AdamW's moments 8; bf16 weights:
 float32 gradients 4 in the buckets at every dp, masters and moments 12; at zero = 1 the
 optimizer's part dealt over the dp ranks, at zero = 2 the gradients too (each rank's buckets
 hold its own parameters' only); plus one 4-byte `step` per tensor a rank owns), and every
-step time is measured."""
+step time is measured, and each zero level's peak resident set above the baseline too."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def test_the_zero_benchmark_counts_the_formulas_exactly_and_times_both(tmp_path)
     out = tmp_path / "bench_zero.json"
     # dp 1 and 2 (dp 4's rows are the benchmark's, docs/benchmarks.md §13: 4 ranks a row)
     done = subprocess.run([sys.executable, "scripts/bench_zero.py", "--smoke", "--dp", "1", "2",
-                           "--time-param-dtype", "fp32", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                           "--time-param-dtype", "fp32", "--peak-dp", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| weights | dp | zero | params | grads | buckets | optimizer |" in done.stdout
     assert "zero 1 / zero 0" in done.stdout and "zero 2 / zero 0" in done.stdout
@@ -71,4 +71,12 @@ def test_the_zero_benchmark_counts_the_formulas_exactly_and_times_both(tmp_path)
     for t in times:
         assert min(t[f"zero{z}_s"]["median"] for z in (0, 1, 2)) > 0
         assert t["ratio"]["median"] > 0 and t["ratio2"]["median"] > 0
+    # the peak rows: each zero level's worst rank above its baseline, and the ratio to zero 0
+    assert "peak above baseline (MiB, worst rank)" in done.stdout
+    peaks = result["peak"]
+    assert [(r["dp"], r["zero"], r["param_dtype"]) for r in peaks] == [
+        (2, z, "fp32") for z in (0, 1, 2)]
+    for r in peaks:
+        assert len(r["samples_mib"]) == 1 and r["peak_mib"]["median"] > 0
+        assert r["ratio"] == r["peak_mib"]["median"] / peaks[0]["peak_mib"]["median"]
     assert result["machine"]["cpus"] >= 1 and result["smoke"] is True
