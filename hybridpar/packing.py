@@ -28,9 +28,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["PACKS", "document_mask", "document_segments", "split_positions"]
+__all__ = ["PACKED_ATTR", "PACKS", "SEQUENCE_PARALLEL_PACKED", "document_mask",
+           "document_segments", "is_packed", "split_positions"]
 
 PACKS = ("none", "documents")   # data.pack
+PACKED_ATTR = "hybridpar_packed_documents"   # set on the model by models.pack_documents
+# refused by the config check (parallel.sequence_parallel with data.pack) and by HybridPipe
+SEQUENCE_PARALLEL_PACKED = (
+    "sequence parallelism (parallel.sequence_parallel, HybridPipe(sequence_parallel=True)) "
+    "does not take packed documents yet (data.pack = 'documents', pack_documents): its "
+    "split of the tokens would not carry their positions; set one of them off")
+
+
+def is_packed(model: object) -> bool:
+    """Whether `models.packing.pack_documents` made `model` carry document positions."""
+    return getattr(model, PACKED_ATTR, False) is True
 
 
 def split_positions(x: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:

@@ -44,7 +44,10 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = config_of(model)
-    plan = dict(getattr(model, "_tp_plan", None) or {})
+    # the class's plan, never the object's: transformers 5 fills a model object's _tp_plan in
+    # with more (model.embed_tokens: embedding_rowwise), which a to_sequential Sequential
+    # (tp_plan="hf") no longer has; one plan for both
+    plan = dict(getattr(type(model), "_tp_plan", None) or {})
     if not plan and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:   # a Sequential: its class's
         plan = dict(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_tp_plan", None) or {})
     base = dict(getattr(config, "base_model_tp_plan", None) or {})

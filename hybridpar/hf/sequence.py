@@ -48,7 +48,7 @@ from hybridpar.sharded.mappings import (
     gather_grad_scatter,
     scatter_to_group,
 )
-from hybridpar.tensor_parallel.embedding import ParallelEmbedding
+from hybridpar.tensor_parallel.embedding import ParallelEmbedding, check_sequence_length
 from hybridpar.tensor_parallel.layers import ParallelConv1D, ParallelLinear
 from hybridpar.tensor_parallel.random import as_parallel_dropout
 
@@ -92,6 +92,7 @@ def _embedding(layer: nn.Module, group: ProcessGroup) -> None:
                          " sharded by features; shard it by vocabulary ('vocab') or replicate it")
 
     def split(_layer: nn.Module, _args: Any, out: Tensor) -> Tensor:
+        check_sequence_length(out, group)                       # before any collective
         shard = scatter_to_group(out, group, dim=-2)            # (B, T / tp, D)
         register_parallel_dim(shard, SEQUENCE)
         return shard

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from hybridpar.packing import split_positions
+from hybridpar.packing import PACKED_ATTR, split_positions
 
 __all__ = ["PACKABLE", "PositionsEmbedding", "pack_documents", "pack_problem"]
 
@@ -82,4 +82,5 @@ def pack_documents(model: nn.Sequential) -> nn.Sequential:
     attention = [m for m in layers if isinstance(m, (Block, DecoderBlock))]
     for block in attention:
         block.keep_positions = block is not attention[-1]   # the last hands on x alone
+    setattr(model, PACKED_ATTR, True)   # for HybridPipe's checks (`is_packed`)
     return model

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.device import is_cuda
+from hybridpar.packing import is_packed
 from hybridpar.pipeline.parameters.partition import check_sequential
 from hybridpar.pipeline.parameters.tied import check_kept, names_by_id
 from hybridpar.pipeline.runtime.skip import SkipRoute, skip_routes
@@ -79,9 +80,14 @@ def apply_plan(module: nn.Sequential, tp_plan: Any, *, group: ProcessGroup | Non
     if tp_plan is None:
         return module, []
     from hybridpar.tensor_parallel.plans.plan import apply_tp_plan, plan_decisions
+    from hybridpar.tensor_parallel.plans.plan_read import pack_plan_problem
 
     if isinstance(tp_plan, str) and tp_plan == "hf":
         tp_plan = hf_plan(module)
+    if is_packed(module) and isinstance(tp_plan, Mapping):   # the config check's, too
+        problem = pack_plan_problem(tp_plan)
+        if problem is not None:
+            raise ValueError(problem)
     tied = names_by_id(module)
     module = check_sequential(apply_tp_plan(module, tp_plan, group=group))
     check_kept(tied, module)

@@ -16,6 +16,7 @@ from hybridpar.comm import p2p as comm
 from hybridpar.comm.agreement import fail_together
 from hybridpar.compile import block_classes, compile_blocks
 from hybridpar.keyed import KeyedInit
+from hybridpar.packing import SEQUENCE_PARALLEL_PACKED, is_packed
 from hybridpar.pipe.build import (
     apply_plan,
     as_chunks,
@@ -125,6 +126,8 @@ class HybridPipe(PipeParameters):
             init_fn = KeyedInit(torch.initial_seed())
         #: the virtual stages of the model, where each lives (stage -> pp rank), the plan
         self.layout = Layout.of(schedule, topo.pp, virtual_stages)
+        if sequence_parallel and topo.tp > 1 and is_packed(module):   # the config's refusal
+            raise ValueError(SEQUENCE_PARALLEL_PACKED)
         module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)
         if sequence_parallel and topo.tp > 1:   # a Hugging Face decoder (`hf.sequence`)
             from hybridpar.hf.sequence import sequence_parallel as shard_sequence

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.sharded.attrs import register_parallel_attribute
-from hybridpar.sharded.mappings import shard_sizes
+from hybridpar.sharded.mappings import group_size, shard_sizes
 from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.functional import parallel_embedding
 from hybridpar.tensor_parallel.sliced_init import init_from_full
@@ -18,7 +18,25 @@ from hybridpar.tensor_parallel.state import (
 )
 from hybridpar.topology import default_tp_group
 
-__all__ = ["ParallelEmbedding"]
+__all__ = ["ParallelEmbedding", "check_sequence_length", "sequence_length_problem"]
+
+
+def sequence_length_problem(length: int, tp: int) -> str | None:
+    """Why sequence parallelism cannot split sequences of `length` tokens over `tp` ranks
+    (each rank takes T / tp of them), with what to do; None when tp divides it. The config
+    check (``data.seq_len``) and every tp rank's first layer (before any collective) ask it."""
+    if tp <= 1 or length % tp == 0:
+        return None
+    return (f"parallel.sequence_parallel splits each sequence of {length} tokens over tp={tp} "
+            f"ranks; use a data.seq_len divisible by {tp} (the tokens of each sequence)")
+
+
+def check_sequence_length(x: Tensor, group: ProcessGroup | None) -> None:
+    """A ValueError on every tp rank (all hold the same batch) before the split of `x`'s
+    tokens (dim -2 of the embedding's output) when tp does not divide them."""
+    problem = sequence_length_problem(x.shape[-2], group_size(group))
+    if problem is not None:
+        raise ValueError(problem)
 
 
 class ParallelEmbedding(ParallelLayer):
@@ -132,6 +150,8 @@ class ParallelEmbedding(ParallelLayer):
     sequence: bool = False
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.sequence:   # (B, T) ids: T split over tp, refused here when uneven
+            check_sequence_length(x.unsqueeze(-1), self.group)
         return parallel_embedding(
             x, self.weight, self.padding_idx, self.max_norm, self.norm_type,
             self.scale_grad_by_freq, self.sparse, num_embeddings=self.num_embeddings,

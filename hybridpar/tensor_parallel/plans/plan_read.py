@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -25,7 +26,7 @@ from hybridpar.tensor_parallel.plans.plan_styles import (
 )
 from hybridpar.tensor_parallel.plans.strategy import StrategyPlan, prepare_strategies
 
-__all__ = ["Tie", "check_explicit", "prepare_plan", "read_dict"]
+__all__ = ["Tie", "check_explicit", "pack_plan_problem", "prepare_plan", "read_dict"]
 
 Tie = tuple[str, list[str]]
 
@@ -101,3 +102,16 @@ def check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str],
             notes[name] = (f"fused in {fused.get(name, 2)} parts, each rank keeps its "
                            f"slice of every part")
     return notes, fused, changes, ties, partial
+
+
+def pack_plan_problem(plan: Mapping[Any, Any], key: str = "tp_plan") -> str | None:
+    """Why a dict tp `plan` cannot shard a packed model (`models.packing.pack_documents`): it
+    replaces layer 0, which passes the positions on; None when it leaves layer 0. `key` names
+    the plan (``parallel.tp_plan`` in a config): the config check and `HybridPipe` ask it."""
+    bad = [g for g, style in plan.items() if isinstance(g, str) and fnmatch.fnmatchcase("0", g)
+           and not (isinstance(style, str) and style in REPLICATED)]
+    if not bad:
+        return None
+    return (f"{key}[{bad[0]!r}] shards layer 0, which passes the document positions of "
+            "data.pack = 'documents' (pack_documents) on (a sharded replacement would not): "
+            "leave layer 0 out of the plan or mark it 'replicate', or set data.pack = 'none'")

@@ -11,7 +11,6 @@ is one `ConfigError` line (made by `Where`, which names the file and the ``--set
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,12 +21,14 @@ from hybridpar.models.gpt import check_gpt_config
 from hybridpar.models.packing import pack_problem
 from hybridpar.models.registry import build, builder, has_synthetic_data, is_zoo, takes_tokens
 from hybridpar.optim.zero import ZERO_LEVELS
+from hybridpar.packing import SEQUENCE_PARALLEL_PACKED
 from hybridpar.pipeline.activations.checkpoint import check_checkpoint
 from hybridpar.pipeline.parameters.partition import balance_problem
 from hybridpar.pipeline.schedules.layout import Layout
+from hybridpar.tensor_parallel.embedding import sequence_length_problem
 from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES
 from hybridpar.tensor_parallel.plans.plan import DENSE_STYLES, STYLES
-from hybridpar.tensor_parallel.plans.plan_styles import REPLICATED
+from hybridpar.tensor_parallel.plans.plan_read import pack_plan_problem
 from hybridpar.tensor_parallel.plans.strategy import strategy_problem
 from hybridpar.train.configs.builder_check import MetaBuildError, build_checked
 
@@ -100,13 +101,11 @@ def _check_sequence_parallel(cfg: Config, where: Where) -> None:
                           f" under a tp plan; not yet for model {model.name!r} with "
                           f"parallel.tp_plan = {par.tp_plan!r}: set it false", key, "model.name")
     if data.pack == "documents":
-        raise where.error(f"{key} does not take packed documents yet (data.pack = "
-                          "'documents'); set one of them off", key, "data.pack")
+        raise where.error(SEQUENCE_PARALLEL_PACKED, key, "data.pack")
     length = data.seq_len or (model.args.get("block_size", 64) if model.name == "gpt" else 0)
-    if length % par.tp:
-        raise where.error(f"{key} splits each sequence of {length} tokens over tp={par.tp} "
-                          f"ranks; use a data.seq_len divisible by {par.tp}", key,
-                          "data.seq_len")
+    problem = sequence_length_problem(length, par.tp)
+    if problem is not None:
+        raise where.error(problem, key, "data.seq_len")
 
 
 def check_layout(cfg: Config, where: Where) -> Config:
@@ -196,14 +195,9 @@ def _check_pack(cfg: Config, where: Where) -> None:
     if problem is not None:
         raise where.error(problem, "data.pack", "model.name")
     if isinstance(plan, dict):
-        bad = [g for g, style in plan.items() if fnmatch.fnmatchcase("0", g)
-               and not (isinstance(style, str) and style in REPLICATED)]
-        if bad:
-            raise where.error(f"parallel.tp_plan[{bad[0]!r}] shards layer 0, which passes the "
-                              "document positions of data.pack = 'documents' on (a sharded "
-                              "replacement would not): leave layer 0 out of the plan or mark "
-                              "it 'replicate', or set data.pack = 'none'", "parallel.tp_plan",
-                              "data.pack")
+        problem = pack_plan_problem(plan, "parallel.tp_plan")
+        if problem is not None:
+            raise where.error(problem, "parallel.tp_plan", "data.pack")
 
 
 def _model_vocab(model: ModelConfig) -> int | None:
