@@ -26,7 +26,7 @@ MAX_MODULES = 12          # modules a room holds, its __init__ not counted
 MAX_LINES = 400           # lines a module holds
 # what is still over (docs/architecture.md, "Open"): a ratchet, each may only shrink
 OVER_MODULES: dict[str, int] = {}
-OVER_LINES = {"hybridpar/train/check/ranks.py": 432}
+OVER_LINES: dict[str, int] = {}
 
 
 def _module(path: Path) -> str:

@@ -3,6 +3,7 @@
     module      owns
     run         `dry_run` (in a child process by default), the command line
     ranks       every rank's steps under FakeTensorMode, in stage order
+    setup       what is set up around the ranks: the balance, the process state, --model
     shapes      the shape pass: each stage's inputs known before its rank runs
     memory      bytes per rank: held state, activations, the live peak, traffic
     fake_gpu    the fake GPU (PrivateUse1) and the CUDA runtime its branches call
