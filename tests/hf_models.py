@@ -20,6 +20,29 @@ def tiny(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float64):
                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       bos_token_id=0, eos_token_id=0),
     }
+    ids = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    window = dict(sliding_window=4)
+    extra = {   # the families any decoder covers (`hf.structure`), each with what it adds
+        "gemma": dict(head_dim=8),
+        "gemma2": dict(head_dim=8, **window, final_logit_softcapping=3.0,
+                       attn_logit_softcapping=5.0, query_pre_attn_scalar=8),
+        "gemma3_text": dict(head_dim=8, **window, query_pre_attn_scalar=8,
+                            layer_types=["sliding_attention", "full_attention"]),
+        "phi3": dict(**window),
+        "phi": dict(partial_rotary_factor=0.5, qk_layernorm=True),
+        "olmo2": {},
+        "granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5,
+                        attention_multiplier=0.25),
+        "cohere": dict(logit_scale=0.5, use_qk_norm=True),
+        "glm4": dict(partial_rotary_factor=0.5),
+        "starcoder2": dict(**window, embedding_dropout=0.0, residual_dropout=0.0),
+        "gpt_neox": dict(rotary_pct=0.5, use_parallel_residual=True, hidden_dropout=0.0,
+                         attention_dropout=0.0),
+        "smollm3": dict(no_rope_layers=[1, 0], use_sliding_window=False),
+    }
+    if kind in extra:
+        options = {**decoder, **ids, **extra[kind], "tie_word_embeddings": kind != "phi3"}
+        configs[kind] = lambda: tf.AutoConfig.for_model(kind, **options)
     config = configs[kind]()
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)

@@ -45,10 +45,10 @@ def residual_dropout(model, p):
     return model
 
 
-def _reference(kind, ignore, dropout=0.0):
+def _reference(kind, ignore, dropout=0.0, lr=1e-2):
     """The HF model on one device: losses and final state dict."""
     model = residual_dropout(tiny(kind), dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     torch.manual_seed(SEED)                   # the dropout masks' stream, as `_train`'s
     for ids, y in _batches(ignore):
@@ -65,13 +65,13 @@ def _reference(kind, ignore, dropout=0.0):
     return losses, model.state_dict()
 
 
-def _train(kind, ignore, topo, balance, options, dropout=0.0):
+def _train(kind, ignore, topo, balance, options, dropout=0.0, lr=1e-2):
     """HybridPipe training of `kind`; the replica check after every step (`check_replicas`)."""
     model = residual_dropout(tiny(kind), dropout)
     loss_fn = CausalLMLoss() if ignore else _next_token_loss
     pipe = hybridpar.HybridPipe(to_sequential(model), balance, topology=topo, loss_fn=loss_fn,
                                 **options)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
     losses = []
     torch.manual_seed(SEED)                   # the dropout masks' stream, as `_reference`'s
     for ids, y in _batches(ignore):

@@ -79,10 +79,10 @@ def test_the_hf_loss_equals_causal_lm_loss_on_the_sequential():
 def test_unsupported_models_are_clear_errors():
     import transformers as tf
 
-    config = tf.GPTNeoXConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
-                              num_attention_heads=2, intermediate_size=32)
-    with pytest.raises(ValueError, match=r"llama \(LlamaForCausalLM\).*model_type 'gpt_neox'"):
-        to_sequential(tf.GPTNeoXForCausalLM(config))
+    config = tf.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                              num_attention_heads=2, intermediate_size=32, num_local_experts=2)
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM has a mixture of experts"):
+        to_sequential(tf.MixtralForCausalLM(config))
     base = tf.LlamaModel(tiny("llama").config)
     with pytest.raises(ValueError, match="without a causal-LM head"):
         to_sequential(base)
@@ -93,9 +93,8 @@ def test_unsupported_models_are_clear_errors():
 def test_import_hybridpar_does_not_import_transformers():
     code = ("import sys; sys.modules['transformers'] = None; sys.modules['safetensors'] = None\n"
             "import hybridpar, hybridpar.hf, hybridpar.nn\n"
-            "from hybridpar.hf import key_map\n"
-            "print(key_map({'model_type': 'llama', 'num_hidden_layers': 2}).to_hf('3.weight'))")
+            "print('imported')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "model.norm.weight"
+    assert out.stdout.strip() == "imported"

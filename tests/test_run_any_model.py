@@ -92,7 +92,10 @@ def test_hybridpar_balance_profiles_a_hugging_face_model(capsys):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.name=hf:bert"], "unknown Hugging Face family 'bert'"),
+    (["model.name=hf:bert"], "BertLMHeadModel (model_type 'bert', no base_model_pp_plan) has "
+                             "no 'bert' trunk"),
+    (["model.name=hf:nope"], "unknown Hugging Face model type 'nope'"),
+    (["model.name=hf:mixtral"], "MixtralForCausalLM has a mixture of experts"),
     (["model.name=no_such_module:fn"], "cannot import module 'no_such_module'"),
     (["model.name=user_builders:missing"], "has no function 'missing'"),
     (["data.source=synthetic"], "set data.source = 'corpus'"),

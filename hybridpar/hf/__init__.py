@@ -6,7 +6,7 @@ functions run; ``import hybridpar`` never imports it.
 
 from hybridpar.hf.blocks import DecoderBlock, TokenPositionEmbedding
 from hybridpar.hf.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from hybridpar.hf.families import SUPPORTED
+from hybridpar.hf.glue import GLUE, Glue, InputLayer, LogitsLayer
 from hybridpar.hf.init import init_fn
 from hybridpar.hf.keys import KeyMap, hf_state_dict, key_map, sequential_state_dict
 from hybridpar.hf.plan import config_of, tp_plan
@@ -14,9 +14,12 @@ from hybridpar.hf.sequential import to_sequential
 from hybridpar.hf.shard_load import ShardLoad, init_for_loading, load_hf_shards
 
 __all__ = [
-    "SUPPORTED",
+    "GLUE",
     "DecoderBlock",
+    "Glue",
+    "InputLayer",
     "KeyMap",
+    "LogitsLayer",
     "ShardLoad",
     "TokenPositionEmbedding",
     "config_of",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -80,6 +81,9 @@ class DecoderBlock(nn.Module):
             self._non_persistent_buffers_set = rotary._non_persistent_buffers_set
         self.config = config
         self.attention_type = attention_type
+        #: the rotary embedding takes the layer type (Gemma 3: one frequency table per type)
+        self.rotary_by_type = rotary is not None and \
+            "layer_type" in inspect.signature(rotary.forward).parameters
         self.train(layer.training)
 
     def forward(self, hidden: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
@@ -105,8 +109,9 @@ class DecoderBlock(nn.Module):
         positions = torch.arange(full.shape[1], device=states.device).unsqueeze(0) \
             if packed is None else packed                       # (1, T) or (B, T)
         kwargs: dict[str, Any] = {}
-        if self.hf_rotary is not None:
-            kwargs["position_embeddings"] = self.hf_rotary(states, positions)  # cos, sin
+        if self.hf_rotary is not None:                          # cos, sin (per layer type)
+            by_type = (self.attention_type,) if self.rotary_by_type else ()
+            kwargs["position_embeddings"] = self.hf_rotary(states, positions, *by_type)
         out: Tensor = self.hf_layer(states, attention_mask=mask, position_ids=positions,
                                     **kwargs)
         if self.sequence_parallel:                              # the residual sum lost it
@@ -124,21 +129,17 @@ class DecoderBlock(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Recompute the rotary buffers from the config, as Hugging Face's ``_init_weights``."""
+        """Recompute the rotary buffers (``inv_freq``, Gemma 3's ``{type}_inv_freq``, ...) as
+        the rotary class computes them: a fresh one, built on the CPU, gives its values."""
         rotary = self.hf_rotary
         if rotary is None or any(b.is_meta for b in self._buffers.values() if b is not None):
             return
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        rope_type = str(getattr(rotary, "rope_type", "default"))
-        compute = getattr(rotary, f"compute_{rope_type}_rope_parameters", None)
-        if compute is None:
-            compute = ROPE_INIT_FUNCTIONS[rope_type]
-        inv_freq, _ = compute(getattr(rotary, "config", self.config))
-        for name in ("inv_freq", "original_inv_freq"):       # as Hugging Face's _init_weights
-            buffer = self._buffers.get(name)
-            if buffer is not None:
-                buffer.copy_(inv_freq)
+        with torch.device("cpu"):
+            fresh = type(rotary)(getattr(rotary, "config", self.config))
+        for name, buffer in self._buffers.items():
+            value = fresh._buffers.get(name)
+            if buffer is not None and value is not None:
+                buffer.copy_(value)
 
     def extra_repr(self) -> str:
         rotary = "rotary, " if self.hf_rotary is not None else ""

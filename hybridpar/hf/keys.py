@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from hybridpar.hf.families import config_value, family_of, num_layers
+from hybridpar.hf.glue import GLUE, Glue, glue_of
+from hybridpar.hf.structure import config_value, num_layers, structure_of
 
 __all__ = ["KeyMap", "hf_state_dict", "key_map", "sequential_state_dict"]
 
@@ -24,18 +25,23 @@ class KeyMap:
     """
 
     def __init__(self, pairs: list[tuple[str, str]], *, base: str, tied: tuple[str, str] | None,
-                 ignored: tuple[str, ...] = ()) -> None:
+                 ignored: tuple[str, ...] = (), renames: tuple[tuple[str, str], ...] = ()
+                 ) -> None:
         self.pairs = pairs
         self.base = base        # "model." / "transformer.": a bare decoder's names lack it
         self.tied = tied        # (head key, embedding key) in HF names, when tied
         self.ignored = [re.compile(p) for p in ignored]
+        self.renames = [(re.compile(p), r) for p, r in renames]   # checkpoint -> model names
 
     def to_hf(self, name: str) -> str:
         """The Hugging Face name of a Sequential state-dict name (``KeyError`` if none)."""
         return self._map(name, 0, 1, "Sequential")
 
     def from_hf(self, name: str) -> str:
-        """The Sequential name of a Hugging Face name; a bare decoder's (no base prefix) too."""
+        """The Sequential name of a Hugging Face name; a bare decoder's (no base prefix) and a
+        checkpoint's older one (transformers' renames: GPT-NeoX's ``embed_out.``) too."""
+        for pattern, target in self.renames:
+            name = pattern.sub(target, name)
         try:
             return self._map(name, 1, 0, "Hugging Face")
         except KeyError:
@@ -58,23 +64,25 @@ class KeyMap:
         return best[dst] + name[len(best[src]):]
 
 
-def key_map(config: Any) -> KeyMap:
+def key_map(config: Any, *, glue: Sequence[Glue] = GLUE) -> KeyMap:
     """The `KeyMap` of a model's `to_sequential` layout (`config`: a config, model or dict)."""
-    family = family_of(config, what="config")
+    parts = structure_of(config)
     count = num_layers(config)
-    base = family.base + "."
+    base = parts.base + "."
+    embedding = f"{base}{parts.embedding}."
     pairs: list[tuple[str, str]]
-    if family.embedding is None:                                    # GPT-2
-        pairs = [("0.wte.", base + "wte."), ("0.wpe.", base + "wpe.")]
-        embedding = base + "wte.weight"
+    if parts.learned_positions or len(parts.inputs) > 1 or glue_of(config, "input", glue=glue):
+        pairs = [(f"0.{name}.", f"{base}{name}.") for name in parts.inputs]   # InputLayer
     else:
-        pairs = [("0.", f"{base}{family.embedding}.")]
-        embedding = f"{base}{family.embedding}.weight"
-    pairs += [(f"{i + 1}.", f"{base}{family.layers}.{i}.") for i in range(count)]
-    pairs += [(f"{count + 1}.", f"{base}{family.norm}."), (f"{count + 2}.", "lm_head.")]
+        pairs = [("0.", embedding)]
+    pairs += [(f"{i + 1}.", f"{base}{parts.layers}.{i}.") for i in range(count)]
+    head = f"{count + 2}.{parts.head}." if glue_of(config, "logits", glue=glue) \
+        else f"{count + 2}."
+    pairs += [(f"{count + 1}.", f"{base}{parts.norm}."), (head, f"{parts.head}.")]
     tied = config_value(config, "tie_word_embeddings", default=True)
-    return KeyMap(pairs, base=base, tied=("lm_head.weight", embedding) if tied else None,
-                  ignored=family.ignored)
+    return KeyMap(pairs, base=base,
+                  tied=(f"{parts.head}.weight", embedding + "weight") if tied else None,
+                  ignored=parts.ignored, renames=parts.renames)
 
 
 def hf_state_dict(state_dict: Mapping[str, V], config: Any) -> dict[str, V]:

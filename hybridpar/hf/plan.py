@@ -1,11 +1,13 @@
 """A Hugging Face model's own tensor-parallel plan, in the names of its `to_sequential` layout.
 
-    HF (LlamaForCausalLM._tp_plan)             Sequential (L blocks)       style
-    model.embed_tokens (where a plan names it)  0                           embedding_rowwise
-    model.layers.*.self_attn.q_proj             1.self_attn.q_proj ...      colwise
-    model.layers.*.mlp.down_proj                1.mlp.down_proj ...         rowwise
-    (model.norm: not in the plan)               L + 1                       -
-    lm_head                                     L + 2                       colwise_gather_output
+    HF (LlamaForCausalLM._tp_plan)              Sequential (L blocks)    style
+    model.embed_tokens (where a plan names it)  0                        embedding_rowwise
+    model.layers.*.self_attn.q_proj             1.self_attn.q_proj ...   colwise
+    model.layers.*.mlp.down_proj                1.mlp.down_proj ...      rowwise
+    (model.norm: not in the plan)               L + 1                    -
+    lm_head                                     L + 2                    colwise_gather_output
+    lm_head tied to model.embed_tokens          L + 2 and 0              colwise and
+                                                                         embedding_rowwise
 
 Each ``*`` (one layer index) is expanded over the blocks and mapped with `key_map`, so the
 result is a dict of exact names that ``HybridPipe(..., tp_plan=...)`` takes as it is (the
@@ -20,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
-from hybridpar.hf.families import num_layers
-from hybridpar.hf.keys import key_map
+from hybridpar.hf.keys import KeyMap, key_map
+from hybridpar.hf.structure import config_value, num_layers
 
 __all__ = ["config_of", "tp_plan"]
 
@@ -61,5 +63,41 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         keys = [key.replace("*", str(i)) for i in range(num_layers(config))] \
             if "*" in key else [key]
         for hf_name in keys:
-            out[names.from_hf(hf_name + ".weight").removesuffix(".weight")] = style
+            out[_layer(names, hf_name + ".weight")] = style
+    if names.tied is not None and _layer(names, names.tied[0]) in out:
+        # a tied head is one Parameter with the embedding: both sharded on the vocab, the
+        # logits left class-sharded for the vocab-parallel loss (not gathered)
+        out[_layer(names, names.tied[0])] = "colwise"
+        out[_layer(names, names.tied[1])] = "embedding_rowwise"
+    _check_per_head(model, out, config, names)
     return out
+
+
+def _check_per_head(model: nn.Module, plan: dict[str, str], config: Any, names: KeyMap
+                    ) -> None:
+    """A ValueError for a per-head parameter (heads, head_dim) the plan leaves whole beside
+    projections it shards by head (Cohere's q_norm / k_norm): it would meet this rank's heads
+    only."""
+    heads = {config_value(config, "num_attention_heads"),
+             config_value(config, "num_key_value_heads")} - {None}
+    if not heads or isinstance(model, nn.Sequential):
+        named = dict(plan)
+    else:
+        named = {names.to_hf(f"{k}.weight").removesuffix(".weight"): v for k, v in plan.items()}
+    for prefix, module in model.named_modules():
+        sharded = [c for c, _ in module.named_children()
+                   if named.get(f"{prefix}.{c}".lstrip("."), "").startswith("colwise")]
+        if not sharded:
+            continue
+        for pname, p in module.named_parameters():
+            owner = f"{prefix}.{pname}".lstrip(".").rpartition(".")[0]
+            if p.ndim == 2 and p.shape[0] in heads and p.shape[0] > 1 and owner not in named:
+                raise ValueError(
+                    f"tp_plan 'hf': {type(config).__name__}'s plan shards {', '.join(sharded)} "
+                    f"of '{prefix}' by head but leaves its per-head parameter '{pname}' "
+                    f"{tuple(p.shape)} whole; sharding per-head parameters is not supported "
+                    "yet: use tp_plan='auto' (it keeps such an attention replicated)")
+
+def _layer(names: KeyMap, hf_weight: str) -> str:
+    """The Sequential layer holding the HF parameter `hf_weight`."""
+    return names.from_hf(hf_weight).removesuffix(".weight")

@@ -24,9 +24,11 @@ model in place, layer by layer:
 
 Partial gradients (a replicated parameter that saw 1 / tp of the tokens) are summed over tp
 after each step by the pipe (`register_partial_grad`, `pipeline.parameters.partial`). Supported:
-every family of `hf.families` (Llama, Mistral, Qwen2, Qwen3, GPT-2) under "auto" and "hf" (or
-dict) plans. Dropout inside the attention core (GPT-2's ``attn_pdrop``) draws per-rank masks
-under tp with or without sequence parallelism (docs/tensor-parallel.md, Limits).
+every decoder `to_sequential` converts, under "auto" and "hf" (or dict) plans (an `InputLayer`:
+its embedding as above, its dropouts sliced; a `LogitsLayer`: its head as above, the glue
+elementwise on the shard). Dropout inside the attention core (GPT-2's ``attn_pdrop``)
+draws per-rank masks under tp with or without sequence parallelism (docs/tensor-parallel.md,
+Limits).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.hf.blocks import DecoderBlock, TokenPositionEmbedding
+from hybridpar.hf.glue import InputLayer, LogitsLayer
 from hybridpar.sharded.attrs import (
     SEQUENCE,
     get_parallel_dim,
@@ -72,6 +75,9 @@ def sequence_parallel(model: nn.Sequential, group: ProcessGroup) -> None:
         _embedding(embedding.wte, group)
         _embedding(embedding.wpe, group)
         _swap_dropouts(embedding, group)
+    elif isinstance(embedding, InputLayer):               # the embedding, a dropout, glue
+        _embedding(next(embedding.children()), group)
+        _swap_dropouts(embedding, group)
     else:
         _embedding(embedding, group)
     for block in blocks:
@@ -79,7 +85,7 @@ def sequence_parallel(model: nn.Sequential, group: ProcessGroup) -> None:
     for p in norm.parameters():
         register_partial_grad(p)
     norm.register_forward_hook(_keep_tag)
-    _head(head, group)
+    _head(next(head.children()) if isinstance(head, LogitsLayer) else head, group)
 
 
 def _embedding(layer: nn.Module, group: ProcessGroup) -> None:

@@ -3,73 +3,80 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from hybridpar.hf.attention import route_attention
 from hybridpar.hf.blocks import DecoderBlock, TokenPositionEmbedding
-from hybridpar.hf.families import attention_type, family_of, num_layers
+from hybridpar.hf.glue import GLUE, Glue, InputLayer, LogitsLayer, glue_of
+from hybridpar.hf.structure import attention_type, num_layers, structure_of
 
 __all__ = ["to_sequential"]
 
 
-def to_sequential(model: nn.Module) -> nn.Sequential:
-    """The causal LM `model` as ``nn.Sequential(embedding, block × L, final norm, head)``.
+def to_sequential(model: nn.Module, *, glue: Sequence[Glue] = GLUE) -> nn.Sequential:
+    """The causal LM `model` as ``nn.Sequential(input, block × L, final norm, head)``.
 
-    Layers (L = ``config.num_hidden_layers``; index: what it is, its Hugging Face name)::
+    Layers (L = ``config.num_hidden_layers``; names from `hf.structure`, Llama's here)::
 
         0        (B, T) ids -> (B, T, D)   model.embed_tokens    (GPT-2: transformer.wte + wpe)
         1 .. L   (B, T, D) -> (B, T, D)    model.layers.{i-1}    (GPT-2: transformer.h.{i-1})
         L + 1    (B, T, D) -> (B, T, D)    model.norm            (GPT-2: transformer.ln_f)
         L + 2    (B, T, D) -> (B, T, V)    lm_head
 
+    Layer 0 is the embedding itself, or an `InputLayer` holding the trunk's modules before
+    the blocks (Phi's dropout) and the input glue (`hf.glue`: Granite's multiplier); layer
+    L + 2 the head itself, or a `LogitsLayer` with the logit glue (Gemma 2's soft-capping).
     Only the hidden states cross a stage boundary: each `DecoderBlock` computes positions
-    ``0 .. T-1``, the causal mask and rotary cos / sin from the sequence length. The layers are
-    the model's own modules, so the parameters are the same objects (a tied head uses the
-    embedding's Parameter) and ``seq(input_ids)`` equals ``model(input_ids).logits``. The model
-    is shared, not copied: what changes one (training, `HybridPipe` releasing other stages'
-    layers to `meta`) changes the other.
+    ``0 .. T-1``, its causal mask (per layer type) and rotary cos / sin from the sequence
+    length. The layers are the model's own modules, so the parameters are the same objects
+    (a tied head uses the embedding's Parameter) and ``seq(input_ids)`` equals
+    ``model(input_ids).logits`` (`hf.probe` checks that for a family before training). The
+    model is shared, not copied: what changes one changes the other.
 
-    Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-    ``Qwen3ForCausalLM``, ``GPT2LMHeadModel``, on input ids of full sequences. Not supported:
-    attention masks / padding, position ids other than ``0 .. T-1``, the KV cache (generation),
-    ``inputs_embeds``, GPT-2's ``token_type_ids`` and cross-attention. Other models are a
-    `ValueError` naming the supported types.
+    Any decoder whose class declares a pp plan (or has GPT-2's shape) converts; `glue` is
+    the registry of `hf.glue`. Not supported: attention masks / padding, position ids other
+    than ``0 .. T-1``, the KV cache (generation), ``inputs_embeds``, cross-attention; the
+    features of `hf.structure.UNSUPPORTED` are a `ValueError` naming them.
     """
     if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
         raise TypeError(f"to_sequential takes a Hugging Face model (an nn.Module with a "
                         f"config), got {type(model).__name__}")
     config: Any = model.config
-    family = family_of(config)
+    parts = structure_of(config)
     route_attention(config)   # checkpoint = "selective" recomputes its core (`hf.attention`)
-    base = getattr(model, family.base, None)
-    head = getattr(model, "lm_head", None)
+    base = getattr(model, parts.base, None)
+    head = getattr(model, parts.head, None)
     if base is None or not isinstance(head, nn.Module):
         raise ValueError(
-            f"{type(model).__name__} is a {family.model_type} model without a causal-LM head; "
-            f"pass the causal LM ({' / '.join(family.classes)}), which has '{family.base}' and "
-            "'lm_head'")
+            f"{type(model).__name__} is a {parts.model_type} model without a causal-LM head; "
+            f"pass the causal LM ({parts.causal_lm}), which has '{parts.base}' and "
+            f"'{parts.head}'")
     if getattr(config, "add_cross_attention", False):
         raise ValueError(f"{type(model).__name__} has cross-attention (add_cross_attention="
                          "True); to_sequential supports decoder-only models")
 
     count = num_layers(config)
-    layers = list(getattr(base, family.layers))[:count]   # as the model's forward slices them
+    layers = list(getattr(base, parts.layers))[:count]    # as the model's forward slices them
+    inputs = {name: getattr(base, name) for name in parts.inputs}
+    input_glue, logits_glue = (glue_of(config, w, glue=glue) for w in ("input", "logits"))
     embedding: nn.Module
-    if family.embedding is None:
-        embedding = TokenPositionEmbedding(base.wte, base.wpe, base.drop)
+    if parts.learned_positions:
+        embedding = TokenPositionEmbedding(*inputs.values())
+    elif len(inputs) == 1 and not input_glue:
+        embedding = inputs[parts.embedding]
     else:
-        embedding = getattr(base, family.embedding)
-    rotary = getattr(base, "rotary_emb", None) if family.rotary else None
-    if family.rotary and rotary is None:
-        raise ValueError(f"{type(model).__name__} has no '{family.base}.rotary_emb'")
+        embedding = InputLayer(inputs, input_glue)
+    rotary = getattr(base, "rotary_emb", None)
     blocks = [
         DecoderBlock(layer, config=config, attention_type=attention_type(config, i),
                      rotary=_copy_rotary(rotary) if rotary is not None else None)
         for i, layer in enumerate(layers)
     ]
-    sequential = nn.Sequential(embedding, *blocks, getattr(base, family.norm), head)
+    output = LogitsLayer({parts.head: head}, logits_glue) if logits_glue else head
+    sequential = nn.Sequential(embedding, *blocks, getattr(base, parts.norm), output)
     sequential.train(model.training)
     return sequential
 

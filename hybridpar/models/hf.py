@@ -6,8 +6,11 @@
     qwen2     Qwen2Config                  the same
     qwen3     Qwen3Config                  the same (head_dim 16)
     gpt2      GPT2Config                   4 blocks, width 64, 4 heads, tied embedding / head
+    any other model type of transformers   its config class's defaults (`any_family`)
 
-Every ``[model]`` key but ``pretrained`` is a field of the family's config class; the model
+Every ``[model]`` key but ``pretrained`` and ``verify`` is a field of the family's config
+class; ``verify = true`` (the default) runs the parity probe first (`hybridpar.hf.probe`:
+the family refused unless converted exactly, its cost logged); the model
 is random-init from the run's seed. ``pretrained = "PATH"`` reads a local checkpoint
 directory instead (its ``config.json`` gives the architecture, the other keys are not used;
 its ``*.safetensors`` the weights, tensor by tensor: `hybridpar.hf.load_hf_shards`). Built
@@ -20,6 +23,8 @@ Needs ``pip install 'hybridpar[hf]'``.
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,16 +34,11 @@ from torch import Tensor, nn
 from hybridpar.keyed import keyed_reset_
 from hybridpar.models.gpt import gpt_loss
 
-__all__ = ["FAMILIES", "gpt2", "hf_config", "llama", "mistral", "next_token_loss", "qwen2",
-           "qwen3"]
+__all__ = ["FAMILIES", "any_family", "gpt2", "hf_config", "llama", "mistral", "next_token_loss",
+           "qwen2", "qwen3"]
 
 Built = tuple[nn.Sequential, Callable[[Tensor, Tensor], Tensor]]
-
-_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-            "mistral": ("MistralConfig", "MistralForCausalLM"),
-            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-            "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
+log = logging.getLogger(__name__)
 
 
 def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -56,24 +56,61 @@ def _transformers() -> Any:
 
 
 def hf_config(family: str, options: dict[str, Any]) -> Any:
-    """The `PretrainedConfig` of `family` built from `options` (the ``[model]`` keys)."""
+    """The `PretrainedConfig` of `family` (a model type) built from `options` (the
+    ``[model]`` keys; ``verify`` is not one of the config's)."""
     transformers = _transformers()
-    options = dict(options)
+    options = {k: v for k, v in options.items() if k != "verify"}
     pretrained = options.pop("pretrained", None)
     if pretrained is not None:
         config = transformers.AutoConfig.from_pretrained(pretrained)
-        expected = getattr(transformers, _CLASSES[family][0]).model_type
-        if config.model_type != expected:
+        if config.model_type != family:
             raise ValueError(f"model.pretrained {pretrained!r} holds a {config.model_type!r} "
-                             f"model, not {expected!r}: use model.name = "
-                             f"'hf:{_family_of_type(config.model_type)}'")
+                             f"model, not {family!r}: use model.name = "
+                             f"'hf:{config.model_type}'")
         return config
-    return getattr(transformers, _CLASSES[family][0])(**options)
+    return _config_class(family)(**options)
 
 
-def _family_of_type(model_type: str) -> str:
-    """The family name of a config's `model_type` (they are the same words here)."""
-    return model_type if model_type in _CLASSES else f"<one of {', '.join(_CLASSES)}>"
+def _config_class(family: str) -> Any:
+    """The config class of a model type (`ValueError` naming the fix for an unknown one)."""
+    _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if family not in CONFIG_MAPPING:
+        raise ValueError(f"unknown Hugging Face model type {family!r} in model 'hf:{family}': "
+                         "give a model_type of the installed transformers (config.json's "
+                         "\"model_type\", e.g. 'hf:llama', 'hf:gemma2', 'hf:phi3')")
+    return CONFIG_MAPPING[family]
+
+
+def any_family(family: str) -> Callable[..., Built]:
+    """The builder of ``hf:<family>`` for any model type: its keyword options are the fields of
+    the family's config class, with that class's defaults (a full-size model: give the sizes),
+    ``pretrained`` and ``verify`` (`hybridpar.hf.probe`)."""
+    from hybridpar.hf.structure import structure_of
+
+    defaults = _config_class(family)()
+    structure_of(defaults)                 # not a decoder hybridpar.hf converts: said now
+    fields = [k for k, v in defaults.to_dict().items()
+              if not k.startswith("_") and k not in _NOT_OPTIONS]
+
+    def build(**options: Any) -> Built:
+        return _build(family, options)
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    build.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(k, keyword, default=getattr(defaults, k)) for k in fields]
+        + [inspect.Parameter("pretrained", keyword, default=None),
+           inspect.Parameter("verify", keyword, default=True)])
+    build.__doc__ = f"A Hugging Face {family!r} causal LM ({type(defaults).__name__}'s fields)."
+    return build
+
+
+# config.to_dict() keys that are not model options
+_NOT_OPTIONS = ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype",
+                "return_dict", "output_hidden_states", "output_attentions", "use_cache",
+                "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+                "problem_type", "tokenizer_class", "task_specific_params")
 
 
 def _build(family: str, options: dict[str, Any]) -> Built:
@@ -84,10 +121,24 @@ def _build(family: str, options: dict[str, Any]) -> Built:
     gives the values a meta build draws for seed s in any layout (`train.trainer.build_pipe`).
     """
     from hybridpar.hf import init_fn, load_hf_shards, to_sequential
+    from hybridpar.hf.probe import probe
+    from hybridpar.hf.structure import structure_of
 
     transformers = _transformers()
     config = hf_config(family, options)
-    model = getattr(transformers, _CLASSES[family][1])(config)
+    if options.get("verify", True):
+        with torch.device("cpu"):
+            checked = probe(config)
+        log.info("model.verify: %s converts exactly (its %d-layer float64 copy, max "
+                 "difference %.1e; %.2f s)", structure_of(config).causal_lm, checked.layers,
+                 checked.max_difference, checked.seconds)
+    causal_lm = structure_of(config).causal_lm
+    try:
+        model = getattr(transformers, causal_lm)(config)
+    except (AssertionError, ValueError, TypeError) as e:   # transformers' own checks
+        raise ValueError(f"transformers' {causal_lm} refuses the [model] options of "
+                         f"'hf:{family}': {e} (the config's fields keep their defaults "
+                         "unless set: pad_token_id, for one, must be < vocab_size)") from e
     sequential = to_sequential(model)
     pretrained = options.get("pretrained")
     on_meta = any(p.is_meta for p in sequential.parameters())
@@ -102,7 +153,8 @@ def llama(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: in
           num_hidden_layers: int = 4, num_attention_heads: int = 4, num_key_value_heads: int = 2,
           max_position_embeddings: int = 1024, rope_theta: float = 10000.0,
           rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
-          pretrained: str | None = None) -> Built:
+          pretrained: str | None = None,
+          verify: bool = True) -> Built:
     """A Llama causal LM (rotary positions, grouped-query attention, RMSNorm, SwiGLU)."""
     return _build("llama", _options(locals()))
 
@@ -111,7 +163,8 @@ def mistral(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: 
             num_hidden_layers: int = 4, num_attention_heads: int = 4,
             num_key_value_heads: int = 2, max_position_embeddings: int = 1024,
             rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
-            tie_word_embeddings: bool = False, pretrained: str | None = None) -> Built:
+            tie_word_embeddings: bool = False, pretrained: str | None = None,
+          verify: bool = True) -> Built:
     """A Mistral causal LM (Llama's architecture; no sliding window at these lengths)."""
     return _build("mistral", _options(locals()))
 
@@ -120,7 +173,8 @@ def qwen2(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: in
           num_hidden_layers: int = 4, num_attention_heads: int = 4, num_key_value_heads: int = 2,
           max_position_embeddings: int = 1024, rope_theta: float = 10000.0,
           rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
-          pretrained: str | None = None) -> Built:
+          pretrained: str | None = None,
+          verify: bool = True) -> Built:
     """A Qwen2 causal LM (Llama's architecture with biases on q, k, v)."""
     return _build("qwen2", _options(locals()))
 
@@ -129,7 +183,8 @@ def qwen3(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: in
           num_hidden_layers: int = 4, num_attention_heads: int = 4, num_key_value_heads: int = 2,
           head_dim: int = 16, max_position_embeddings: int = 1024, rope_theta: float = 10000.0,
           rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
-          pretrained: str | None = None) -> Built:
+          pretrained: str | None = None,
+          verify: bool = True) -> Built:
     """A Qwen3 causal LM (q / k RMSNorm per head)."""
     return _build("qwen3", _options(locals()))
 
@@ -137,7 +192,8 @@ def qwen3(*, vocab_size: int = 256, hidden_size: int = 64, intermediate_size: in
 def gpt2(*, vocab_size: int = 256, n_embd: int = 64, n_layer: int = 4, n_head: int = 4,
          n_positions: int = 1024, resid_pdrop: float = 0.0, embd_pdrop: float = 0.0,
          attn_pdrop: float = 0.0, tie_word_embeddings: bool = True,
-         pretrained: str | None = None) -> Built:
+         pretrained: str | None = None,
+          verify: bool = True) -> Built:
     """GPT-2 (learned positions, Conv1D layers, fused q|k|v, tied embedding and head)."""
     return _build("gpt2", _options(locals()))
 

@@ -3,6 +3,7 @@
     model.name                   builder                                     returns
     "gpt" | "mlp" | "unet"       `hybridpar.models.MODELS[name]`             nn.Sequential
     "hf:llama" | "hf:gpt2" ...   `hybridpar.models.hf.FAMILIES[family]`      (Sequential, loss)
+    "hf:<any model type>"        `hybridpar.models.hf.any_family(type)`      (Sequential, loss)
     "package.module:function"    the user's function, imported               (Sequential, loss)
 
 The builder's keyword-only options are the ``[model]`` keys. Every builder but mlp and unet
@@ -37,13 +38,14 @@ def _describe_choices() -> str:
     from hybridpar.models.hf import FAMILIES
 
     return (", ".join(sorted(MODELS)) + ", " + ", ".join(f"hf:{f}" for f in FAMILIES)
-            + ", or 'package.module:function' (your builder returning (nn.Sequential, loss))")
+            + ", hf:<another model type of transformers>, or 'package.module:function' (your "
+            "builder returning (nn.Sequential, loss))")
 
 
 def builder(name: str) -> Callable[..., Any]:
     """The function that builds model `name` (a `ValueError` naming the choices if none)."""
     from hybridpar.models import MODELS
-    from hybridpar.models.hf import FAMILIES
+    from hybridpar.models.hf import FAMILIES, any_family
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"unknown model {name!r}; choose one of {_describe_choices()}")
@@ -51,10 +53,7 @@ def builder(name: str) -> Callable[..., Any]:
         return MODELS[name]
     if name.startswith("hf:"):
         family = name.removeprefix("hf:")
-        if family not in FAMILIES:
-            raise ValueError(f"unknown Hugging Face family {family!r} in model {name!r}; "
-                             f"choose one of {', '.join('hf:' + f for f in FAMILIES)}")
-        return FAMILIES[family]
+        return FAMILIES[family] if family in FAMILIES else any_family(family)
     where, sep, attr = name.partition(":")
     if not sep or not where or not attr:
         raise ValueError(f"unknown model {name!r}; choose one of {_describe_choices()}")

@@ -6,7 +6,11 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.sharded.attrs import register_parallel_attribute
+from hybridpar.sharded.attrs import (
+    get_parallel_dim,
+    register_parallel_attribute,
+    register_parallel_dim,
+)
 from hybridpar.sharded.mappings import group_size, shard_sizes
 from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.functional import parallel_embedding
@@ -18,7 +22,28 @@ from hybridpar.tensor_parallel.state import (
 )
 from hybridpar.topology import default_tp_group
 
-__all__ = ["ParallelEmbedding", "check_sequence_length", "sequence_length_problem"]
+__all__ = ["ParallelEmbedding", "carried_forward", "check_sequence_length",
+           "sequence_length_problem"]
+
+
+def carried_forward(module: nn.Module) -> str | None:
+    """Why `module` (an nn.Embedding or subclass) cannot become a `ParallelEmbedding` without
+    losing what its forward does, or None. A subclass whose forward scales the lookup by its
+    ``embed_scale`` (Gemma's ``*TextScaledWordEmbedding``: ``lookup * sqrt(D)``) is carried:
+    the parallel layer keeps the scale (`ParallelEmbedding.output_scale`)."""
+    if type(module).forward is nn.Embedding.forward or _scale_of(module) is not None:
+        return None
+    return (f"its class {type(module).__name__} overrides nn.Embedding's forward, which a "
+            "ParallelEmbedding would not do")
+
+
+def _scale_of(module: nn.Module) -> float | None:
+    """The output scale of a scaled-lookup subclass (its float32 value, as HF keeps it)."""
+    scale = getattr(module, "scalar_embed_scale", None)
+    buffer = getattr(module, "embed_scale", None)
+    if scale is None and isinstance(buffer, Tensor) and not buffer.is_meta:
+        scale = buffer.item()
+    return None if scale is None else torch.tensor(float(scale), dtype=torch.float32).item()
 
 
 def sequence_length_problem(length: int, tp: int) -> str | None:
@@ -48,6 +73,10 @@ class ParallelEmbedding(ParallelLayer):
     columns ``shard_range(embedding_dim, tp, rank)``; the output is all-gathered. Both give
     full, untagged outputs. `max_norm` works with dim None and 0 only.
     """
+
+    #: a scaled lookup's factor (Gemma: sqrt(D)), applied as its Hugging Face class does
+    #: (a float32 value cast to the table's dtype); None: a plain lookup
+    output_scale: float | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
@@ -111,7 +140,11 @@ class ParallelEmbedding(ParallelLayer):
     @classmethod
     def from_module(cls, module: nn.Embedding, dim: int, *,
                     group: ProcessGroup) -> ParallelEmbedding:
-        """A layer (dim 0: vocab, -1: features) holding this rank's slice of `module`."""
+        """A layer (dim 0: vocab, -1: features) holding this rank's slice of `module` (and
+        its output scale, `carried_forward`; a ValueError for a forward it cannot carry)."""
+        why = carried_forward(module)
+        if why is not None:
+            raise ValueError(f"cannot shard the embedding: {why}; mark it 'replicate'")
         w = module.weight
         new = cls(module.num_embeddings, module.embedding_dim, module.padding_idx,
                   module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse,
@@ -120,6 +153,7 @@ class ParallelEmbedding(ParallelLayer):
             new.to_empty(device=w.device)
             new.weight.data.copy_(shard_of(w.detach(), new.weight, group))
         new.weight.requires_grad_(w.requires_grad)
+        new.output_scale = _scale_of(module)
         new.train(module.training)
         return new
 
@@ -152,11 +186,18 @@ class ParallelEmbedding(ParallelLayer):
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence:   # (B, T) ids: T split over tp, refused here when uneven
             check_sequence_length(x.unsqueeze(-1), self.group)
-        return parallel_embedding(
+        out = parallel_embedding(
             x, self.weight, self.padding_idx, self.max_norm, self.norm_type,
             self.scale_grad_by_freq, self.sparse, num_embeddings=self.num_embeddings,
             dim=self.dim, embedding_dim=self.embedding_dim, group=self.group,
             sequence=self.sequence)
+        if self.output_scale is None:
+            return out
+        dim = get_parallel_dim(out)              # a sequence shard stays one
+        out = out * torch.tensor(self.output_scale, device=out.device).to(self.weight.dtype)
+        if dim is not None:
+            register_parallel_dim(out, dim)
+        return out
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"
@@ -170,4 +211,6 @@ class ParallelEmbedding(ParallelLayer):
             s += ", scale_grad_by_freq=True"
         if self.sparse:
             s += ", sparse=True"
+        if self.output_scale is not None:
+            s += f", output_scale={self.output_scale:g}"
         return s + f", dim={self.dim}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from hybridpar.tensor_parallel.embedding import carried_forward
 from hybridpar.tensor_parallel.layers import RegisterParallelDim
 from hybridpar.tensor_parallel.plans.flow_ops import is_conv1d
 
@@ -74,6 +75,11 @@ class Layers:
                     "not through the layer)")
         if len(self.names_of[id(m)]) > 1:
             return f"the same module is registered under {self.names_of[id(m)]}"
+        if isinstance(m, nn.Embedding) and carried_forward(m) is not None:
+            return carried_forward(m)
+        if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward:
+            return (f"its class {type(m).__name__} overrides nn.Linear's forward, which a "
+                    "ParallelLinear would not do")
         for pname, p in m.named_parameters(recurse=False):
             if isinstance(p, nn.parameter.UninitializedParameter):
                 return "it has uninitialized (lazy) parameters; run a forward first"

@@ -153,7 +153,7 @@ def _embeddings_and_classifier(layers: Layers, tp: int, styles: dict[str, str],
     class-sharded."""
     for name in layers.names:
         m = layers.by_name[name]
-        if type(m) is nn.Embedding and name not in layers.in_mha:
+        if isinstance(m, nn.Embedding) and name not in layers.in_mha:
             if f"{name}.weight" in positional:
                 styles[name] = "replicate"
                 notes[name] = ("replicated: a position table (indexed by positions, not by "

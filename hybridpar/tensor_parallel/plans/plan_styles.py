@@ -143,7 +143,7 @@ def tie_group(name: str, styles: Mapping[str, str], layers: Layers, tp: int
             layers.unshardable(name, ignore_ties=True) is not None:
         return None
     group = [name, *[t.rpartition(".")[0] for t in tied]]
-    embs = [n for n in group if type(layers.by_name[n]) is nn.Embedding and
+    embs = [n for n in group if isinstance(layers.by_name[n], nn.Embedding) and
             styles.get(n) == "vocab"]
     lins = [n for n in group if type(layers.by_name[n]) is nn.Linear and
             styles.get(n) == "column"]

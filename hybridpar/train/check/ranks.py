@@ -54,6 +54,7 @@ from hybridpar.train.check.memory import (
 from hybridpar.train.check.setup import (
     model_override,
     preserved_state,
+    probed_once,
     quiet_stderr,
     resolve_balance,
     unread_checkpoint,
@@ -90,6 +91,8 @@ class DryRun:
             self.batches[d] = _dry_batches(*make_batches(
                 self.config, split="train", dp_rank=d, dp=self.dims.dp).next_batch())
         cuda = self.device_kind == "cuda"
+        if self.model is None:
+            self.config = probed_once(self.config, self.notes)
         with preserved_state(), model_override(self.config, self.model):
             device_type = fake_gpu() if cuda else "cpu"
             with standing_in(device_type, self.cuda) if cuda else contextlib.nullcontext():

@@ -1,6 +1,6 @@
 """What a dry run sets up around its ranks: the config's balance as a list, the process's
-state given back afterwards, C++'s stderr quieted, a pretrained checkpoint not read, and a
-`--model` builder standing in for the config's model."""
+state given back afterwards, C++'s stderr quieted, a pretrained checkpoint not read, a
+`--model` builder standing in for the config's model, and an ``hf:`` model probed once."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.topology import Topology
 from hybridpar.train.configs.config import Config
 
-__all__ = ["model_override", "preserved_state", "quiet_stderr", "resolve_balance",
-           "unread_checkpoint"]
+__all__ = ["model_override", "preserved_state", "probed_once", "quiet_stderr",
+           "resolve_balance", "unread_checkpoint"]
 
 
 def resolve_balance(config: Config, topo: Topology, notes: list[str]) -> Config:
@@ -137,3 +137,22 @@ def model_override(config: Config, spec: str | None) -> Iterator[None]:
     finally:
         MODELS[name] = before
 
+
+
+def probed_once(config: Config, notes: list[str]) -> Config:
+    """An ``hf:`` model's parity probe (`hybridpar.hf.probe`) run here, once, on real CPU
+    tensors (the ranks' fake ones cannot compare values), its verdict a note; the config the
+    ranks build then skips it. A model it refuses is a ValueError, as in `hybridpar run`."""
+    args = config.model.args
+    if not config.model.name.startswith("hf:") or not args.get("verify", True):
+        return config
+    from hybridpar.hf.probe import probe
+    from hybridpar.models.hf import hf_config
+
+    with torch.device("cpu"):
+        result = probe(hf_config(config.model.name.removeprefix("hf:"), args))
+    notes.append(f"model.verify: {config.model.name} converts exactly ({result.layers}-layer "
+                 f"float64 probe, max difference {result.max_difference:.1e}, "
+                 f"{result.seconds:.2f} s)")
+    model = dataclasses.replace(config.model, args={**args, "verify": False})
+    return dataclasses.replace(config, model=model)
