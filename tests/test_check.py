@@ -3,11 +3,13 @@
 Every dry run here goes through the real pipeline (build_pipe, HybridPipe.train_step, the
 executor, comm). The fake GPU's registration lasts for the process that runs a dry run, so
 they run in child processes: `dry_run` isolates itself by default, and the `children` fixture
-runs the dry runs of `JOBS` one after another in a child (torch's imports cost about 3 s per
-process), except "large" (8 fake ranks), which gets a child of its own, while the CLI test's
-`hybridpar check` runs in a third: a dry run keeps one core busy, so the three run side by
-side. Models with a planted fault are built by functions of this
-file.
+runs the dry runs of `JOBS` one after another in two children (torch's imports cost about 3 s
+per process): "large" (8 fake ranks) with the virtual-stage jobs in one, the rest in the
+other, while the CLI test's `hybridpar check` of the quick start runs in a third, whose JSON
+is also the report the quick-start tests read (one dry run of it, not two): a dry run keeps
+one core busy, so the three run side by side. A fake step's time goes with the number of
+ops it runs (layers x micro-batches x ranks), not with their sizes. Models with a planted
+fault are built by functions of this file.
 """
 
 import json
@@ -127,8 +129,7 @@ def receive_before_sending(config):
 
 
 # the dry runs, in one child process -------------------------------------------------------------
-JOBS = {
-    "quickstart": lambda: dry_run(QUICKSTART, isolate=False),
+JOBS = {   # the quick start's own dry run is the CLI's (`children`)
     # 2 micro-batches instead of 8 and 8 of its 24 layers (each 1024 wide) keep the test short
     "large": lambda: dry_run(LARGE, overrides=["parallel.chunks=2", "model.n_layer=8"],
                              isolate=False),
@@ -151,9 +152,14 @@ JOBS = {
     "int16 on cpu": lambda: dry_run(small_mlp(balance="uniform"), device="cpu",
                                     model=f"{__file__}:mlp_with_int16_counts", isolate=False),
     # pp2 x tp2 on fake CPU ranks: the vocab-parallel loss's target check skips fake tensors
+    # (2 of its 4 blocks and 2 micro-batches: the same code, half the ops)
     "quickstart on cpu": lambda: dry_run(QUICKSTART, device="cpu",
-                                         overrides=["parallel.chunks=2"], isolate=False),
+                                         overrides=["parallel.chunks=2", "model.n_layer=2"],
+                                         isolate=False),
 }
+# the jobs of the child beside "jobs": the 8 ranks of "large" and the virtual stages
+LARGE_JOBS = ("large", "interleaved", "zbv")
+TIMEOUT = 300   # seconds, each child: generous (66 s was too short beside the suite)
 
 
 def run_jobs(out: str, *names: str) -> None:
@@ -169,9 +175,10 @@ def run_jobs(out: str, *names: str) -> None:
 
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
-    """Three child processes side by side: the "large" job, the other JOBS in turn, and
-    `hybridpar check` of the quick start with --json (the CLI test's). Returns the folder of
-    their files (<name>.out, <name>.err, <name>.json) and {name: exit status}."""
+    """Three child processes side by side: the LARGE_JOBS in turn, the other JOBS in turn,
+    and `hybridpar check` of the quick start with --json (the CLI test's and the quick-start
+    tests' report). Returns the folder of their files (<name>.out, <name>.err, <name>.json)
+    and {name: exit status}."""
     folder = tmp_path_factory.mktemp("check")
 
     def jobs(name, *names):
@@ -179,20 +186,20 @@ def children(tmp_path_factory):
                f"test_check.run_jobs({str(folder / (name + '.json'))!r}, *{names!r})"
         return [sys.executable, "-c", code]
 
-    commands = {   # name -> (command, timeout in seconds)
-        "large": (jobs("large", "large"), 240),
-        "jobs": (jobs("jobs", *(name for name in JOBS if name != "large")), 240),
-        "cli": ([sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART), "--json",
-                 str(folder / "cli.json")], 120),
+    commands = {   # name -> command
+        "large": jobs("large", *LARGE_JOBS),
+        "jobs": jobs("jobs", *(name for name in JOBS if name not in LARGE_JOBS)),
+        "cli": [sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART), "--json",
+                str(folder / "cli.json")],
     }
     procs = {}
-    for name, (command, _) in commands.items():
+    for name, command in commands.items():
         with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
             procs[name] = subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT)
     start = time.monotonic()
     try:
         for name, proc in procs.items():
-            proc.wait(timeout=max(commands[name][1] - (time.monotonic() - start), 0.1))
+            proc.wait(timeout=max(TIMEOUT - (time.monotonic() - start), 0.1))
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -205,9 +212,12 @@ def children(tmp_path_factory):
 def runs(children):
     folder, status = children
     results = {}
-    for name in ("large", "jobs"):
+    for name in ("large", "jobs", "cli"):
         assert status[name] == 0, (folder / f"{name}.err").read_text()[-3000:]
+    for name in ("large", "jobs"):
         results.update(json.loads((folder / f"{name}.json").read_text()))
+    # `hybridpar check configs/quickstart.toml --json`: the dry run's report as is
+    results["quickstart"] = {"report": json.loads((folder / "cli.json").read_text())}
     return {name: CheckReport.from_dict(r["report"]) if "report" in r else r
             for name, r in results.items()}
 
