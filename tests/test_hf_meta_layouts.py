@@ -27,6 +27,9 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face test
 
 BALANCE = [2, 3]            # embedding + block | block + norm + head: the tie crosses stages
 KINDS = ("llama", "qwen3", "gpt2")
+# any decoder (`hf.structure`): glue layers, a scaled embedding sharded with its scale under
+# its own (tied) plan, other trunk names
+NEW = {"gemma2": "hf", "granite": "auto", "gpt_neox": "auto"}
 
 
 def _meta_pipe_logits(kind, directory, plan, ids):
@@ -52,7 +55,7 @@ def checkpoints(tmp_path_factory):
     """``{kind: (directory, from_pretrained logits)}`` and the token ids."""
     ids = token_batches(1, 2, 6, seed=3)[0]
     out = {}
-    for kind in KINDS:
+    for kind in (*KINDS, *NEW):
         directory = tmp_path_factory.mktemp(kind)
         tiny(kind, seed=11).save_pretrained(directory)
         ref = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64)
@@ -68,6 +71,7 @@ def runs(checkpoints):
     cases = {f"{kind} auto": (kind, dirs[kind][0], "auto", ids) for kind in KINDS}
     cases["llama own plan"] = ("llama", dirs["llama"][0], "own", ids)
     cases["llama 'hf'"] = ("llama", dirs["llama"][0], "hf", ids)
+    cases.update({f"{kind} {plan}": (kind, dirs[kind][0], plan, ids) for kind, plan in NEW.items()})
     return spawn_cases(_meta_pipe_logits, 4, cases, timeout=180)
 
 
@@ -86,6 +90,18 @@ def test_meta_build_at_pp2_tp2_auto_gives_the_from_pretrained_logits(kind, check
     assert any(": column" in d for d in results[0]["decisions"])
     for r in results:
         assert r["stds"] and all(0.005 < std < 0.03 for std in r["stds"].values()), r["stds"]
+
+
+@pytest.mark.parametrize("kind", NEW)
+def test_any_decoder_meta_built_at_pp2_tp2_gives_the_from_pretrained_logits(kind, checkpoints,
+                                                                            runs):
+    dirs, _ = checkpoints
+    results = runs[f"{kind} {NEW[kind]}"]
+    _assert_logits(results, dirs[kind][1])
+    assert any(": column" in d for d in results[0]["decisions"])
+    if kind == "gemma2":        # its tied embedding and head: one vocab-sharded Parameter
+        assert any(d.startswith("0 (Embedding") and ": vocab" in d
+                   for d in results[0]["decisions"]), results[0]["decisions"]
 
 
 def test_meta_build_with_llamas_own_plan_gives_the_from_pretrained_logits(checkpoints, runs):

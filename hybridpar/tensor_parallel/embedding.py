@@ -38,12 +38,14 @@ def carried_forward(module: nn.Module) -> str | None:
 
 
 def _scale_of(module: nn.Module) -> float | None:
-    """The output scale of a scaled-lookup subclass (its float32 value, as HF keeps it)."""
-    scale = getattr(module, "scalar_embed_scale", None)
+    """The output scale of a scaled-lookup subclass: the value its ``embed_scale`` buffer
+    holds (a model built in float32 then cast keeps the float32-rounded value), or, on
+    `meta`, the number HF's ``_init_weights`` will fill it with."""
     buffer = getattr(module, "embed_scale", None)
-    if scale is None and isinstance(buffer, Tensor) and not buffer.is_meta:
-        scale = buffer.item()
-    return None if scale is None else torch.tensor(float(scale), dtype=torch.float32).item()
+    if isinstance(buffer, Tensor) and not buffer.is_meta:
+        return float(buffer.item())
+    scale = getattr(module, "scalar_embed_scale", None)
+    return None if scale is None else float(scale)
 
 
 def sequence_length_problem(length: int, tp: int) -> str | None:
@@ -75,7 +77,7 @@ class ParallelEmbedding(ParallelLayer):
     """
 
     #: a scaled lookup's factor (Gemma: sqrt(D)), applied as its Hugging Face class does
-    #: (a float32 value cast to the table's dtype); None: a plain lookup
+    #: (the value rounded to the table's dtype, then multiplied); None: a plain lookup
     output_scale: float | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
@@ -194,7 +196,8 @@ class ParallelEmbedding(ParallelLayer):
         if self.output_scale is None:
             return out
         dim = get_parallel_dim(out)              # a sequence shard stays one
-        out = out * torch.tensor(self.output_scale, device=out.device).to(self.weight.dtype)
+        scale = torch.tensor(self.output_scale, dtype=torch.float64, device=out.device)
+        out = out * scale.to(self.weight.dtype)
         if dim is not None:
             register_parallel_dim(out, dim)
         return out
