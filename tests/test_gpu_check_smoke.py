@@ -1,9 +1,10 @@
 """scripts/gpu_check.py runs end to end on the CPU: the proof it is not broken without a GPU.
 
-The smoke run (`--device cpu --quick`, gloo, one thread a rank) takes about 10 s on 2 cores.
-`--ranks 2` adds the layout sweep (pp x tp = 1 x 2 and 2 x 1 on two gloo ranks), so the
-multi-device code path runs too. Its numbers mean nothing; every check must PASS and every
-table must be printed.
+The smoke run (`--device cpu --quick`, gloo, one thread a rank) takes about 45 s on 2
+cores, on the quick-start GPT at 32 tokens a sequence (tests/data/gpu_check_smoke.toml) and a
+batch of 4 (one row a micro-batch): half the time of the quick run's own sizes. `--ranks 2`
+adds the layout sweep (pp x tp = 1 x 2 and 2 x 1 on two gloo ranks), so the multi-device code
+path runs too. Its numbers mean nothing; every check must PASS and every table must be printed.
 """
 
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG = Path(__file__).resolve().parent / "data" / "gpu_check_smoke.toml"
 
 SCHEDULE_CHECKS = ["schedule_gpipe", "schedule_1f1b", "schedule_interleaved", "schedule_zb-h1",
                    "schedule_zbv"]
@@ -28,8 +30,9 @@ TABLE_HEADERS = ["| step ", "| dropout | checkpoint ", "| layer | kind ", "| sta
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     run = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick",
-                          "--ranks", "2", "--out", str(out)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=280)   # (120 s was short on a loaded 2-core EPYC:
+                          "--ranks", "2", "--out", str(out), "--config", str(CONFIG),
+                          "--batch", "4"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)   # (120 s was short on a loaded 2-core EPYC:
     return run, out                                    # 203 s beside the suite's 3 workers)
 
 

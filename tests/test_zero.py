@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_cases import spawn_cases
+from spawn_cases import spawn_by_world, spawn_cases
 
 import hybridpar
 from hybridpar.optim import (
@@ -146,11 +146,12 @@ def test_a_zero_1_checkpoint_resumes_at_another_dp_zero_and_pp_x_tp(tmp_path):
     step2 = str(ref / "checkpoints" / "step-2")
     cases = {"dp1 zero0": (1, _layout(1, 1, 1, 0)), "dp4 zero2": (4, _layout(1, 1, 4, 2)),
              "pp2 x tp2": (4, _layout(2, 2, 1, 0))}
+    runs = {}
     for name, (ranks, overrides) in cases.items():
         folder = tmp_path / name.replace(" ", "-")
         shutil.copytree(step2, folder / "checkpoints" / "step-2")
-        results = hybridpar.spawn(_train, ranks, args=(config(*overrides), str(folder)),
-                                  timeout=TIMEOUT)
+        runs[name] = (ranks, (config(*overrides), str(folder)))
+    for name, results in spawn_by_world(_train, runs, timeout=TIMEOUT).items():   # 1, then 4
         losses, start = results[0]
         assert start == 2, name      # the steps done before this run
         assert losses == pytest.approx(ref_losses[2:], abs=1e-5, rel=0), name
@@ -206,9 +207,11 @@ def test_zero_at_dp_1_is_a_warning_and_the_plain_optimizer():
 
 def test_hybridpar_check_counts_each_ranks_part_of_the_optimizer_state(tmp_path):
     out = tmp_path / "check.json"
+    # 2 of the quick start's 4 blocks in 2 micro-batches: a fake step's time goes with its ops
     done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART),
                            "--set", "parallel.dp=2", "--set", "parallel.zero=1",
                            "--set", "parallel.pp=1", "--set", "parallel.tp=1",
+                           "--set", "model.n_layer=2", "--set", "parallel.chunks=2",
                            "--json", str(out)], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = json.loads(out.read_text())["ranks"]
