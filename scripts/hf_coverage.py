@@ -78,8 +78,10 @@ def _tp_rank(types: list[str]) -> dict[str, dict[str, str]]:
             lines = [d for d in pipe.tp_plan_decisions if "(Linear" in d or "(Conv1D" in d]
             sharded = [d for d in lines if ": column" in d or ": row" in d]
             kept = [d for d in lines if d not in sharded]
+            gathered = sum("gathered" in d for d in sharded)
             why = f"; kept: {kept[0].split(' - ', 1)[-1][:90]}" if kept else ""
-            row[plan] = f"{len(sharded)} / {len(lines)} Linears sharded{why}"
+            also = f" ({gathered} outputs all-gathered)" if gathered else ""
+            row[plan] = f"{len(sharded)} / {len(lines)} Linears sharded{also}{why}"
             pipe.close()
         out[model_type] = row
     return out
