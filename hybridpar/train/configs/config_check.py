@@ -82,10 +82,6 @@ def _check_tp(model: ModelConfig, tp: int, where: Where) -> None:
                           "parallel.tp", *[f"model.{k}" for k in args]) from None
 
 
-# the Hugging Face families `hf.sequence` takes
-SEQUENCE_PARALLEL_HF = ("hf:llama", "hf:mistral", "hf:qwen2", "hf:qwen3", "hf:gpt2")
-
-
 def _check_sequence_parallel(cfg: Config, where: Where) -> None:
     """parallel.sequence_parallel: the built-in gpt's own tp layers, tp > 1, whole documents,
     sequences divisible by tp."""
@@ -94,10 +90,10 @@ def _check_sequence_parallel(cfg: Config, where: Where) -> None:
     if par.tp == 1:
         raise where.error(f"{key} = true shards the sequence over the tp ranks: it needs "
                           "parallel.tp > 1 (or set it false)", key, "parallel.tp")
-    hf = model.name in SEQUENCE_PARALLEL_HF
+    hf = model.name.startswith("hf:")     # any decoder `hf.sequence` takes
     if not ((model.name == "gpt" and par.tp_plan is None) or (hf and par.tp_plan is not None)):
         raise where.error(f"{key} is implemented for the built-in gpt (model.name = 'gpt', its "
-                          f"own tp layers) and the Hugging Face {', '.join(SEQUENCE_PARALLEL_HF)}"
+                          f"own tp layers) and the Hugging Face models ('hf:...')"
                           f" under a tp plan; not yet for model {model.name!r} with "
                           f"parallel.tp_plan = {par.tp_plan!r}: set it false", key, "model.name")
     if data.pack == "documents":
