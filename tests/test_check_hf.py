@@ -9,7 +9,8 @@ both copies free it when collected: the storage's weak count goes below zero and
 is freed while in use. `train.check.fake_gpu.FakeFunctions` now keeps the mode out of the copy.
 
 The dry runs run in a child process (the fake GPU's registration lasts for the process), the
-CLI's in another beside it.
+CLI's in another beside it. A fake step's time goes with the number of ops it runs, not their
+sizes: the jobs' models have 2 blocks, and every dry run here takes 2 micro-batches.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "configs" / "llama_tiny.toml"
+TWO_BLOCKS = ["model.num_hidden_layers=2", "parallel.chunks=2"]   # the jobs' tiny Llama
 
 
 def gpt2(**parallel) -> Config:
-    """A tiny HF GPT-2 (tied embedding and head) at pp2 x tp2 unless told otherwise."""
+    """A tiny HF GPT-2 (tied embedding and head, 2 blocks) at pp2 x tp2 unless told
+    otherwise."""
     return Config.from_dict({
         "name": "gpt2_tiny",
-        "model": {"name": "hf:gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 4,
+        "model": {"name": "hf:gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2,
                   "n_head": 4},
         "data": {"source": "corpus", "seq_len": 64},
         "parallel": {"pp": 2, "tp": 2, "chunks": 4, "schedule": "1f1b",
@@ -44,13 +47,13 @@ def gpt2(**parallel) -> Config:
         "train": {"batch_size": 16}})
 
 
-JOBS = {   # two micro-batches where the number is not the point keep them short
+JOBS = {   # two blocks and two micro-batches where the number is not the point keep them short
     "llama hf plan": lambda: dry_run(LLAMA, overrides=[
-        "parallel.tp_plan=hf", "parallel.pp=1", "parallel.chunks=2"], isolate=False),
+        *TWO_BLOCKS, "parallel.tp_plan=hf", "parallel.pp=1"], isolate=False),
     "llama 1x1": lambda: dry_run(LLAMA, overrides=[
-        "parallel.pp=1", "parallel.tp=1", "parallel.chunks=2"], isolate=False),
+        *TWO_BLOCKS, "parallel.pp=1", "parallel.tp=1"], isolate=False),
     "llama dp2": lambda: dry_run(LLAMA, overrides=[
-        "parallel.dp=2", "parallel.pp=1", "parallel.tp=1", "parallel.chunks=2"], isolate=False),
+        *TWO_BLOCKS, "parallel.dp=2", "parallel.pp=1", "parallel.tp=1"], isolate=False),
     "gpt2": lambda: dry_run(gpt2(chunks=2), isolate=False),
 }
 
@@ -60,10 +63,11 @@ def pretrained_llama(folder: Path) -> CheckReport:
     ``model.pretrained`` at 1 x 1."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    options = {k: v for k, v in load_config(LLAMA).model.args.items() if k != "pretrained"}
+    options = {k: v for k, v in load_config(LLAMA, TWO_BLOCKS).model.args.items()
+               if k != "pretrained"}
     LlamaForCausalLM(LlamaConfig(**options)).save_pretrained(folder)
-    return dry_run(LLAMA, overrides=[f"model.pretrained={folder}", "parallel.pp=1",
-                                     "parallel.tp=1", "parallel.chunks=2"], isolate=False)
+    return dry_run(LLAMA, overrides=[*TWO_BLOCKS, f"model.pretrained={folder}",
+                                     "parallel.pp=1", "parallel.tp=1"], isolate=False)
 
 
 def run_jobs(out: str) -> None:
@@ -76,20 +80,21 @@ def run_jobs(out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{job: CheckReport}, and the CLI's ``hybridpar check configs/llama_tiny.toml --memory
-    80 --json`` (exit status, stdout, its JSON as a CheckReport) as "cli"."""
+    80 --json`` (its 4 blocks, 2 micro-batches; exit status, stdout, its JSON as a
+    CheckReport) as "cli"."""
     folder = tmp_path_factory.mktemp("check_hf")
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_check_hf; "
             f"test_check_hf.run_jobs({str(folder / 'jobs.json')!r})")
     commands = {"jobs": [sys.executable, "-c", code],
                 "cli": [sys.executable, "-m", "hybridpar.cli", "check", str(LLAMA), "--memory",
-                        "80", "--json", str(folder / "cli.json")]}
+                        "80", "--set", "parallel.chunks=2", "--json", str(folder / "cli.json")]}
     procs = {}
     for name, command in commands.items():
         with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
             procs[name] = subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT)
     try:
         for proc in procs.values():
-            proc.wait(timeout=240)
+            proc.wait(timeout=300)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -123,7 +128,8 @@ def test_the_hf_plan_and_one_device_pass_too(runs):
     assert reports["llama hf plan"].dims == (1, 1, 2)
     (alone,) = reports["llama 1x1"].ranks
     shards = reports["llama hf plan"].ranks
-    assert alone.layers == tuple(range(7)) and all(r.layers == alone.layers for r in shards)
+    # embedding, 2 blocks, norm, head
+    assert alone.layers == tuple(range(5)) and all(r.layers == alone.layers for r in shards)
     assert alone.grads / 2 < shards[0].grads < alone.grads   # halves, norms and head whole
 
 
