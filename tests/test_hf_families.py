@@ -1,6 +1,7 @@
 """Any Hugging Face decoder: twelve families no adapter was written for train as their own
 transformers model does, at pp 2, tp 2 and pp 2 x tp 2, under "auto" and their own HF plan
-(float64, 3 AdamW steps, every parameter to 1e-9, the replica check after every step).
+(float64, 3 AdamW steps, every parameter to 1e-9, the replica check after every step), and
+three export from pp 2 x tp 2 into folders `from_pretrained` loads with the pipe's logits.
 
     family        what the generic path meets (`hf.structure`, `hf.glue`, tp)
     gemma         a scaled-embedding subclass (sqrt(D)), tied head: vocab-sharded with its scale
@@ -48,9 +49,14 @@ LAYOUTS = [((2, 1), [2, 3], "1f1b", None), ((1, 2), [5], "gpipe", "auto"),
            ((2, 2), [2, 3], "1f1b", "hf")]
 CASES = {f"{kind}-pp{g[0]}tp{g[1]}-{s}" + (f"-{p}" if p else ""): (kind, g, b, s, p)
          for kind in FAMILIES for g, b, s, p in LAYOUTS if (kind, p) != ("cohere", "hf")}
+# export back to Hugging Face at pp 2 x tp 2 (its folder, then the pipe's logits): glue
+# layers, a vocab-sharded tied head, other trunk names
+EXPORTS = {"granite": "hf", "gemma2": "hf", "gpt_neox": "auto"}
 
 
 def _worker(kind, layout, balance, schedule, plan):
+    if schedule == "export":
+        return _export(kind, layout, balance, plan)
     pp, tp = layout
     topo = hybridpar.init(pp=pp, tp=tp, timeout=60)
     return _train(kind, True, topo, balance, {"chunks": CHUNKS, "schedule": schedule,
@@ -77,14 +83,49 @@ def _reference(kind):
     return losses, model.state_dict()
 
 
+def _export(kind, layout, folder, plan):
+    """Export a pp x tp pipe of `kind` into `folder`; its logits on a few ids."""
+    from hybridpar.hf import to_sequential
+    from hybridpar.train.export import export_pipe
+
+    topo = hybridpar.init(pp=layout[0], tp=layout[1], timeout=60)
+    model = tiny(kind, seed=4)
+    for m in model.modules():   # Gemma's sqrt(D), not a weight: exact, as from_pretrained's
+        if hasattr(m, "scalar_embed_scale"):   # init leaves it (a float32 build cast to
+            m.embed_scale.fill_(m.scalar_embed_scale)   # float64 keeps float32's value)
+    pipe = hybridpar.HybridPipe(to_sequential(model), [2, 3], topology=topo, tp_plan=plan)
+    export_pipe(pipe, f"{folder}/{kind}", config=model.config, max_shard_size="20KB")
+    with torch.no_grad():
+        return pipe(IDS)
+
+
+IDS = torch.arange(12).reshape(2, 6) % 64
+
+
 @pytest.fixture(scope="module")
-def runs():
-    """Every case's results by name: one spawn of 2 ranks, one of 4."""
+def runs(tmp_path_factory):
+    """Every case's results by name: one spawn of 2 ranks, one of 4 (with the exports)."""
+    folder = str(tmp_path_factory.mktemp("exports"))
     by_world: dict[int, dict] = {2: {}, 4: {}}
     for name, args in CASES.items():
         by_world[args[1][0] * args[1][1]][name] = args
+    for kind, plan in EXPORTS.items():
+        by_world[4][f"export {kind}"] = (kind, (2, 2), folder, "export", plan)
     return {**spawn_cases(_worker, 2, by_world[2], timeout=280),
-            **spawn_cases(_worker, 4, by_world[4], timeout=280)}
+            **spawn_cases(_worker, 4, by_world[4], timeout=280), "folder": folder}
+
+
+@pytest.mark.parametrize("kind", EXPORTS)
+def test_an_export_loads_with_from_pretrained_and_gives_the_pipes_logits(kind, runs):
+    import transformers
+
+    folder = f"{runs['folder']}/{kind}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model.eval()(IDS).logits
+    assert type(model).__name__ == type(tiny(kind)).__name__
+    for logits in runs[f"export {kind}"]:
+        torch.testing.assert_close(logits, expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(CASES))
