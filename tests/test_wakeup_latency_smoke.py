@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,7 +25,12 @@ def test_a_short_run_measures_every_sleep_and_the_hop(tmp_path):
     assert "gloo hop after a 1 ms sleep" in done.stdout
 
 
-def test_a_sleep_of_zero_is_refused(tmp_path):
-    done = run("--sleep-ms", "0", "--out", str(tmp_path))
-    assert done.returncode == 2 and "--sleep-ms must be > 0" in done.stderr
+def test_a_sleep_of_zero_is_refused(tmp_path, capsys):
+    # in this process: the script's main refuses before it measures or starts a rank
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import wakeup_latency
+
+    with pytest.raises(SystemExit) as exit_:
+        wakeup_latency.main(["--sleep-ms", "0", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "--sleep-ms must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "wakeup_latency.json").exists()
