@@ -45,15 +45,18 @@ def _name_from_cwd(module: str) -> str:
 # each worker whole files in collection order (`--no-loadscope-reorder`: by default it puts the
 # files with the most tests first), and a worker that draws one of these last runs alone while
 # the others wait at the end.
-SLOW_FIRST = ("test_run_cli.py", "test_examples.py", "test_check_hf.py",
-              "test_run_memory_limit.py", "test_train_run.py", "test_finetune.py",
-              "test_gpu_check_smoke.py", "test_bench_build_memory_smoke.py",
-              "test_pipe_errors.py", "test_wakeup_latency_smoke.py", "test_check_memory.py",
-              "test_run_any_model.py", "test_zero.py", "test_nccl_order_plans.py",
-              "test_check.py", "test_memory_bound.py", "test_virtual_parity.py",
-              "test_hf_layouts.py", "test_watchdog.py", "test_trace.py", "test_loopback.py",
-              "test_bad_inputs.py", "test_p2p_order.py", "test_gpu_microbatch_smoke.py",
-              "test_compile.py", "test_layer_checkpoint.py", "test_zero_parity.py")
+SLOW_FIRST = ("test_run_cli.py", "test_check_memory.py", "test_zero.py", "test_check.py",
+              "test_check_hf.py", "test_examples.py", "test_train_run.py", "test_compile.py",
+              "test_launcher_faults.py", "test_finetune.py", "test_run_memory_limit.py",
+              "test_master_weights.py", "test_run_any_model.py", "test_memory_bound.py",
+              "test_run_stops.py", "test_trace.py", "test_hf_layouts.py",
+              "test_virtual_parity.py", "test_nccl_order_plans.py",
+              "test_bench_build_memory_smoke.py", "test_bad_inputs.py", "test_imports.py",
+              "test_gpu_microbatch_smoke.py", "test_gpu_check_smoke.py",
+              "test_sequence_parallel.py", "test_p2p_order.py", "test_bench_zero_smoke.py",
+              "test_pipe_errors.py", "test_loopback.py", "test_weight_checks.py",
+              "test_wakeup_latency_smoke.py", "test_tp_dense.py", "test_tp_shard.py",
+              "test_watchdog.py", "test_layer_checkpoint.py", "test_zero_parity.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
