@@ -121,3 +121,20 @@ def test_to_sequential_keeps_the_glue_in_small_layers():
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= names
     ids = torch.randint(0, 32, (2, 5))
     torch.testing.assert_close(sequential(ids), model(ids).logits, atol=0, rtol=0)
+
+
+def test_an_any_family_config_round_trips_through_the_run_dirs_config_json(tmp_path):
+    """configs/gemma2_tiny.toml: options left at the class's defaults stay the class's (its
+    layer_types follow num_hidden_layers), and RUN_DIR/config.json reads back the same
+    (a table default, rope_parameters, is a table again)."""
+    from hybridpar.models.hf import hf_config
+    from hybridpar.train.configs.config import load_config, load_resolved, write_resolved
+
+    config = load_config(ROOT / "configs" / "gemma2_tiny.toml")
+    assert isinstance(config.model.args["rope_parameters"], dict)
+    again = load_resolved(write_resolved(config, tmp_path))
+    assert again.model.args == config.model.args
+    hf = hf_config("gemma2", again.model.args)
+    assert hf.num_hidden_layers == 4 and len(hf.layer_types) == 4 and hf.sliding_window == 32
+    with pytest.raises(Exception, match="refuses the \\[model\\] options of 'hf:gemma2'"):
+        hf_config("gemma2", {**again.model.args, "layer_types": ["full_attention"]})

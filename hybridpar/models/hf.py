@@ -68,7 +68,16 @@ def hf_config(family: str, options: dict[str, Any]) -> Any:
                              f"model, not {family!r}: use model.name = "
                              f"'hf:{config.model_type}'")
         return config
-    return _config_class(family)(**options)
+    config_class = _config_class(family)
+    if family not in FAMILIES:   # any_family's options are the class's defaults where not
+        defaults = config_class()   # set: leave those to the class (layer_types follows
+        plain = defaults.to_dict()             # num_hidden_layers)
+        options = {k: v for k, v in options.items() if k not in plain or plain[k] != v}
+    try:
+        return config_class(**options)
+    except Exception as e:   # transformers' validators (StrictDataclass... errors)
+        raise ValueError(f"transformers' {config_class.__name__} refuses the [model] options "
+                         f"of 'hf:{family}': {e}") from e
 
 
 def _config_class(family: str) -> Any:
@@ -91,19 +100,26 @@ def any_family(family: str) -> Callable[..., Built]:
 
     defaults = _config_class(family)()
     structure_of(defaults)                 # not a decoder hybridpar.hf converts: said now
-    fields = [k for k, v in defaults.to_dict().items()
-              if not k.startswith("_") and k not in _NOT_OPTIONS]
+    plain = defaults.to_dict()             # JSON's types (a config.json round trip keeps them)
+    fields = [k for k in plain if not k.startswith("_") and k not in _NOT_OPTIONS]
 
     def build(**options: Any) -> Built:
         return _build(family, options)
 
     keyword = inspect.Parameter.KEYWORD_ONLY
     build.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(k, keyword, default=getattr(defaults, k)) for k in fields]
+        [inspect.Parameter(k, keyword, default=plain[k]) for k in fields]
         + [inspect.Parameter("pretrained", keyword, default=None),
            inspect.Parameter("verify", keyword, default=True)])
     build.__doc__ = f"A Hugging Face {family!r} causal LM ({type(defaults).__name__}'s fields)."
+    # the config's key types, from the defaults' (a table, a list, a number; None: any)
+    build.__annotations__ = {k: _KEY_TYPES.get(type(plain[k]), Any) for k in fields}
+    build.__annotations__.update(pretrained=str | None, verify=bool)
     return build
+
+
+_KEY_TYPES: dict[type, Any] = {dict: dict[str, Any], list: list[Any], bool: bool, int: int,
+                               float: float, str: str}
 
 
 # config.to_dict() keys that are not model options

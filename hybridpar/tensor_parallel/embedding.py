@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -35,6 +37,22 @@ def carried_forward(module: nn.Module) -> str | None:
         return None
     return (f"its class {type(module).__name__} overrides nn.Embedding's forward, which a "
             "ParallelEmbedding would not do")
+
+
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (to nearest, ties to even), on the host: what HF's buffer of
+    that dtype holds. bfloat16 is rounded from the float32 value (a tie of the two roundings
+    could differ from one rounding by one bfloat16 step; sqrt(D) for D < 2^24 never ties)."""
+    if dtype == torch.float32 or dtype == torch.bfloat16:
+        single = struct.unpack("<f", struct.pack("<f", value))[0]
+        if dtype == torch.float32:
+            return single
+        bits = struct.unpack("<I", struct.pack("<f", single))[0]
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", value))[0]
+    return value
 
 
 def _scale_of(module: nn.Module) -> float | None:
@@ -196,8 +214,7 @@ class ParallelEmbedding(ParallelLayer):
         if self.output_scale is None:
             return out
         dim = get_parallel_dim(out)              # a sequence shard stays one
-        scale = torch.tensor(self.output_scale, dtype=torch.float64, device=out.device)
-        out = out * scale.to(self.weight.dtype)
+        out = out * rounded(self.output_scale, self.weight.dtype)   # a host number: no copy
         if dim is not None:
             register_parallel_dim(out, dim)
         return out
