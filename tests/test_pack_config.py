@@ -69,7 +69,8 @@ def test_a_model_whose_layers_take_no_positions_is_an_error(packed, tmp_path):
                                                'n_embd = 16\nblock_size = 8\n', 'name = "mlp"\n'))
     message = error_of(path)
     assert "data.pack = 'documents' needs a model whose layers carry document positions " \
-           "(gpt, hf:llama, hf:mistral, hf:qwen2, hf:qwen3); model 'mlp' is not one" in message
+           "(gpt, hf:<a rotary decoder: llama, mistral, qwen2, qwen3, gemma2, phi3, ...>); " \
+           "model 'mlp' is not one" in message
     assert "set data.pack = 'none'" in message
 
 

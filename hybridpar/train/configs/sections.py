@@ -69,8 +69,9 @@ class DataConfig:
         "data's order from the beginning; without it such a resume is an error naming what "
         "changed"))
     pack: str = key("none", choices=PACKS, doc=(
-        "`\"documents\"` (with `\"tokens\"`; gpt and `hf:llama` / `mistral` / `qwen2` / "
-        "`qwen3`): positions restart at each document and attention stays inside it "
+        "`\"documents\"` (with `\"tokens\"`; gpt and the rotary `hf:` decoders, all but "
+        "GPT-2's learned positions): positions restart at each document and attention stays "
+        "inside it "
         "([data.md](data.md#packing-documents))"))
 
 
