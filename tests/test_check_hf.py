@@ -55,6 +55,11 @@ JOBS = {   # two blocks and two micro-batches where the number is not the point 
     "llama dp2": lambda: dry_run(LLAMA, overrides=[
         *TWO_BLOCKS, "parallel.dp=2", "parallel.pp=1", "parallel.tp=1"], isolate=False),
     "gpt2": lambda: dry_run(gpt2(chunks=2), isolate=False),
+    # any decoder (no hybridpar code for Gemma 2): bf16 weights, ZeRO-2, recompute
+    "gemma2 bf16 zero2": lambda: dry_run(ROOT / "configs" / "gemma2_tiny.toml", overrides=[
+        "model.num_hidden_layers=2", "parallel.chunks=2", "train.param_dtype=bf16",
+        "train.precision=bf16", "parallel.dp=2", "parallel.zero=2", "parallel.pp=1",
+        "parallel.checkpoint=always", "data.seq_len=16"], isolate=False),
 }
 
 
@@ -161,6 +166,15 @@ def test_at_dp2_the_gradients_live_in_the_bucket_buffers_without_a_second_copy(r
 
 
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_any_decoder_is_probed_once_then_dry_run_at_bf16_zero_2(runs):
+    """configs/gemma2_tiny.toml at dp 2 x tp 2: the parity probe ran once, on real CPU
+    tensors, before the fake ranks (its note); the ranks then built it without probing."""
+    reports, _ = runs
+    report = reports["gemma2 bf16 zero2"]
+    assert len(report.ranks) == 4 and report.precision == "bf16"
+    assert any(n.startswith("model.verify: hf:gemma2 converts exactly") for n in report.notes)
+
+
 def test_a_deep_copy_of_a_fake_tensor_keeps_the_dry_runs_fake_mode():
     # the regression behind the crash (module docstring): the copy shares the mode, so the
     # mode's StorageWeakRefs are never duplicated

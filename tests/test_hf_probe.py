@@ -138,3 +138,4 @@ def test_an_any_family_config_round_trips_through_the_run_dirs_config_json(tmp_p
     assert hf.num_hidden_layers == 4 and len(hf.layer_types) == 4 and hf.sliding_window == 32
     with pytest.raises(Exception, match="refuses the \\[model\\] options of 'hf:gemma2'"):
         hf_config("gemma2", {**again.model.args, "layer_types": ["full_attention"]})
+
