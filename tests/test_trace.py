@@ -268,20 +268,30 @@ def test_hybridpar_run_trace_writes_one_step_and_logs_comm_per_step(tmp_path):
 
     (tmp_path / "tiny.toml").write_text(TINY.read_text())
     layers = "parallel.checkpoint=layers"            # what it keeps: each layer's input
-    done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "run", "tiny.toml",
-                           "--trace-step", "2", "--set", "train.steps=3", "--set",
-                           "train.sample_tokens=0", "--set", "checkpoint.every=0", "--set",
-                           layers], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr
+    with open(tmp_path / "run.out", "w") as out, open(tmp_path / "run.err", "w") as err:
+        run = subprocess.Popen([sys.executable, "-m", "hybridpar.cli", "run", "tiny.toml",
+                                "--trace-step", "2", "--set", "train.steps=3", "--set",
+                                "train.sample_tokens=0", "--set", "checkpoint.every=0", "--set",
+                                layers], stdout=out, stderr=err, cwd=tmp_path)
+    try:
+        # meanwhile (its own child process, beside the run's): the bytes each rank keeps for
+        # backward as `hybridpar check` counts them on fake CPU ranks for the same config
+        check = dry_run(tmp_path / "tiny.toml", device="cpu", overrides=[layers])
+        run.wait(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    stdout, stderr = (tmp_path / "run.out").read_text(), (tmp_path / "run.err").read_text()
+    assert run.returncode == 0, stderr
     folder = tmp_path / "runs" / "tiny" / "trace"
     assert sorted(p.name for p in folder.iterdir()) == ["gantt.png", "table.txt", "trace.json"]
     table = (folder / "table.txt").read_text()
-    assert table in done.stdout and "analytic %" in table and "1f1b, m=2" in table
+    assert table in stdout and "analytic %" in table and "1f1b, m=2" in table
     trace = json.loads((folder / "trace.json").read_text())
     assert {e["name"] for e in _slices(trace)} >= {"F0", "F1", "B0", "B1", "SEND_F1", "RECV_B1"}
-    # the bytes each rank kept for backward at most: those `hybridpar check` counts on fake
-    # CPU ranks for the same config, exactly (the same saved tensors, by storage)
-    check = dry_run(tmp_path / "tiny.toml", device="cpu", overrides=[layers])
+    # the bytes each rank kept for backward at most: those `hybridpar check` counted (above),
+    # exactly (the same saved tensors, by storage)
     kept = trace["otherData"]["kept_bytes"]
     assert kept == [r.activations for r in check.ranks] and min(kept) > 0
     assert "kept MiB" in table
