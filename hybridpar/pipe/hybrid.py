@@ -14,7 +14,6 @@ from torch import Tensor, nn
 from hybridpar.balance.choose import choose_balance
 from hybridpar.comm import p2p as comm
 from hybridpar.comm.agreement import fail_together
-from hybridpar.compile import block_classes, compile_blocks
 from hybridpar.keyed import KeyedInit
 from hybridpar.packing import SEQUENCE_PARALLEL_PACKED, is_packed
 from hybridpar.pipe.build import (
@@ -161,9 +160,13 @@ class HybridPipe(PipeParameters):
         if param_dtype is not None:   # low-precision weights, float32 gradients (`precision`)
             cast_parameters(local, param_dtype)
         #: the layers compiled (`hybridpar.compile`: the model's repeated blocks, in place)
-        self.compiled_blocks = compile_blocks(
-            local, classes=block_classes(module),
-            backend=compile if isinstance(compile, str) else "inductor") if compile else []
+        self.compiled_blocks: list[str] = []
+        if compile:   # imported here: torch._dynamo takes 2 s to import, a run without it none
+            from hybridpar.compile import block_classes, compile_blocks
+
+            self.compiled_blocks = compile_blocks(
+                local, classes=block_classes(module),
+                backend=compile if isinstance(compile, str) else "inductor")
         # copies of a parameter tied across stages: equal at the start, gradients summed
         self._ties = TiedGroups(ties, dict(local.named_parameters(remove_duplicate=False)),
                                 topo, placement=self.layout.placement)
