@@ -46,8 +46,9 @@ def _name_from_cwd(module: str) -> str:
 # files with the most tests first), and a worker that draws one of these last runs alone while
 # the others wait at the end.
 SLOW_FIRST = ("test_run_cli.py", "test_check_memory.py", "test_zero.py", "test_check.py",
-              "test_check_hf.py", "test_examples.py", "test_train_run.py", "test_compile.py",
-              "test_launcher_faults.py", "test_finetune.py", "test_run_memory_limit.py",
+              "test_check_hf.py", "test_examples.py", "test_train_run.py", "test_hf_families.py",
+              "test_compile.py", "test_launcher_faults.py", "test_finetune.py",
+              "test_run_memory_limit.py",
               "test_master_weights.py", "test_run_any_model.py", "test_memory_bound.py",
               "test_run_stops.py", "test_trace.py", "test_hf_layouts.py",
               "test_virtual_parity.py", "test_nccl_order_plans.py",
