@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,14 +69,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         request = request_trace(run_dir / "trace", step=args.trace_step)
     try:
         with registered_worker(run_dir, rank):
-            train(config, run_dir, init_from=args.init_from, trace=request,
-                  write_config=not args.resolved)
+            result = train(config, run_dir, init_from=args.init_from, trace=request,
+                           write_config=not args.resolved)
     finally:
         shutdown()
     if request is not None and not request.done and rank == 0:
         logging.warning("nothing traced: step %d was not run here (the run resumed after it)",
                         request.step or config.train.steps)
-    return 0
+    # stopped by a signal (checkpoint.on_signal): not a finished run, the shell's status for
+    # the signal (SIGTERM: 143); exiting with it, a worker of torch's elastic agent ends at
+    # once, where a worker that returns waits for the agent to read its result (which an
+    # agent being shut down never does: 30 s, then SIGKILL)
+    stopped = result.get("stopped_by")
+    return 128 + signal.Signals[stopped].value if stopped else 0
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import importlib.util
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Iterator, Sequence
@@ -181,6 +182,7 @@ def _launch(config: Config, folder: Path, *, world: int, max_restarts: int, nnod
             node_rank: int, rdzv_endpoint: str | None, init_from: str | None, trace: bool,
             trace_step: int | None) -> int:
     """`launch` once the config is checked and the run directory held."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -212,6 +214,11 @@ def _launch(config: Config, folder: Path, *, world: int, max_restarts: int, nnod
         print(f"hybridpar run: worker rank {rank} failed first (exit code {failure.exitcode}"
               f"): {message}", file=sys.stderr)
         return 1
+    except SignalException as e:   # the agent's own SIGTERM / SIGINT: its workers were stopped
+        name = signal.Signals(e.sigval).name
+        print(f"hybridpar run: stopped by {name} (the workers' last checkpoint is the latest "
+              f"with checkpoint.on_signal = true); run again to resume", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 
