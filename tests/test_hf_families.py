@@ -28,15 +28,17 @@ other parameter to 1e-9. Cohere's own plan shards q / k but not the per-head nor
 them: refused (open).
 """
 
+import functools
+
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="hybridpar.hf needs the optional extra hybridpar[hf]")
 
 from hf_models import tiny
 from spawn_cases import spawn_cases
-from test_hf_pipe import _assert_same, _batches, _train
+from test_hf_pipe import _assert_same, _train
+from test_hf_pipe import _reference as _hf_reference
 
 import hybridpar
 
@@ -63,24 +65,11 @@ def _worker(kind, layout, balance, schedule, plan):
                                               "tp_plan": plan})
 
 
+@functools.cache
 def _reference(kind):
-    """The HF model on one device, the batch in the pipeline's micro-batches: losses, state."""
-    model = tiny(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for ids, labels in _batches(True):
-        opt.zero_grad()
-        scored = (labels[:, 1:] != -100).sum()
-        loss = 0.0
-        for x, y in zip(ids.chunk(CHUNKS), labels.chunk(CHUNKS), strict=True):
-            logits = model(x).logits
-            part = F.cross_entropy(logits[:, :-1].flatten(0, 1), y[:, 1:].flatten(),
-                                   ignore_index=-100, reduction="sum") / scored
-            part.backward()
-            loss += part.item()
-        opt.step()
-        losses.append(loss)
-    return losses, model.state_dict()
+    """The HF model on one device, the batch in the pipeline's micro-batches: losses, state
+    (once per family: five layouts compare with it)."""
+    return _hf_reference(kind, True, chunks=CHUNKS)
 
 
 def _export(kind, layout, folder, plan):

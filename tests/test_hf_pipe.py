@@ -45,14 +45,28 @@ def residual_dropout(model, p):
     return model
 
 
-def _reference(kind, ignore, dropout=0.0, lr=1e-2):
-    """The HF model on one device: losses and final state dict."""
+def _reference(kind, ignore, dropout=0.0, chunks=1):
+    """The HF model on one device: losses and final state dict. `chunks` > 1 (labels only):
+    the batch in that many micro-batches, their gradients accumulated (each part's loss the
+    sum over its scored tokens / the batch's)."""
     model = residual_dropout(tiny(kind), dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     torch.manual_seed(SEED)                   # the dropout masks' stream, as `_train`'s
     for ids, y in _batches(ignore):
         opt.zero_grad()
+        if chunks > 1:
+            scored = (y[:, 1:] != -100).sum()
+            loss = 0.0
+            for part, labels in zip(ids.chunk(chunks), y.chunk(chunks), strict=True):
+                logits = model(part).logits
+                partial = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                          ignore_index=-100, reduction="sum") / scored
+                partial.backward()
+                loss += partial.item()
+            opt.step()
+            losses.append(loss)
+            continue
         logits = model(ids).logits                                   # (B, T, V)
         if ignore:   # HF's loss in float64: the mean over the batch's scored tokens
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), y[:, 1:].flatten(),
@@ -65,13 +79,13 @@ def _reference(kind, ignore, dropout=0.0, lr=1e-2):
     return losses, model.state_dict()
 
 
-def _train(kind, ignore, topo, balance, options, dropout=0.0, lr=1e-2):
+def _train(kind, ignore, topo, balance, options, dropout=0.0):
     """HybridPipe training of `kind`; the replica check after every step (`check_replicas`)."""
     model = residual_dropout(tiny(kind), dropout)
     loss_fn = CausalLMLoss() if ignore else _next_token_loss
     pipe = hybridpar.HybridPipe(to_sequential(model), balance, topology=topo, loss_fn=loss_fn,
                                 **options)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     torch.manual_seed(SEED)                   # the dropout masks' stream, as `_reference`'s
     for ids, y in _batches(ignore):
