@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from spawn_cases import spawn_cases
 from test_bad_inputs import _config, _poison
 
 import hybridpar
@@ -54,37 +55,6 @@ def _checkpoints(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
 
 
-def test_steps_skipped_in_a_row_stop_the_run_on_every_rank(tmp_path):
-    changes = {"train__steps": 8, "train__nonfinite": "skip", "train__max_skipped": 3}
-    out = hybridpar.spawn(_train_failing, 2, args=(str(tmp_path), changes, "always nan"),
-                          timeout=TIMEOUT)
-    for message in out:
-        assert message.startswith("3 steps in a row were skipped (train.nonfinite = 'skip', "
-                                  "steps 1-3; train.max_skipped = 3)"), message
-        assert "raise train.max_skipped (0: no limit)" in message
-    assert _checkpoints(tmp_path) == ["step-1", "step-2"]   # step 3 stopped before its save
-
-
-def test_max_skipped_0_lets_a_run_skip_every_step(tmp_path):
-    changes = {"train__steps": 4, "train__nonfinite": "skip", "train__max_skipped": 0,
-               "checkpoint__every": 0}
-    out = hybridpar.spawn(_train_failing, 2, args=(str(tmp_path), changes, "always nan"),
-                          timeout=TIMEOUT)
-    assert out == ["no error", "no error"]
-    assert [r.get("skipped") for r in read_metrics(tmp_path / "metrics.jsonl")] == [True] * 4
-
-
-def test_a_non_finite_first_step_does_not_blame_the_learning_rate(tmp_path):
-    out = hybridpar.spawn(_train_failing, 2, args=(str(tmp_path), {}, ("nan loss", 1)),
-                          timeout=TIMEOUT)
-    for message in out:
-        assert message.startswith("the loss is nan at step 1, the first step of this run, "
-                                  "before any update: the learning rate is not the cause"), message
-        assert "lower train.lr" not in message
-
-
-# checkpoint.on_signal ----------------------------------------------------------------------
-
 def _signalled(run_dir, changes, rank_step):
     """Train; rank `rank_step[0]` sends itself SIGTERM during step `rank_step[1]` (its peers
     get none): every rank must stop after the same step."""
@@ -114,19 +84,84 @@ def _signalled(run_dir, changes, rank_step):
     return result["steps"], result["stopped_by"]
 
 
+SKIPPED = {"train__steps": 8, "train__nonfinite": "skip", "train__max_skipped": 3}
+NO_LIMIT = {"train__steps": 4, "train__nonfinite": "skip", "train__max_skipped": 0,
+            "checkpoint__every": 0}
+SIGNALLED = {"train__steps": 6, "checkpoint__every": 0}
+
+
+@pytest.fixture(scope="module")
+def stops(tmp_path_factory):
+    """Every run below that stops cleanly (on every rank, after the same step), in one spawn
+    of 2 ranks, each in a run directory of its own: {case: (run dir, [rank 0's, rank 1's])}.
+    A signalled run and its resume (a new `train` in the same ranks, no signal) are cases in
+    turn."""
+    root = tmp_path_factory.mktemp("stops")
+    cases = {"skipped": (_train_failing, SKIPPED, "always nan"),
+             "no limit": (_train_failing, NO_LIMIT, "always nan"),
+             "first nan": (_train_failing, {}, ("nan loss", 1))}
+    for rank in (0, 1):
+        cases[f"signal {rank}"] = (_signalled_then_look, SIGNALLED, (rank, 3))
+        cases[f"resume {rank}"] = (_signalled, SIGNALLED, (rank, 0))     # no signal this time
+    # a resume runs in the folder of the run it resumes
+    folder = {name: root / name.replace("resume", "signal") for name in cases}
+    args = {name: (fn, str(folder[name]), changes, poison)
+            for name, (fn, changes, poison) in cases.items()}
+    out = spawn_cases(_call, 2, args, timeout=TIMEOUT * 2)
+    return {name: (folder[name], out[name]) for name in cases}
+
+
+def _call(fn, run_dir, changes, poison):
+    return fn(run_dir, changes, poison)
+
+
+def _signalled_then_look(run_dir, changes, rank_step):
+    """`_signalled`, then (every rank done: a barrier) what it left in RUN_DIR, before the
+    resume case writes there: (steps, stopped_by, checkpoints, the steps in metrics.jsonl)."""
+    import torch.distributed as dist
+
+    steps, stopped_by = _signalled(run_dir, changes, rank_step)
+    dist.barrier()
+    metrics = [r["step"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")]
+    return steps, stopped_by, _checkpoints(Path(run_dir)), metrics
+
+
+def test_steps_skipped_in_a_row_stop_the_run_on_every_rank(stops):
+    run_dir, out = stops["skipped"]
+    for message in out:
+        assert message.startswith("3 steps in a row were skipped (train.nonfinite = 'skip', "
+                                  "steps 1-3; train.max_skipped = 3)"), message
+        assert "raise train.max_skipped (0: no limit)" in message
+    assert _checkpoints(run_dir) == ["step-1", "step-2"]   # step 3 stopped before its save
+
+
+def test_max_skipped_0_lets_a_run_skip_every_step(stops):
+    run_dir, out = stops["no limit"]
+    assert out == ["no error", "no error"]
+    assert [r.get("skipped") for r in read_metrics(run_dir / "metrics.jsonl")] == [True] * 4
+
+
+def test_a_non_finite_first_step_does_not_blame_the_learning_rate(stops):
+    _, out = stops["first nan"]
+    for message in out:
+        assert message.startswith("the loss is nan at step 1, the first step of this run, "
+                                  "before any update: the learning rate is not the cause"), message
+        assert "lower train.lr" not in message
+
+
+# checkpoint.on_signal ----------------------------------------------------------------------
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(
-        tmp_path, rank):
-    changes = {"train__steps": 6, "checkpoint__every": 0}
-    out = hybridpar.spawn(_signalled, 2, args=(str(tmp_path), changes, (rank, 3)),
-                          timeout=TIMEOUT)
-    assert out == [(3, "SIGTERM"), (3, "SIGTERM")]
-    assert _checkpoints(tmp_path) == ["step-3"]          # checkpoint.every = 0: the signal's
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")][-1] == 3
-    resumed = hybridpar.spawn(_signalled, 2, args=(str(tmp_path), changes, (rank, 0)),
-                              timeout=TIMEOUT)                  # no signal this time
+        stops, rank):
+    run_dir, out = stops[f"signal {rank}"]
+    assert [(steps, by) for steps, by, _, _ in out] == [(3, "SIGTERM"), (3, "SIGTERM")]
+    for _, _, checkpoints, metrics in out:          # as the signalled run left its folder
+        assert checkpoints == ["step-3"]             # checkpoint.every = 0: the signal's
+        assert metrics[-1] == 3
+    _, resumed = stops[f"resume {rank}"]             # a new run in that folder: no signal
     assert resumed == [(6, None), (6, None)]
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_on_signal_false_leaves_the_signal_its_default(tmp_path):
