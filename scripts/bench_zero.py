@@ -38,7 +38,7 @@ only: `hybridpar.pipeline.parameters.grad_shards`).
                                                             4 + 12/dp        2 + 16/dp
 
    Not in the table: zero 2's staging buffers (a bucket being filled and one reduce in flight,
-   at most 2 x 25 MiB: `grad_shards`), alive during the backward only.
+   at most 2 x 8 MiB: `grad_shards`), alive during the backward only.
 
    The worst rank (largest total) is shown with the spread of the totals over the ranks;
    "step counts" is what the `step` scalars add above the formula (4 bytes x tensors owned).

@@ -10,7 +10,7 @@ from torch import Tensor
 from hybridpar.pipe import consolidate
 from hybridpar.pipe.steps import PipeSteps
 from hybridpar.pipeline.parameters import clip
-from hybridpar.pipeline.parameters.grad_shards import ShardedGradBuckets
+from hybridpar.pipeline.parameters.grad_shards import ZERO2_BUCKET_BYTES, ShardedGradBuckets
 from hybridpar.pipeline.parameters.replicas import ReplicaGroup, check_replicas
 from hybridpar.precision import set_grad
 from hybridpar.sharded.attrs import get_parallel_dim
@@ -54,11 +54,13 @@ class PipeParameters(PipeSteps):
                                         norm_type=norm_type,
                                         sharded=self._grads_here is not None)
 
-    def shard_gradients(self, owners: Mapping[int, int]) -> None:
+    def shard_gradients(self, owners: Mapping[int, int], *,
+                        bucket_bytes: int = ZERO2_BUCKET_BYTES) -> None:
         """ZeRO-2 from the next step on: each gradient is reduced to the dp rank `owners`
         names (``id(parameter) -> dp rank``, the same on every rank; ties' copies and partial
         replicas with one owner over their groups: `hybridpar.optim.gradient_owners`) and
-        lives there only (`pipeline.parameters.grad_shards`). No-op at dp = 1."""
+        lives there only (`pipeline.parameters.grad_shards`), in buckets of up to
+        `bucket_bytes` (8 MiB: two are alive during the backward). No-op at dp = 1."""
         topo = self.topology
         if topo.dp == 1:
             return
@@ -70,7 +72,7 @@ class PipeParameters(PipeSteps):
             p.grad = None
         self._dp_buckets = ShardedGradBuckets(
             params, topo.dp_group, [owners.get(id(p), 0) for p in params],
-            grad_dtype=old.grad_dtype)
+            bucket_bytes=bucket_bytes, grad_dtype=old.grad_dtype)
         self._grads_here = {id(p) for p in params if owners.get(id(p), 0) == topo.dp_rank}
 
     def check_replicas(self, *, atol: float = 0.0) -> float:
