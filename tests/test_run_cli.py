@@ -72,9 +72,8 @@ def test_run_trains_resumes_and_exports(tiny_run: tuple[Path, Path,
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stderr and _losses(run_dir) == losses
 
-    out = tmp_path / "plain.pt"
-    exported = _run("export", str(run_dir / "checkpoints" / "step-8"), str(out), cwd=tmp_path)
-    assert exported.returncode == 0, exported.stderr
+    out = tmp_path / "plain.pt"     # in this process: the console script is the same `main`
+    assert main(["export", str(run_dir / "checkpoints" / "step-8"), str(out)]) == 0
     state = torch.load(out, weights_only=True)
     model = build_model("gpt", **load_config(tiny).model.args)
     model.load_state_dict(state, strict=True)
@@ -135,27 +134,45 @@ def test_two_nodes_on_localhost_train_like_one(
     assert _losses(tmp_path / "two") == _losses(one_folder / "runs" / "tiny")
 
 
-def test_torchrun_runs_the_worker_module(tiny: Path, tmp_path: Path) -> None:
+# 30 steps: a kill at the step-3 checkpoint comes 27 steps (seconds) before the end
+KILLED = ["--set", "train.steps=30", "--set", "model.dropout=0.1",
+          "--set", "train.sample_tokens=0", "--set", "checkpoint.every=3"]
+
+
+Done = tuple[Path, subprocess.CompletedProcess[str]]   # (its run directory, the process)
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory: pytest.TempPathFactory) -> Done:
+    """The worker module under torchrun (no `hybridpar run`), with the settings of the killed
+    run below: the whole run, never interrupted, that the killed one must train exactly like.
+    (Its workers take 1 thread each, as `hybridpar run`'s do.)"""
+    folder = tmp_path_factory.mktemp("torchrun")
+    tiny = folder / "tiny.toml"
+    tiny.write_text(TINY.read_text())
     torchrun = Path(sys.executable).with_name("torchrun")
     done = subprocess.run(
         [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), "-m", "hybridpar.train", str(tiny),
-         "--run-dir", "tr", "--set", "train.steps=3", "--set", "train.sample_tokens=0"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+         "--run-dir", "tr", *KILLED],
+        cwd=folder, capture_output=True, text=True, timeout=300)
+    return folder / "tr", done
+
+
+def test_torchrun_runs_the_worker_module(torchrun_run: Done) -> None:
+    run_dir, done = torchrun_run
     assert done.returncode == 0, done.stderr
-    assert sorted(_losses(tmp_path / "tr")) == [1, 2, 3]
+    assert sorted(_losses(run_dir)) == list(range(1, 31))
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the workers through /proc")
-def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: Path) -> None:
-    # 30 steps: the kill comes at the step-3 checkpoint, 27 steps (seconds) before the end
-    sets = ["--set", "train.steps=30", "--set", "model.dropout=0.1",
-            "--set", "train.sample_tokens=0", "--set", "checkpoint.every=3"]
+def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: Path,
+                                                          torchrun_run: Done) -> None:
     run_dir = str(tmp_path / "killed")
     log = tmp_path / "agent.log"  # a file, not a pipe: nobody reads a pipe while it runs
     with log.open("w") as sink:
         agent = subprocess.Popen([*HYBRIDPAR, "run", str(tiny), "--run-dir", run_dir,
-                                  "--max-restarts", "1", *sets], cwd=tmp_path,
+                                  "--max-restarts", "1", *KILLED], cwd=tmp_path,
                                  stdout=sink, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     while not (Path(run_dir) / "checkpoints" / "step-3").is_dir():
@@ -173,6 +190,6 @@ def test_a_killed_worker_is_restarted_and_nothing_is_lost(tiny: Path, tmp_path: 
     assert "resumed from" in output, output[-3000:]
     assert re.search(r"exitcode: -?\d+|terminated with", output), output[-3000:]
 
-    whole = _run("run", str(tiny), "--run-dir", "whole", *sets, cwd=tmp_path)
-    assert whole.returncode == 0, whole.stderr
-    assert _losses(Path(run_dir)) == _losses(tmp_path / "whole")   # exactly: RNG restored
+    whole, done = torchrun_run            # the same settings, never interrupted
+    assert done.returncode == 0, done.stderr
+    assert _losses(Path(run_dir)) == _losses(whole)   # exactly: RNG restored
