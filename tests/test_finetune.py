@@ -5,7 +5,8 @@ embedded corpus, a tiny model saved with `save_pretrained`), `hybridpar tokenize
 tokenizes this repository's docs with its tokenizer, and `configs/finetune_llama.toml` (as it
 is, shrunk by --set) fine-tunes it through the real `hybridpar run` at pp2 x tp2; the export
 loads with `from_pretrained`, tokenizer included, and generates text. gpt2, qwen2 and mistral
-take one step each from a token folder (pp2, in-process ranks) and export the same way.
+take one step each from a token folder (pp2, in-process ranks: one spawn for the three) and
+export the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from types import ModuleType
 
 import pytest
 import torch
+from spawn_cases import spawn_cases
 
-import hybridpar
 from hybridpar.cli import main
 from hybridpar.train import load_config
 from hybridpar.train.trainer import train
@@ -142,17 +143,33 @@ def _one_step(cfg, run_dir: str) -> dict:
     return train(cfg, run_dir, progress=False)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen2", "mistral"])
-def test_other_families_take_a_step_from_a_token_folder_and_export(family: str,
-                                                                   tmp_path: Path) -> None:
-    pretrained = make_pretrained(family, tmp_path / family)
-    tokens = tokenize(tmp_path / "tokens", "--tokenizer", str(pretrained))
-    cfg = load_config(CONFIG, [f"model.name=hf:{family}", f"model.pretrained={pretrained}",
-                               f"data.path={tokens}", "parallel.pp=2", "parallel.tp=1",
-                               "parallel.chunks=2", "train.steps=1", "train.eval_every=0",
-                               "checkpoint.every=1", *SMALL])
-    run_dir = tmp_path / "run"
-    results = hybridpar.spawn(_one_step, 2, args=(cfg, str(run_dir)), timeout=120)
+FAMILIES = ["gpt2", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, list]]:
+    """Each family's one step from a token folder, the three in one spawn of 2 ranks (pp2):
+    {family: (its pretrained folder, its run directory, each rank's `train` result)}."""
+    root = tmp_path_factory.mktemp("families")
+    made, cases = {}, {}
+    for family in FAMILIES:
+        pretrained = make_pretrained(family, root / family / family)
+        tokens = tokenize(root / family / "tokens", "--tokenizer", str(pretrained))
+        cfg = load_config(CONFIG, [f"model.name=hf:{family}", f"model.pretrained={pretrained}",
+                                   f"data.path={tokens}", "parallel.pp=2", "parallel.tp=1",
+                                   "parallel.chunks=2", "train.steps=1", "train.eval_every=0",
+                                   "checkpoint.every=1", *SMALL])
+        run_dir = root / family / "run"
+        made[family] = (pretrained, run_dir)
+        cases[family] = (cfg, str(run_dir))
+    results = spawn_cases(_one_step, 2, cases, timeout=240)
+    return {family: (*made[family], results[family]) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_take_a_step_from_a_token_folder_and_export(
+        family: str, stepped: dict[str, tuple[Path, Path, list]], tmp_path: Path) -> None:
+    pretrained, run_dir, results = stepped[family]
     losses = results[0]["losses"]
     assert len(losses) == 1 and 0 < losses[0] < 10, losses       # ln(384) = 5.95 at random
 
