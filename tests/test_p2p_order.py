@@ -7,8 +7,11 @@ operations, recorded during the real gloo steps, replay under NCCL's rules; and 
 disagree between ranks or depend on values are clear errors on every rank.
 """
 
+from functools import cache
+
 import pytest
 import torch
+from spawn_cases import spawn_by_world, spawn_cases
 from torch import nn
 
 import hybridpar
@@ -47,7 +50,9 @@ def _run(name, step_fn):
     return [step_fn(kind, *_batch(name, rows, step)) for step, (kind, rows) in enumerate(PLAN)]
 
 
+@cache
 def _reference(name):
+    """One device's values of the PLAN's steps and its final state (computed once a model)."""
     model, loss_fn = _model(name, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
 
@@ -106,7 +111,7 @@ def assert_plan_matches(results, ref_values, ref_state) -> None:
             torch.testing.assert_close(r["state"][k], v, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name,layout,balance,schedule", [
+CHANGING = [
     ("gpt", (2, 1), [2, 3], "1f1b"),
     ("gpt", (2, 2), [2, 3], "gpipe"),     # scatter-gather: each tp rank sends 1/2
     ("gpt", (2, 2), [3, 2], "1f1b"),
@@ -115,12 +120,22 @@ def assert_plan_matches(results, ref_values, ref_state) -> None:
     ("skipnet", (3, 1), [2, 2, 3], "zb-h1"),
     ("gpt", (2, 2), [1, 1, 2, 1], "zbv"),          # virtual stages: a slot's headers, then
     ("skipnet", (2, 1), [2, 2, 2, 1], "interleaved"),   # its activations (both ends)
-])
+]
+
+
+@pytest.fixture(scope="module")
+def changing():
+    """Each case of CHANGING run through the PLAN: one spawn per world size (2, 3, 4 ranks),
+    a fresh pipe (its own book of agreed shapes) per case. repr(case) -> each rank's result."""
+    return spawn_by_world(_worker, {repr(case): (case[1][0] * case[1][1], case)
+                                    for case in CHANGING}, timeout=360)
+
+
+@pytest.mark.parametrize("name,layout,balance,schedule", CHANGING)
 def test_changing_shapes_equal_one_device_and_known_shapes_send_no_header(name, layout, balance,
-                                                                          schedule):
+                                                                          schedule, changing):
     ref_values, ref_state = _reference(name)
-    results = hybridpar.spawn(_worker, layout[0] * layout[1],
-                              args=(name, layout, balance, schedule), timeout=180)
+    results = changing[repr((name, layout, balance, schedule))]
     assert_plan_matches(results, ref_values, ref_state)
     per_step = [sum(r["headers"][i] for r in results) for i in range(len(PLAN))]
     assert [per_step[i] for i in sorted(REPEATS)] == [0] * len(REPEATS), per_step
@@ -266,14 +281,20 @@ def _first_compute_worker(schedule):
     return events, loss
 
 
+@pytest.fixture(scope="module")
+def first_computes():
+    """`_first_compute_worker` under 1F1B, then GPipe, on the same 2 ranks."""
+    return spawn_cases(_first_compute_worker, 2, {s: (s,) for s in ("1f1b", "gpipe")},
+                       timeout=120)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_the_first_stage_starts_computing_at_once_and_posts_the_loss_receive_when_it_waits(
-        schedule):
+        schedule, first_computes):
     """The whole pipeline waits for the first stage's first forward: in a steady step nothing
     is posted before it (gloo prefetch starts at the next compute); the loss's receive is
     posted just before the first wait for a peer (`LossShare`), and the loss is right."""
-    (events, loss), (_, last_loss) = hybridpar.spawn(_first_compute_worker, 2,
-                                                     args=(schedule,), timeout=60)
+    (events, loss), (_, last_loss) = first_computes[schedule]
     assert events[0] == "forward", events[:4]
     assert events.count("loss receive") == 1
     assert events[events.index("loss receive") + 1] == "wait", events
