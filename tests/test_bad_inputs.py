@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from spawn_cases import spawn_cases
 from torch import nn
 from torchgpipe.skip import pop, skippable, stash
 
@@ -503,8 +504,9 @@ def test_the_table_has_at_least_30_distinct_rows():
 
 @pytest.fixture(scope="module")
 def api_results():
-    return {group: hybridpar.spawn(_run_cases, 2, args=(group,), timeout=120)
-            for group in ("api", "tp")}
+    """Both groups on one spawn of 2 ranks, in turn (pp=2, then tp=2 on the same ranks)."""
+    return spawn_cases(_run_cases, 2, {group: (group,) for group in ("api", "tp")},
+                       timeout=180)
 
 
 @pytest.mark.parametrize("row", rows("api-") + rows("tp-"))
@@ -736,15 +738,17 @@ def test_skip_drops_the_updates_of_non_finite_steps_and_goes_on(tmp_path):
     from hybridpar.train.checkpoints.checkpoint import allocate_like, read_metadata
     from hybridpar.train.checkpoints.shards import ShardLoadPlanner
 
-    runs = {}
     zero2 = {"parallel__pp": 1, "parallel__dp": 2, "parallel__zero": 2}   # sharded gradients
+    cases, dirs = {}, {}
     for poison, layout in ((("nan loss", 2), {}), (("inf grad", 3), {}),
                            (("inf grad", 3), zero2)):
         run_dir = tmp_path / (poison[0].replace(" ", "-") + ("-zero2" if layout else ""))
-        result = hybridpar.spawn(_train, 2, args=(
-            str(run_dir), {"train__steps": 4, "train__nonfinite": "skip",
-                           "checkpoint__every": 4, **layout}, poison), timeout=120)
-        runs[(*poison, bool(layout))] = (run_dir, result)
+        dirs[(*poison, bool(layout))] = run_dir
+        cases[(*poison, bool(layout))] = (str(run_dir), {
+            "train__steps": 4, "train__nonfinite": "skip", "checkpoint__every": 4, **layout},
+            poison)
+    out = spawn_cases(_train, 2, cases, timeout=180)     # the three runs on the same 2 ranks
+    runs = {key: (dirs[key], out[key]) for key in cases}
     for (kind, step, _), (run_dir, result) in runs.items():
         assert all(r["steps"] == 4 for r in result)                     # it went on
         records = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
