@@ -1,7 +1,8 @@
 """Instrumentation: the timeline of a traced step (API and CLI), and exact traffic counters.
 
 One spawn per layout, shared by the tests that read it: a tp=1 pipeline traced through the
-API, a tp=2 GPT whose collectives are counted and classified by the span that holds them.
+API (and a zero-bubble one, in the same spawn), a tp=2 GPT whose collectives are counted and
+classified by the span that holds them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawn_cases import spawn_cases
 from torch import nn
 
 import hybridpar
@@ -60,11 +62,27 @@ def _traced_worker(folder):
             "table": None if report is None else report.table}
 
 
+def _call(fn, *args):
+    return fn(*args)
+
+
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("trace")
-    results = hybridpar.spawn(_traced_worker, 2, args=(str(folder),), timeout=120)
-    return folder, results
+def pp2_runs(tmp_path_factory):
+    """The pp=2 workers of this file in one spawn of 2 ranks, each writing to a folder of its
+    own, in turn (the traced pipeline first: its first step's shapes are new to the process):
+    {case: (folder, [rank 0's result, rank 1's])}."""
+    folders = {"traced": tmp_path_factory.mktemp("trace"),
+               "zero bubble": tmp_path_factory.mktemp("zb_trace")}
+    results = spawn_cases(_call, 2, {"traced": (_traced_worker, str(folders["traced"])),
+                                     "zero bubble": (_zero_bubble_worker,
+                                                     str(folders["zero bubble"]))},
+                          timeout=180)
+    return {name: (folders[name], results[name]) for name in folders}
+
+
+@pytest.fixture(scope="module")
+def traced(pp2_runs):
+    return pp2_runs["traced"]
 
 
 def _slices(trace):
@@ -399,8 +417,8 @@ def _zero_bubble_worker(folder):
     return None if report is None else report.table
 
 
-def test_a_zero_bubble_trace_counts_w_and_compares_with_its_own_simulation(tmp_path):
-    table = hybridpar.spawn(_zero_bubble_worker, 2, args=(str(tmp_path),), timeout=60)[0]
+def test_a_zero_bubble_trace_counts_w_and_compares_with_its_own_simulation(pp2_runs):
+    table = pp2_runs["zero bubble"][1][0]
     lines = table.splitlines()
     assert lines[3].split()[:6] == ["stage", "ranks", "F", "B", "R", "W"]
     # checkpoint="except_last": M - 1 recomputations (in I); one W per micro-batch
