@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawn_cases import spawn_cases
 
-import hybridpar
 from hybridpar.cli import main
 from hybridpar.models.registry import build
 from hybridpar.train import ConfigError, load_config
@@ -73,12 +73,24 @@ def _train_worker(cfg, run_dir):
     return train(cfg, run_dir, progress=False)
 
 
-def test_a_users_builder_trains_from_a_config(tmp_path):
-    file = _user_config(tmp_path, "user_builders:tiny_lm", "width = 16")
-    cfg = load_config(file, ["parallel.tp=1", "train.steps=3", *SHORT])
-    assert cfg.model.args == {"vocab_size": 256, "width": 16, "blocks": 2}
-    hybridpar.spawn(_train_worker, 2, args=(cfg, tmp_path / "run"), timeout=120)
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """The runs from a config on 4 in-process ranks, in one spawn: a user's builder (pp2 x dp2:
+    it has no tensor-parallel plan) and Llama at pp2 x tp2 by its own plan (tp_plan = 'hf').
+    {case: its run directory}."""
+    pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
+    root = tmp_path_factory.mktemp("four_ranks")
+    file = _user_config(root, "user_builders:tiny_lm", "width = 16")
+    user = load_config(file, ["parallel.tp=1", "parallel.dp=2", "train.steps=3", *SHORT])
+    assert user.model.args == {"vocab_size": 256, "width": 16, "blocks": 2}
+    hf_plan = load_config(LLAMA, ["parallel.tp_plan=hf", "train.steps=2", *SHORT])
+    cases = {"user": (user, root / "user"), "hf plan": (hf_plan, root / "hf_plan")}
+    spawn_cases(_train_worker, 4, cases, timeout=240)
+    return {name: run_dir for name, (_, run_dir) in cases.items()}
+
+
+def test_a_users_builder_trains_from_a_config(four_ranks):
+    losses = [r["loss"] for r in read_metrics(four_ranks["user"] / "metrics.jsonl")
               if "loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0]
 
@@ -149,11 +161,8 @@ def test_export_as_hugging_face_refuses_a_run_of_another_model(tmp_path, capsys)
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_hugging_face_models_own_plan_trains_from_a_config(tmp_path):
-    pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
-    cfg = load_config(LLAMA, ["parallel.tp_plan=hf", "train.steps=2", *SHORT])
-    hybridpar.spawn(_train_worker, 4, args=(cfg, tmp_path / "run"), timeout=120)
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+def test_a_hugging_face_models_own_plan_trains_from_a_config(four_ranks):
+    losses = [r["loss"] for r in read_metrics(four_ranks["hf plan"] / "metrics.jsonl")
               if "loss" in r]
     assert len(losses) == 2 and all(v == v for v in losses)
 
