@@ -295,9 +295,9 @@ def test_kill_9_of_the_agent_ends_its_workers_and_the_run_dir_is_held_until_then
     assert holder(run_dir) is None
 
 
-def _hold_then_train(run_dir, hold):
-    """Rank 0 of a library-path run (`train`, no agent) while another process holds RUN_DIR
-    (`hold`), or not: what each rank raised."""
+def _train_held_then_free(held, free):
+    """Rank 0 of a library-path run (`train`, no agent) into HELD, a folder another process
+    holds, then into FREE: what each run returned or raised, on this rank."""
     from hybridpar.train import Config
     from hybridpar.train.trainer import train
 
@@ -306,10 +306,13 @@ def _hold_then_train(run_dir, hold):
                             "parallel": {"pp": 2, "timeout": 30.0},
                             "train": {"steps": 1, "batch_size": 4, "sample_tokens": 0},
                             "checkpoint": {"every": 0}})
-    try:
-        return train(cfg, run_dir, progress=False)["steps"]
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
+    out = []
+    for run_dir in (held, free):
+        try:
+            out.append(train(cfg, run_dir, progress=False)["steps"])
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
 
 
 def test_a_library_run_holds_its_run_dir_and_refuses_a_held_one_on_every_rank(tmp_path):
@@ -318,12 +321,14 @@ def test_a_library_run_holds_its_run_dir_and_refuses_a_held_one_on_every_rank(tm
     import hybridpar
     from hybridpar.io.run_lock import hold_run_dir, holder
 
-    with hold_run_dir(tmp_path):
-        out = hybridpar.spawn(_hold_then_train, 2, args=(str(tmp_path), True), timeout=120)
-    for message in out:
-        assert message.startswith("RunDirInUse: the run directory") and \
-            f"(pid {os.getpid()} on host" in message, out
-    assert not (tmp_path / "config.json").exists()           # nothing written
-    assert hybridpar.spawn(_hold_then_train, 2, args=(str(tmp_path), False),
-                           timeout=120) == [1, 1]
-    assert holder(tmp_path) is None                          # released at the end
+    held, free = tmp_path / "held", tmp_path / "free"
+    with hold_run_dir(held):         # the same ranks: refused there, then a run in FREE
+        out = hybridpar.spawn(_train_held_then_free, 2, args=(str(held), str(free)),
+                              timeout=120)
+        assert holder(held)["pid"] == os.getpid()         # the refused run took nothing
+    for refused, ran in out:
+        assert refused.startswith("RunDirInUse: the run directory") and \
+            f"(pid {os.getpid()} on host" in refused, out
+        assert ran == 1, out
+    assert not (held / "config.json").exists()               # nothing written
+    assert holder(free) is None                              # released at the end
