@@ -4,7 +4,9 @@ Every run is a tiny GPT (4 blocks, n_embd 32, block 16) on the embedded corpus, 
 samples, trained on gloo ranks started by `hybridpar.spawn`. Two uninterrupted reference runs
 (module fixtures) serve several tests: `ref_run` (pp=2, tp=2, no dropout: eval, sample,
 checkpoints kept for reshard / export) and `dropout_run` (dropout 0.1: the RNG streams of a
-resume must be restored for its losses to match).
+resume must be restored for its losses to match; it saves no checkpoint, only its losses are
+read). A resume under another layout runs the two steps after the step-4 checkpoint: step 5's
+loss checks the weights, step 6's the optimizer state, and step 6's save the new layout's.
 """
 
 import json
@@ -95,32 +97,26 @@ def _checkpoint_errors(cfg, cases):
     return out
 
 
-def _pipe_from_export(cfg, exported, x, run_dir):
-    """The pipeline with the exported weights: its eval outputs and consolidated state dict,
-    then a one-step run started with --init-from."""
+def _from_export(cfg, exported, x, paths, run_root):
+    """The pipeline with the exported weights: its eval outputs, its consolidated state dict
+    and the bytes of this rank's tensors (its stage, its tp slices); then a one-step run
+    --init-from each of `paths` (in RUN_ROOT/run<i>): its summary and the bytes this rank
+    read from safetensors files."""
     topo = hybridpar.init(pp=cfg.parallel.pp, tp=cfg.parallel.tp)
     pipe = build_pipe(cfg, topo)
+    tensors = pipe.state_dict(keep_vars=True)
+    own = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
     pipe.load_consolidated_state_dict(load_exported(exported))
     pipe.eval()
     out = pipe(x)
     state = pipe.consolidated_state_dict()
-    result = train(cfg, run_dir, init_from=exported, stop_at=1, progress=False)
-    return {"out": out, "state": state, "result": result}
-
-
-def _init_from_each(cfg, paths, run_root):
-    """A one-step run --init-from each of `paths`: its first loss and the bytes this rank read
-    from safetensors files; and the bytes of this rank's tensors (its stage, its tp slices)."""
-    topo = hybridpar.init(pp=cfg.parallel.pp, tp=cfg.parallel.tp)
-    state = build_pipe(cfg, topo).state_dict(keep_vars=True)
-    own = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
-    out = []
+    runs = []
     for i, path in enumerate(paths):
         with counting_reads() as counter:
             result = train(cfg, Path(run_root) / f"run{i}", init_from=path, stop_at=1,
                            progress=False)
-        out.append((result["losses"][0], counter[0]))
-    return {"own": own, "runs": out}
+        runs.append((result, counter[0]))
+    return {"out": out, "state": state, "own": own, "runs": runs}
 
 
 W_ROWS = torch.arange(11 * 4, dtype=torch.float32).view(11, 4)    # 11 rows: uneven over 2, 3
@@ -197,10 +193,12 @@ def ref_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dropout_run(tmp_path_factory):
-    """pp=2 x tp=2 with dropout 0.1, uninterrupted (the reference of resume and crash)."""
+    """pp=2 x tp=2 with dropout 0.1, uninterrupted (the reference of resume and crash): the
+    config those tests run (checkpoints every 2 steps) and the losses of the same run without
+    saves (a save draws no random number: the resumes match it exactly)."""
     cfg = config(*DROPOUT)
     run_dir = tmp_path_factory.mktemp("dropout")
-    results = run(cfg, run_dir)
+    results = run(config(*DROPOUT, "checkpoint.every=0"), run_dir)
     return cfg, run_dir, results
 
 
@@ -300,23 +298,11 @@ def test_finished_run_trains_no_more_steps_and_resume_wins_over_init_from(ref_ru
     assert checkpoint_steps(tmp_path / "checkpoints") == [8]
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_resume_under_virtual_stages_matches_the_uninterrupted_run(ref_run, tmp_path, schedule):
-    """A pp 2 x tp 2 checkpoint resumed with 2 stages per rank (looped or V): the same
-    layout-free names, the same losses."""
-    _, run_dir, results = ref_run
-    copy_checkpoint(run_dir / "checkpoints" / "step-4", tmp_path)
-    other = config(*REF, f"parallel.schedule={schedule}", "train.eval_every=0",
-                   "train.sample_tokens=0")
-    resumed = run(other, tmp_path)
-    assert same_on_every_rank(resumed, "start") == 4
-    losses = same_on_every_rank(resumed, "losses")
-    assert losses == pytest.approx(results[0]["losses"][4:], abs=1e-5, rel=0)
-
-
-# 3. reshard --------------------------------------------------------------------------------
+# 3. reshard (and virtual stages) ------------------------------------------------------------
 
 RESHARD = [(1, 1, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)]
+VIRTUAL = ["interleaved", "zbv"]
+RESUMED_TO = 6      # steps 5 and 6 after the step-4 checkpoint, and the save of step 6
 
 
 def _resharded(layout):
@@ -325,33 +311,58 @@ def _resharded(layout):
                   "train.eval_every=0", "train.sample_tokens=0")
 
 
+def _virtual(schedule):
+    return config(*REF, f"parallel.schedule={schedule}", "train.eval_every=0",
+                  "train.sample_tokens=0")
+
+
 @pytest.fixture(scope="module")
 def reshards(ref_run, tmp_path_factory):
-    """The step-4 checkpoint resumed under each layout of RESHARD, each in a run folder of
-    its own: the 4-rank layouts one after another on the same ranks (`train` inits each
-    layout), the 1-rank one apart. layout -> (run folder, each rank's summary)."""
+    """The step-4 checkpoint resumed to step RESUMED_TO under each layout of RESHARD and
+    with 2 stages per rank under each schedule of VIRTUAL, each in a run folder of its own:
+    the 4-rank runs one after another on the same ranks (`train` inits each layout), the
+    1-rank one apart. layout or schedule -> (run folder, each rank's summary)."""
+    configs = {**{layout: _resharded(layout) for layout in RESHARD},
+               **{schedule: _virtual(schedule) for schedule in VIRTUAL}}
     out = {}
-    for layout in RESHARD:
-        folder = tmp_path_factory.mktemp("pp{}-tp{}-dp{}".format(*layout))
+    for key in configs:
+        folder = tmp_path_factory.mktemp(key if isinstance(key, str) else
+                                         "pp{}-tp{}-dp{}".format(*key))
         copy_checkpoint(ref_run[1] / "checkpoints" / "step-4", folder)
-        out[layout] = folder
-    four = spawn_cases(_train, 4, {layout: (_resharded(layout), str(folder))
-                                   for layout, folder in out.items() if prod(layout) == 4},
-                       timeout=TIMEOUT * 2)
-    return {layout: (folder, four[layout] if layout in four else
-                     run(_resharded(layout), folder)) for layout, folder in out.items()}
+        out[key] = folder
+    four = spawn_cases(_train, 4, {key: (configs[key], str(folder), None, RESUMED_TO)
+                                   for key, folder in out.items()
+                                   if isinstance(key, str) or prod(key) == 4},
+                       timeout=TIMEOUT * 3)
+    return {key: (folder, four[key] if key in four else
+                  run(configs[key], folder, stop_at=RESUMED_TO))
+            for key, folder in out.items()}
+
+
+def assert_resumed_as_uninterrupted(ref_run, run_dir, resumed):
+    _, _, results = ref_run
+    assert same_on_every_rank(resumed, "start") == 4
+    assert same_on_every_rank(resumed, "steps") == RESUMED_TO
+    losses = same_on_every_rank(resumed, "losses")
+    assert losses == pytest.approx(results[0]["losses"][4:RESUMED_TO], abs=1e-5, rel=0)
+    assert checkpoint_steps(run_dir / "checkpoints") == [4, 6]    # saved under this layout
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL)
+def test_resume_under_virtual_stages_matches_the_uninterrupted_run(ref_run, reshards, schedule):
+    """A pp 2 x tp 2 checkpoint resumed with 2 stages per rank (looped or V): the same
+    layout-free names, the same losses."""
+    run_dir, resumed = reshards[schedule]
+    assert len(resumed) == 4
+    assert_resumed_as_uninterrupted(ref_run, run_dir, resumed)
 
 
 @pytest.mark.parametrize("layout", RESHARD, ids=lambda t: "pp{}-tp{}-dp{}".format(*t))
 def test_resume_under_another_layout_matches_the_uninterrupted_run(ref_run, reshards, layout):
-    _, _, results = ref_run
     pp, tp, dp = layout
-    tmp_path, resumed = reshards[layout]
+    run_dir, resumed = reshards[layout]
     assert len(resumed) == pp * tp * dp
-    assert same_on_every_rank(resumed, "start") == 4
-    losses = same_on_every_rank(resumed, "losses")
-    assert losses == pytest.approx(results[0]["losses"][4:], abs=1e-5, rel=0)
-    assert checkpoint_steps(tmp_path / "checkpoints") == [4, 6, 8]    # keep=3
+    assert_resumed_as_uninterrupted(ref_run, run_dir, resumed)
 
 
 def test_uneven_embedding_shards_reshard_through_a_checkpoint(tmp_path):
@@ -435,16 +446,37 @@ def test_export_errors(tmp_path):
 
 # 5. pipeline outputs and --init-from -------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def from_export(ref_run, exported, tmp_path_factory):
+    """The step-8 export also as safetensors (3+ shards, and one file), then one 4-rank spawn
+    (`_from_export`): the pipeline loaded from the .pt file, and a one-step run --init-from the
+    .pt file, the shards' folder, their index and the single file (RUN_ROOT/run0 .. run3)."""
+    from hybridpar.io.weight_files import INDEX
+
+    cfg, run_dir, _ = ref_run
+    pt, plain = exported
+    root = tmp_path_factory.mktemp("from-export")
+    total = sum(t.numel() * t.element_size() for t in plain.values())
+    written = export_plain(run_dir / "checkpoints" / "step-8", root / "shards",
+                           max_shard_size=total // 3)
+    export_plain(run_dir / "checkpoints" / "step-8", root / "one")   # model.safetensors
+    paths = [str(pt), str(root / "shards"), str(root / "shards" / INDEX),
+             str(root / "one" / "model.safetensors")]
+    x, _ = make_batches(cfg, split="val").next_batch()                 # (8, 16)
+    got = hybridpar.spawn(_from_export, 4, args=(cfg, str(pt), x, paths, str(root / "runs")),
+                          timeout=TIMEOUT)
+    return {"root": root, "written": written, "total": total, "x": x, "ranks": got}
+
+
 def test_exported_model_matches_the_pipeline_and_init_from_starts_there(
-        ref_run, exported, tmp_path):
+        ref_run, exported, from_export):
     cfg, _, results = ref_run
     out, plain = exported
     model = plain_model(cfg, load_exported(out))
-    x, _ = make_batches(cfg, split="val").next_batch()                 # (8, 16)
+    x = from_export["x"]
     with torch.no_grad():
         expected = model(x)                                            # (8, 16, 256)
-    got = hybridpar.spawn(_pipe_from_export, 4, args=(cfg, str(out), x, str(tmp_path)),
-                          timeout=TIMEOUT)
+    got = from_export["ranks"]
     for rank in got:
         torch.testing.assert_close(rank["out"], expected, atol=1e-5, rtol=0)
         assert list(rank["state"]) == list(model.state_dict())
@@ -452,37 +484,30 @@ def test_exported_model_matches_the_pipeline_and_init_from_starts_there(
             assert torch.equal(value, plain[key]), key
 
     # --init-from: the first step's loss is that of the exported weights on the first batch
-    result = got[0]["result"]
+    result = got[0]["runs"][0][0]
     assert result["start"] == 0 and result["steps"] == 1
     x0, y0 = make_batches(cfg, split="train").next_batch()
     assert result["losses"][0] == pytest.approx(gpt_loss_of(model, x0, y0), abs=1e-5)
     assert abs(result["losses"][0] - results[0]["losses"][0]) > 0.1   # not the seed's weights
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+    run0 = from_export["root"] / "runs" / "run0"
+    assert [r["step"] for r in read_metrics(run0 / "metrics.jsonl")] == [1]
 
 
-def test_a_folder_of_shards_starts_a_run_as_the_pt_file_does(ref_run, exported, tmp_path):
+def test_a_folder_of_shards_starts_a_run_as_the_pt_file_does(ref_run, exported, from_export):
     """`hybridpar export CHECKPOINT OUT` (no .pt): safetensors files written one tensor at a
     time; --init-from takes the folder, its index or a single file and starts from the same
     weights as the .pt file, each rank reading only its stage's tensors and tp slices."""
-    from hybridpar.io.weight_files import INDEX
-
-    cfg, run_dir, _ = ref_run
-    pt, plain = exported
-    total = sum(t.numel() * t.element_size() for t in plain.values())
-    written = export_plain(run_dir / "checkpoints" / "step-8", tmp_path / "shards",
-                           max_shard_size=total // 3)
+    cfg = ref_run[0]
+    plain = exported[1]
+    total, written = from_export["total"], from_export["written"]
     assert len(written.files) >= 3 and written.total_size == total
     assert written.peak_bytes <= total // 3
-    export_plain(run_dir / "checkpoints" / "step-8", tmp_path / "one")   # model.safetensors
-    state = load_exported(tmp_path / "shards")
+    state = load_exported(from_export["root"] / "shards")
     assert state.keys() == plain.keys() and all(torch.equal(state[k], plain[k]) for k in plain)
     model = plain_model(cfg, plain)
-    paths = [str(pt), str(tmp_path / "shards"), str(tmp_path / "shards" / INDEX),
-             str(tmp_path / "one" / "model.safetensors")]
-    got = hybridpar.spawn(_init_from_each, 4, args=(cfg, paths, str(tmp_path / "runs")),
-                          timeout=TIMEOUT)
+    got = from_export["ranks"]
     x0, y0 = make_batches(cfg, split="train").next_batch()
-    first = [loss for loss, _ in got[0]["runs"]]
+    first = [result["losses"][0] for result, _ in got[0]["runs"]]
     assert first[0] == pytest.approx(gpt_loss_of(model, x0, y0), abs=1e-5)
     assert first[1:] == [first[0]] * 3                     # bit for bit the .pt file's start
     for rank in got:                                       # pp2 x tp2: a quarter, about
@@ -491,19 +516,70 @@ def test_a_folder_of_shards_starts_a_run_as_the_pt_file_does(ref_run, exported, 
         assert rank["own"] < total / 2
 
 
-def test_bad_init_from_raises_checkpoint_error_on_every_rank(tmp_path):
+def _refusal_cases(ref_run, exported, root):
+    """Each refusal test's (config, [(run folder, init_from)]), its files written under
+    ROOT/<test>: bad --init-from files, an export changed in one stage, safetensors exports
+    that do not fit, and the step-8 checkpoint resumed by a model of another width or depth."""
+    folders = {name: root / name for name in
+               ("bad", "head", "safetensors", "other width", "other depth")}
+    for folder in folders.values():
+        folder.mkdir()
+
+    tmp = folders["bad"]
     cfg = config("parallel.pp=2", "parallel.tp=1")
-    garbage = tmp_path / "garbage.pt"
+    garbage = tmp / "garbage.pt"
     garbage.write_bytes(b"\x00not a torch file" * 10)
-    other = tmp_path / "other.pt"
+    other = tmp / "other.pt"
     torch.save(build_model("gpt", **{**cfg.model.args, "n_embd": 16}).state_dict(), other)
-    mlp = tmp_path / "mlp.pt"
+    mlp = tmp / "mlp.pt"
     torch.save(build_model("mlp").state_dict(), mlp)
-    objects = tmp_path / "objects.pt"
+    objects = tmp / "objects.pt"
     torch.save({"a": 1}, objects)
-    cases = [(str(tmp_path / f"run{i}"), str(f)) for i, f in enumerate(
-        [tmp_path / "missing.pt", garbage, other, mlp, objects])]
-    results = hybridpar.spawn(_checkpoint_errors, 2, args=(cfg, cases), timeout=TIMEOUT)
+    cases = {"bad": (cfg, [(str(tmp / f"run{i}"), str(f)) for i, f in enumerate(
+        [tmp / "missing.pt", garbage, other, mlp, objects])])}
+
+    tmp = folders["head"]
+    state = load_exported(exported[0])
+    state["6.proj.weight"] = torch.zeros(255, 32)          # the head only (stage 1)
+    torch.save(state, tmp / "head.pt")
+    cases["head"] = (config("parallel.pp=2", "parallel.tp=1", "parallel.timeout=20"),
+                     [(str(tmp / "r"), str(tmp / "head.pt"))])
+
+    from safetensors.torch import save_file
+
+    tmp = folders["safetensors"]
+    state = load_exported(exported[0])
+    exports = {"missing": {k: v for k, v in state.items() if k != "3.mlp.fc.weight"},
+               "shape": {**state, "4.attn.q.weight": torch.zeros(32, 31)},
+               "extra": {**state, "7.weight": torch.zeros(2)}}
+    for name, tensors in exports.items():
+        (tmp / name).mkdir()
+        save_file(tensors, str(tmp / name / "model.safetensors"))
+    (tmp / "empty").mkdir()
+    cases["safetensors"] = (config("parallel.pp=2", "parallel.tp=1", "parallel.timeout=20"),
+                            [(str(tmp / f"run-{name}"), str(tmp / name))
+                             for name in [*exports, "empty"]])
+
+    for name, changes in (("other width", ["model.n_embd=16"]),
+                          ("other depth", ["model.n_layer=2", "parallel.timeout=20"])):
+        copy_checkpoint(ref_run[1] / "checkpoints" / "step-8", folders[name])
+        cases[name] = (config("parallel.pp=2", "parallel.tp=1", *changes),
+                       [(str(folders[name]), None)])
+    return folders, cases
+
+
+@pytest.fixture(scope="module")
+def refusals(ref_run, exported, tmp_path_factory):
+    """Every refusal of a checkpoint or an --init-from file, one case after another on the
+    same 2 ranks (pp=2, each raised on both ranks before any step): test -> (its folder, each
+    rank's messages: "Type: message" of each run, None where it trained)."""
+    folders, cases = _refusal_cases(ref_run, exported, tmp_path_factory.mktemp("refusals"))
+    results = spawn_cases(_checkpoint_errors, 2, cases, timeout=TIMEOUT * 2)
+    return {name: (folders[name], results[name]) for name in cases}
+
+
+def test_bad_init_from_raises_checkpoint_error_on_every_rank(refusals):
+    _, results = refusals["bad"]
     for messages in results:
         assert all(m is not None and m.startswith("CheckpointError: --init-from ")
                    for m in messages), messages
@@ -515,35 +591,15 @@ def test_bad_init_from_raises_checkpoint_error_on_every_rank(tmp_path):
         assert "cannot be read as a state dict" in not_tensors
 
 
-def test_init_from_mismatch_in_one_stage_fails_on_every_rank(ref_run, exported, tmp_path):
-    cfg = config("parallel.pp=2", "parallel.tp=1", "parallel.timeout=20")
-    state = load_exported(exported[0])
-    state["6.proj.weight"] = torch.zeros(255, 32)          # the head only (stage 1)
-    bad = tmp_path / "head.pt"
-    torch.save(state, bad)
-    results = hybridpar.spawn(_checkpoint_errors, 2, args=(cfg, [(str(tmp_path / "r"),
-                                                                  str(bad))]), timeout=60)
+def test_init_from_mismatch_in_one_stage_fails_on_every_rank(refusals):
+    _, results = refusals["head"]
     messages = [m for (m,) in results]
     assert all(m is not None and m.startswith("CheckpointError: ") for m in messages), messages
 
 
-def test_a_safetensors_export_that_does_not_fit_fails_on_every_rank_naming_the_file(
-        exported, tmp_path):
+def test_a_safetensors_export_that_does_not_fit_fails_on_every_rank_naming_the_file(refusals):
     """Checked before anything is read, on the rank that holds the key; raised on both."""
-    from safetensors.torch import save_file
-
-    cfg = config("parallel.pp=2", "parallel.tp=1", "parallel.timeout=20")
-    state = load_exported(exported[0])
-    cases = {"missing": {k: v for k, v in state.items() if k != "3.mlp.fc.weight"},
-             "shape": {**state, "4.attn.q.weight": torch.zeros(32, 31)},
-             "extra": {**state, "7.weight": torch.zeros(2)}}
-    for name, tensors in cases.items():
-        (tmp_path / name).mkdir()
-        save_file(tensors, str(tmp_path / name / "model.safetensors"))
-    (tmp_path / "empty").mkdir()
-    runs = [(str(tmp_path / f"run-{name}"), str(tmp_path / name))
-            for name in [*cases, "empty"]]
-    results = hybridpar.spawn(_checkpoint_errors, 2, args=(cfg, runs), timeout=60)
+    tmp_path, results = refusals["safetensors"]
     for messages in results:                                # every rank: the same errors
         assert all(m is not None and m.startswith("CheckpointError: --init-from ")
                    for m in messages), messages
@@ -579,13 +635,10 @@ def test_crash_during_save_resumes_from_the_previous_checkpoint(dropout_run, tmp
         list(range(1, STEPS + 1))
 
 
-# 7. a checkpoint of another model ----------------------------------------------------------
+# 7. a checkpoint of another model (cases of the `refusals` spawn) -----------------------------
 
-def test_checkpoint_of_another_model_fails_on_every_rank(ref_run, tmp_path):
-    copy_checkpoint(ref_run[1] / "checkpoints" / "step-8", tmp_path)
-    results = hybridpar.spawn(_checkpoint_errors, 2, args=(
-        config("parallel.pp=2", "parallel.tp=1", "model.n_embd=16"), [(str(tmp_path), None)]),
-        timeout=TIMEOUT)
+def test_checkpoint_of_another_model_fails_on_every_rank(refusals):
+    tmp_path, results = refusals["other width"]
     for (message,) in results:
         assert message is not None and message.startswith("CheckpointError: "), message
         assert "step-8 does not match this model" in message
@@ -593,11 +646,8 @@ def test_checkpoint_of_another_model_fails_on_every_rank(ref_run, tmp_path):
     assert not (tmp_path / "checkpoints" / "step-10").exists()
 
 
-def test_checkpoint_of_a_model_with_other_layers_fails_on_every_rank(ref_run, tmp_path):
-    copy_checkpoint(ref_run[1] / "checkpoints" / "step-8", tmp_path)
-    cfg = config("parallel.pp=2", "parallel.tp=1", "model.n_layer=2", "parallel.timeout=20")
-    results = hybridpar.spawn(_checkpoint_errors, 2, args=(cfg, [(str(tmp_path), None)]),
-                              timeout=60)
+def test_checkpoint_of_a_model_with_other_layers_fails_on_every_rank(refusals):
+    _, results = refusals["other depth"]
     messages = [m for (m,) in results]
     # stage 1 of the 2-block model holds layer 4 as the head: "4.proj.weight" is not saved
     assert any(m is not None and "tensors are missing" in m for m in messages), messages
