@@ -1,16 +1,18 @@
 """Virtual stages (interleaved 1F1B, ZBV) against the plain single-device model.
 
-Each spawned run trains several configurations one after another in one process group
-(losses and every parameter after 3 steps, fp32 1e-5): the checkpoint modes, dp, skips
-between chunks on the same rank (handed over) and on others (messages), deferred BatchNorm,
-uneven batches, tied embedding/head, the tp GPT. Every run is order-only (all tags 0, as NCCL
-matches) and its P2P groups are replayed under NCCL's rules.
+Each run trains several configurations one after another in one process group (losses and
+every parameter after 3 steps, fp32 1e-5): the checkpoint modes, dp, skips between chunks on
+the same rank (handed over) and on others (messages), deferred BatchNorm, uneven batches, tied
+embedding/head, the tp GPT. Every run is order-only (all tags 0, as NCCL matches) and its P2P
+groups are replayed under NCCL's rules. The runs of every test are cases of one spawn per
+world size (1, 2, 4, 8 ranks: the module fixture `runs`); each test asserts on its own.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from spawn_cases import spawn_by_world
 from torch import nn
 
 import hybridpar
@@ -75,43 +77,74 @@ def _reference(model_name, kwargs, batch, dp=1, optimizer="sgd"):
     return reference(BUILDERS[model_name](**kwargs), xs, ys, optimizer=optimizer)
 
 
-@pytest.mark.parametrize("schedule", VIRTUAL)
-def test_mlp_over_checkpoint_modes_and_uneven_batches_matches_one_device(schedule):
-    """pp 2 x v 2: a stage per layer; batch 7 in 4 chunks (2+2+2+1), 3 in 4 (1+1+1)."""
+def _mlp_cases(schedule):
     cases = [("mlp", {}, [1, 1, 1, 1],
               {"chunks": 4, "schedule": schedule, "checkpoint": mode}, 8, "sgd")
              for mode in ("always", "except_last", "never")]
-    cases += [("mlp", {}, [1, 1, 1, 1], {"chunks": 4, "schedule": schedule}, batch, "sgd")
-              for batch in (7, 3)]
-    results = hybridpar.spawn(_worker, 2, args=((2, 1, 1), cases), timeout=240)
+    return cases + [("mlp", {}, [1, 1, 1, 1], {"chunks": 4, "schedule": schedule}, batch, "sgd")
+                    for batch in (7, 3)]
+
+
+def _skip_cases(schedule):
+    cases = [("skipnet", {}, balance, {"chunks": 4, "schedule": schedule,
+                                       "checkpoint": mode}, 8, "sgd")
+             for balance, mode in (([2, 2, 2, 1], "always"), ([1, 1, 1, 4], "never"))]
+    batch_norm = ("skipnet", {"batch_norm": True}, [2, 2, 2, 1],
+                  {"chunks": 4, "schedule": schedule, "deferred_batch_norm": True}, 8, "sgd")
+    return [*cases, batch_norm]
+
+
+TIED = [("interleaved", (2, 1)), ("zbv", (2, 1)), ("zbv", (2, 2))]
+
+
+def _case(kind, *args):
+    return {"train": _worker, "dropout": _dropout_worker, "tied": _tied_worker,
+            "gpt": _gpt_worker}[kind](*args)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every test's run, by name: one spawn per world size, the cases in turn."""
+    cases = {}
+    for schedule in VIRTUAL:
+        cases[f"mlp {schedule}"] = (2, ("train", (2, 1, 1), _mlp_cases(schedule)))
+        cases[f"pp4 {schedule}"] = (4, ("train", (4, 1, 1), [
+            ("mlp", {"layers": 8}, [1] * 8, {"chunks": 8, "schedule": schedule}, 8, "adamw")]))
+        cases[f"dp2 {schedule}"] = (4, ("train", (2, 1, 2), [
+            ("mlp", {}, [1, 1, 1, 1], {"chunks": 4, "schedule": schedule}, 8, "adamw")]))
+        cases[f"skips {schedule}"] = (2, ("train", (2, 1, 1), _skip_cases(schedule)))
+        cases[f"dropout {schedule}"] = (1, ("dropout", schedule))
+        cases[f"gpt {schedule}"] = (8, ("gpt", (2, 2, 2), schedule, [1, 1, 2, 1]))
+    for schedule, layout in TIED:
+        cases[f"tied {schedule} {layout}"] = (layout[0] * layout[1],
+                                              ("tied", layout, schedule, [2, 2, 2, 1]))
+    return spawn_by_world(_case, cases, timeout=600)
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL)
+def test_mlp_over_checkpoint_modes_and_uneven_batches_matches_one_device(schedule, runs):
+    """pp 2 x v 2: a stage per layer; batch 7 in 4 chunks (2+2+2+1), 3 in 4 (1+1+1)."""
+    cases = _mlp_cases(schedule)
+    results = runs[f"mlp {schedule}"]
     _check(results, [_reference("mlp", {}, case[4]) for case in cases])
     # looped: rank 0 holds stages 0 and 2; V: rank 0 holds 0 and 3 (and the loss)
     assert results[0][0]["stages"] == ((0, 2) if schedule == "interleaved" else (0, 3))
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL)
-def test_pp4_and_dp2_match_one_device(schedule):
+def test_pp4_and_dp2_match_one_device(schedule, runs):
     """pp 4 x v 2 over an 8-layer mlp, and pp 2 x dp 2 (AdamW; dp buckets armed before the
     rank's last backward or W)."""
-    cases = [("mlp", {"layers": 8}, [1] * 8, {"chunks": 8, "schedule": schedule}, 8, "adamw")]
-    results = hybridpar.spawn(_worker, 4, args=((4, 1, 1), cases), timeout=240)
-    _check(results, [_reference("mlp", {"layers": 8}, 8, optimizer="adamw")])
-    cases = [("mlp", {}, [1, 1, 1, 1], {"chunks": 4, "schedule": schedule}, 8, "adamw")]
-    results = hybridpar.spawn(_worker, 4, args=((2, 1, 2), cases), timeout=240)
-    _check(results, [_reference("mlp", {}, 8, dp=2, optimizer="adamw")])
+    _check(runs[f"pp4 {schedule}"], [_reference("mlp", {"layers": 8}, 8, optimizer="adamw")])
+    _check(runs[f"dp2 {schedule}"], [_reference("mlp", {}, 8, dp=2, optimizer="adamw")])
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL)
-def test_skips_between_chunks_and_deferred_batch_norm_match_one_device(schedule):
+def test_skips_between_chunks_and_deferred_batch_norm_match_one_device(schedule, runs):
     """skipnet's long skip (layer 0 -> 5) and short one (2 -> 4) over 4 chunks: under the
     looped placement [2, 2, 2, 1] hands `long` over on rank 0 and sends `short` 1 -> 0;
     under the V it sends `long` (rank 0 -> 1) and hands `short` over on rank 1."""
-    cases = [("skipnet", {}, balance, {"chunks": 4, "schedule": schedule,
-                                       "checkpoint": mode}, 8, "sgd")
-             for balance, mode in (([2, 2, 2, 1], "always"), ([1, 1, 1, 4], "never"))]
-    cases.append(("skipnet", {"batch_norm": True}, [2, 2, 2, 1],
-                  {"chunks": 4, "schedule": schedule, "deferred_batch_norm": True}, 8, "sgd"))
-    results = hybridpar.spawn(_worker, 2, args=((2, 1, 1), cases), timeout=240)
+    results = runs[f"skips {schedule}"]
     xs, ys = data(3, 8)
     _check(results, [_reference("skipnet", {}, 8), _reference("skipnet", {}, 8),
                      _bn_reference(skipnet(batch_norm=True), xs, ys, 4)])
@@ -134,12 +167,12 @@ def _dropout_worker(schedule):
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL)
-def test_dropout_masks_under_recompute_are_the_one_device_masks(schedule):
+def test_dropout_masks_under_recompute_are_the_one_device_masks(schedule, runs):
     """One rank holding every chunk (pp 1; interleaved v 4, ZBV its V of 2): each
     micro-batch goes through the chunks in order before the next starts, so its dropout
     masks are those of one device running the micro-batches in turn, in the first forward
     and again in the recompute (RNG replay)."""
-    results = hybridpar.spawn(_dropout_worker, 1, args=(schedule,), timeout=120)[0]
+    results = runs[f"dropout {schedule}"][0]
     model = mlp(dropout=0.3)
     torch.manual_seed(5)
     xs, ys = data(3, 8)
@@ -184,14 +217,12 @@ def _tied_worker(layout, schedule, balance):
             "stages": pipe.stages}
 
 
-@pytest.mark.parametrize("schedule,layout", [("interleaved", (2, 1)), ("zbv", (2, 1)),
-                                             ("zbv", (2, 2))])
-def test_tied_embedding_and_head_match_one_device(schedule, layout):
+@pytest.mark.parametrize("schedule,layout", TIED)
+def test_tied_embedding_and_head_match_one_device(schedule, layout, runs):
     """Looped: the embedding (stage 0) on rank 0, the head (stage 3) on rank 1, their
     gradients summed over a group; V: both on rank 0, one Parameter there."""
     ref_losses, _, ref_state = one_device(3, 4)
-    results = hybridpar.spawn(_tied_worker, layout[0] * layout[1],
-                              args=(layout, schedule, [2, 2, 2, 1]), timeout=180)
+    results = runs[f"tied {schedule} {layout}"]
     for r in results:
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-6)
         for key, value in ref_state.items():
@@ -220,7 +251,7 @@ def _gpt_worker(layout, schedule, balance):
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL)
-def test_tp_gpt_pp2_tp2_dp2_matches_one_device(schedule):
+def test_tp_gpt_pp2_tp2_dp2_matches_one_device(schedule, runs):
     """The tp GPT (vocab-parallel embedding and loss, sharded blocks) at pp 2 x tp 2 x dp 2
     over 4 chunks, recomputing every micro-batch."""
     torch.manual_seed(0)
@@ -234,8 +265,7 @@ def test_tp_gpt_pp2_tp2_dp2_matches_one_device(schedule):
         loss.backward()
         opt.step()
         ref_losses.append(loss.item())
-    results = hybridpar.spawn(_gpt_worker, 8, args=((2, 2, 2), schedule, [1, 1, 2, 1]),
-                              timeout=300)
+    results = runs[f"gpt {schedule}"]
     for r in results:
         assert r["losses"] == pytest.approx(ref_losses, abs=1e-5)
         for k, v in model.state_dict().items():
