@@ -89,11 +89,14 @@ def _call(fn, *args):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The float64 steps at zero 0, 1, 2 and the bf16 runs at zero 1, 2: one spawn of 4 ranks."""
+    """The float64 steps at zero 0, 1, 2, the bf16 runs at zero 1, 2 and the SGD resumes
+    through a checkpoint at zero 0, 1 (`_sgd_resumed`): one spawn of 4 ranks."""
     cases = {**{f"zero {z}": (_sgd_steps, z) for z in (0, 1, 2)},
              **{f"bf16 zero {z}": (_train_bf16, z, str(tmp_path_factory.mktemp("bf16")))
-                for z in (1, 2)}}
-    out = spawn_cases(_call, 4, cases, timeout=TIMEOUT)
+                for z in (1, 2)},
+             **{f"resumed zero {z}": (_sgd_resumed, str(tmp_path_factory.mktemp("resumed")), z)
+                for z in (0, 1)}}
+    out = spawn_cases(_call, 4, cases, timeout=TIMEOUT * 2)
     return out, {k.removeprefix("bf16 "): v for k, v in out.items() if k.startswith("bf16")}
 
 
@@ -199,11 +202,8 @@ def _sgd_resumed(run_dir, zero):
 
 
 @pytest.mark.parametrize("zero", [0, 1])
-def test_sgd_with_momentum_resumes_exactly_from_a_checkpoint(tmp_path, zero):
-    import hybridpar
-
-    for whole, start, resumed in hybridpar.spawn(_sgd_resumed, 4, args=(str(tmp_path), zero),
-                                                 timeout=TIMEOUT):
+def test_sgd_with_momentum_resumes_exactly_from_a_checkpoint(runs, zero):
+    for whole, start, resumed in runs[0][f"resumed zero {zero}"]:
         assert start == 2 and resumed == whole[2:], (whole, resumed)   # the momentum came back
 
 
