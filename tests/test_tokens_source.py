@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from spawn_cases import spawn_cases
 
 import hybridpar
 from hybridpar.data import open_tokens, tokenize_corpus
@@ -123,10 +124,23 @@ def copy_checkpoint(src: Path, run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ref_run(folders, tmp_path_factory):
-    """pp2 on the bpe folder, uninterrupted: eval at 3 and 6, a sample, checkpoints 2 4 6."""
-    run_dir = tmp_path_factory.mktemp("ref")
-    return run_dir, run(config(folders["bpe"]), run_dir)
+def two_ranks(folders, tmp_path_factory):
+    """The 2-rank runs on the bpe folder, in turn on one spawn: {case: (run dir, results)}.
+    "ref": pp2, uninterrupted: eval at 3 and 6, a sample, checkpoints 2 4 6; "dp2": pp1 x dp2;
+    "first": pp2 stopped after step 3, then "second": a new run in its folder, which resumes."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    pp2, dp2 = config(folders["bpe"]), config(folders["bpe"], "parallel.pp=1", "parallel.dp=2")
+    cases = {"ref": (pp2, root / "ref", None), "dp2": (dp2, root / "dp2", None),
+             "first": (pp2, root / "same", 3), "second": (pp2, root / "same", None)}
+    out = spawn_cases(_train, 2, {name: (cfg, str(run_dir), stop_at)
+                                  for name, (cfg, run_dir, stop_at) in cases.items()},
+                      timeout=2 * TIMEOUT)
+    return {name: (run_dir, out[name]) for name, (_, run_dir, _) in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def ref_run(two_ranks):
+    return two_ranks["ref"]
 
 
 # windows ----------------------------------------------------------------------------------
@@ -220,8 +234,8 @@ def test_pp2_trains_evaluates_and_samples_text_with_the_tokenizer(folders, ref_r
     assert sample.startswith(prompt) and len(sample) > len(prompt)   # BPE text, not bytes
 
 
-def test_pp1_dp2_trains_the_same_sequence(folders, ref_run, tmp_path):
-    results = run(config(folders["bpe"], "parallel.pp=1", "parallel.dp=2"), tmp_path)
+def test_pp1_dp2_trains_the_same_sequence(two_ranks, ref_run):
+    _, results = two_ranks["dp2"]
     losses = same_on_every_rank(results, "losses")
     assert losses == pytest.approx(ref_run[1][0]["losses"], abs=1e-5, rel=0)
 
@@ -235,13 +249,12 @@ def test_pp3_middle_stage_maps_nothing(folders, tmp_path):
     assert results[1]["sample"] is None and results[2]["sample"] == results[0]["sample"]
 
 
-def test_resume_continues_exactly_and_under_another_dp(folders, ref_run, tmp_path):
+def test_resume_continues_exactly_and_under_another_dp(folders, two_ranks, ref_run, tmp_path):
     ref_dir, ref = ref_run
     reference = ref[0]["losses"]
-    same = tmp_path / "same"
-    first = run(config(folders["bpe"]), same, stop_at=3)
+    _, first = two_ranks["first"]                # stopped after step 3 ...
     assert same_on_every_rank(first, "losses") == reference[:3]
-    second = run(config(folders["bpe"]), same)
+    _, second = two_ranks["second"]              # ... and resumed by a new run in its folder
     assert same_on_every_rank(second, "start") == 2
     assert same_on_every_rank(second, "losses") == reference[2:]     # exactly
     other = tmp_path / "dp2"
