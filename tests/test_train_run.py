@@ -183,23 +183,28 @@ def gpt_loss_of(model, x, y):
 
 
 @pytest.fixture(scope="module")
-def ref_run(tmp_path_factory):
-    """pp=2 x tp=2, no dropout, uninterrupted: eval at 4 and 8, a sample, keep=3."""
-    cfg = config(*REF)
-    run_dir = tmp_path_factory.mktemp("ref")
-    results = run(cfg, run_dir)
-    return cfg, run_dir, results
+def references(tmp_path_factory):
+    """The two uninterrupted pp=2 x tp=2 runs, one after the other on the same 4 ranks (each
+    `train` seeds its own streams): name -> (run folder, each rank's summary)."""
+    configs = {"dropout": config(*DROPOUT, "checkpoint.every=0"), "ref": config(*REF)}
+    dirs = {name: tmp_path_factory.mktemp(name) for name in configs}
+    results = spawn_cases(_train, 4, {name: (configs[name], str(dirs[name]))
+                                      for name in configs}, timeout=TIMEOUT * 2)
+    return {name: (dirs[name], results[name]) for name in configs}
 
 
 @pytest.fixture(scope="module")
-def dropout_run(tmp_path_factory):
+def ref_run(references):
+    """pp=2 x tp=2, no dropout, uninterrupted: eval at 4 and 8, a sample, keep=3."""
+    return (config(*REF), *references["ref"])
+
+
+@pytest.fixture(scope="module")
+def dropout_run(references):
     """pp=2 x tp=2 with dropout 0.1, uninterrupted (the reference of resume and crash): the
     config those tests run (checkpoints every 2 steps) and the losses of the same run without
     saves (a save draws no random number: the resumes match it exactly)."""
-    cfg = config(*DROPOUT)
-    run_dir = tmp_path_factory.mktemp("dropout")
-    results = run(config(*DROPOUT, "checkpoint.every=0"), run_dir)
-    return cfg, run_dir, results
+    return (config(*DROPOUT), *references["dropout"])
 
 
 # 1. a whole run ----------------------------------------------------------------------------
@@ -243,12 +248,18 @@ def test_run_trains_and_writes_metrics_checkpoints_config_and_sample(ref_run):
     assert len(text.encode("utf-8")) >= 8 + 8        # prompt + sample_tokens (U+FFFD: 3 bytes)
 
 
-@pytest.mark.parametrize("steps,every,saved", [(3, 2, [2, 3]), (2, 0, None)])
-def test_last_step_is_saved_and_logged_and_every_zero_saves_nothing(tmp_path, steps, every,
+LAST_STEP = [(3, 2, [2, 3]), (2, 0, None)]   # steps, checkpoint.every, the steps saved
+
+
+def last_step_config(steps, every):
+    return config("parallel.pp=2", "parallel.tp=1", f"train.steps={steps}", "train.log_every=2",
+                  f"checkpoint.every={every}", "checkpoint.keep=5", "train.sample_tokens=0")
+
+
+@pytest.mark.parametrize("steps,every,saved", LAST_STEP)
+def test_last_step_is_saved_and_logged_and_every_zero_saves_nothing(two_ranks, steps, every,
                                                                      saved):
-    cfg = config("parallel.pp=2", "parallel.tp=1", f"train.steps={steps}", "train.log_every=2",
-                 f"checkpoint.every={every}", "checkpoint.keep=5", "train.sample_tokens=0")
-    results = run(cfg, tmp_path)
+    tmp_path, results = two_ranks[f"last {steps} every {every}"]
     assert results[0]["sample"] is None and results[0]["steps"] == steps
     assert not (tmp_path / "sample.txt").exists()                     # sample_tokens = 0
     if saved is None:
@@ -289,10 +300,9 @@ def test_dropout_makes_the_resume_test_meaningful(dropout_run, ref_run):
     assert dropout_run[2][0]["losses"] != ref_run[2][0]["losses"]
 
 
-def test_finished_run_trains_no_more_steps_and_resume_wins_over_init_from(ref_run, tmp_path):
-    copy_checkpoint(ref_run[1] / "checkpoints" / "step-8", tmp_path)
-    again = run(config("parallel.pp=2", "parallel.tp=1", *REF), tmp_path,
-                init_from=str(tmp_path / "missing.pt"))   # not read: a checkpoint is there
+def test_finished_run_trains_no_more_steps_and_resume_wins_over_init_from(two_ranks):
+    # the step-8 checkpoint copied, --init-from a missing file: not read, a checkpoint is there
+    tmp_path, again = two_ranks["finished"]
     assert again[0]["start"] == STEPS and again[0]["losses"] == []
     assert again[0]["sample"] is None
     assert checkpoint_steps(tmp_path / "checkpoints") == [8]
@@ -568,18 +578,37 @@ def _refusal_cases(ref_run, exported, root):
     return folders, cases
 
 
+def _two_rank_case(kind, *args):
+    """A case of the 2-rank spawn: a run (`_train`) or refusals (`_checkpoint_errors`)."""
+    return (_train if kind == "run" else _checkpoint_errors)(*args)
+
+
 @pytest.fixture(scope="module")
-def refusals(ref_run, exported, tmp_path_factory):
-    """Every refusal of a checkpoint or an --init-from file, one case after another on the
-    same 2 ranks (pp=2, each raised on both ranks before any step): test -> (its folder, each
-    rank's messages: "Type: message" of each run, None where it trained)."""
-    folders, cases = _refusal_cases(ref_run, exported, tmp_path_factory.mktemp("refusals"))
-    results = spawn_cases(_checkpoint_errors, 2, cases, timeout=TIMEOUT * 2)
+def two_ranks(ref_run, exported, tmp_path_factory):
+    """Every pp=2 x tp=1 run of this file, one case after another on the same 2 ranks: the
+    runs of LAST_STEP ("last <steps> every <every>"), the step-8 checkpoint resumed with
+    --init-from a missing file ("finished"), then every refusal of a checkpoint or an
+    --init-from file (each raised on both ranks before any step: "Type: message" of each run,
+    None where it trained). case -> (its folder, each rank's result)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    cases, folders = {}, {}
+    for steps, every, _ in LAST_STEP:
+        name = f"last {steps} every {every}"
+        folders[name] = root / name
+        cases[name] = ("run", last_step_config(steps, every), str(folders[name]))
+    folders["finished"] = root / "finished"
+    copy_checkpoint(ref_run[1] / "checkpoints" / "step-8", folders["finished"])
+    cases["finished"] = ("run", config("parallel.pp=2", "parallel.tp=1", *REF),
+                         str(folders["finished"]), str(folders["finished"] / "missing.pt"))
+    refused, refusal_cases = _refusal_cases(ref_run, exported, root)
+    folders.update(refused)
+    cases.update({name: ("refusals", *args) for name, args in refusal_cases.items()})
+    results = spawn_cases(_two_rank_case, 2, cases, timeout=TIMEOUT * 3)
     return {name: (folders[name], results[name]) for name in cases}
 
 
-def test_bad_init_from_raises_checkpoint_error_on_every_rank(refusals):
-    _, results = refusals["bad"]
+def test_bad_init_from_raises_checkpoint_error_on_every_rank(two_ranks):
+    _, results = two_ranks["bad"]
     for messages in results:
         assert all(m is not None and m.startswith("CheckpointError: --init-from ")
                    for m in messages), messages
@@ -591,15 +620,15 @@ def test_bad_init_from_raises_checkpoint_error_on_every_rank(refusals):
         assert "cannot be read as a state dict" in not_tensors
 
 
-def test_init_from_mismatch_in_one_stage_fails_on_every_rank(refusals):
-    _, results = refusals["head"]
+def test_init_from_mismatch_in_one_stage_fails_on_every_rank(two_ranks):
+    _, results = two_ranks["head"]
     messages = [m for (m,) in results]
     assert all(m is not None and m.startswith("CheckpointError: ") for m in messages), messages
 
 
-def test_a_safetensors_export_that_does_not_fit_fails_on_every_rank_naming_the_file(refusals):
+def test_a_safetensors_export_that_does_not_fit_fails_on_every_rank_naming_the_file(two_ranks):
     """Checked before anything is read, on the rank that holds the key; raised on both."""
-    tmp_path, results = refusals["safetensors"]
+    tmp_path, results = two_ranks["safetensors"]
     for messages in results:                                # every rank: the same errors
         assert all(m is not None and m.startswith("CheckpointError: --init-from ")
                    for m in messages), messages
@@ -635,10 +664,10 @@ def test_crash_during_save_resumes_from_the_previous_checkpoint(dropout_run, tmp
         list(range(1, STEPS + 1))
 
 
-# 7. a checkpoint of another model (cases of the `refusals` spawn) -----------------------------
+# 7. a checkpoint of another model (cases of the `two_ranks` spawn) ----------------------------
 
-def test_checkpoint_of_another_model_fails_on_every_rank(refusals):
-    tmp_path, results = refusals["other width"]
+def test_checkpoint_of_another_model_fails_on_every_rank(two_ranks):
+    tmp_path, results = two_ranks["other width"]
     for (message,) in results:
         assert message is not None and message.startswith("CheckpointError: "), message
         assert "step-8 does not match this model" in message
@@ -646,8 +675,8 @@ def test_checkpoint_of_another_model_fails_on_every_rank(refusals):
     assert not (tmp_path / "checkpoints" / "step-10").exists()
 
 
-def test_checkpoint_of_a_model_with_other_layers_fails_on_every_rank(refusals):
-    _, results = refusals["other depth"]
+def test_checkpoint_of_a_model_with_other_layers_fails_on_every_rank(two_ranks):
+    _, results = two_ranks["other depth"]
     messages = [m for (m,) in results]
     # stage 1 of the 2-block model holds layer 4 as the head: "4.proj.weight" is not saved
     assert any(m is not None and "tensors are missing" in m for m in messages), messages
