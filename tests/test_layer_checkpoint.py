@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from spawn_cases import spawn_by_world
+from spawn_cases import spawn_by_world, spawn_cases
 from test_pipe_tp import _gpt_worker, assert_like_one_device
 from torch import nn
 from torchgpipe.checkpoint import is_recomputing
@@ -96,11 +96,25 @@ def _counting(mode):
     return [dict(layer.calls) for layer in layers]
 
 
+def _call(fn, *args):
+    return fn(*args)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """The one-rank steps of the tests below (`_counting` per mode, `_selective` per mode and
+    dropout), in turn on the same rank (each builds its own model and pipe)."""
+    cases = {f"counting {mode}": (_counting, mode) for mode in ("layers", "layers:2", "never")}
+    cases.update({f"selective {mode} {dropout}": (_selective, mode, dropout)
+                  for mode, dropout in (("never", 0.1), ("selective", 0.1), ("selective", 0.0))})
+    return spawn_cases(_call, 1, cases, timeout=120)
+
+
 @pytest.mark.parametrize("mode,recomputed", [("layers", [2, 2, 2, 2]),
                                              ("layers:2", [2, 0, 2, 0]),
                                              ("never", [0, 0, 0, 0])])
-def test_each_checkpointed_layer_runs_again_recomputing(mode, recomputed):
-    calls = hybridpar.spawn(_counting, 1, args=(mode,), timeout=60)[0]
+def test_each_checkpointed_layer_runs_again_recomputing(mode, recomputed, one_rank):
+    calls = one_rank[f"counting {mode}"][0]
     assert [c[True] for c in calls] == recomputed          # once per micro-batch (2)
     assert [c[False] for c in calls] == [2, 2, 2, 2]
 
@@ -137,9 +151,8 @@ def _selective(mode, dropout=0.1):
     return calls, saved[0], loss
 
 
-def test_selective_recomputes_only_the_attention_core():
-    out = {mode: hybridpar.spawn(_selective, 1, args=(mode,), timeout=60)[0]
-           for mode in ("never", "selective")}
+def test_selective_recomputes_only_the_attention_core(one_rank):
+    out = {mode: one_rank[f"selective {mode} 0.1"][0] for mode in ("never", "selective")}
     (plain_calls, plain_saved, plain_loss), (calls, saved, loss) = out["never"], out["selective"]
     assert plain_calls == {False: 4, True: 0}          # 2 layers x 2 micro-batches
     assert calls == {False: 4, True: 4}                # each core once more, recomputing
@@ -149,7 +162,7 @@ def test_selective_recomputes_only_the_attention_core():
     assert plain_saved - saved >= 4 * 3 * 2 * 4 * 8 * 8 * 4 * 0.9
     # without attention dropout the core is fused sdpa, which keeps no probabilities:
     # nothing to gain, so it is not recomputed
-    calls, _, _ = hybridpar.spawn(_selective, 1, args=("selective", 0.0), timeout=60)[0]
+    calls, _, _ = one_rank["selective selective 0.0"][0]
     assert calls == {False: 4, True: 0}
 
 
