@@ -47,9 +47,9 @@ def config(*overrides: str) -> Config:
     return load_config(QUICKSTART, [*BASE, *overrides])
 
 
-def gpt2(pp: int, dp: int, zero: int, **train: str) -> Config:
+def gpt2(pp: int, dp: int, zero: int, *, every: int = 2, **train: str) -> Config:
     """A tiny Hugging Face GPT-2, whose embedding and head are one tied parameter, over pp
-    stages; the rest as BASE (`train`: more [train] options)."""
+    stages; the rest as BASE (`every`: checkpoint.every, `train`: more [train] options)."""
     return Config.from_dict({
         "name": "gpt2_zero",
         "model": {"name": "hf:gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 4,
@@ -60,7 +60,7 @@ def gpt2(pp: int, dp: int, zero: int, **train: str) -> Config:
         "train": {"steps": 4, "batch_size": 8, "log_every": 1, "eval_every": 0,
                   "sample_tokens": 0, "weight_decay": 0.1, "grad_clip": 0.5, "lr": 3e-3,
                   **train},
-        "checkpoint": {"every": 2, "keep": 2}})
+        "checkpoint": {"every": every, "keep": 2}})
 
 
 def _layout(pp: int, tp: int, dp: int, zero: int, schedule: str = "1f1b") -> list[str]:
@@ -93,6 +93,7 @@ def _state_bytes(overrides):
     return {"state": state, "params": params, "owned": owned}
 
 
+UNSAVED = "checkpoint.every=0"   # runs whose losses alone are checked: no checkpoints
 LAYOUTS = {   # name -> (pp, tp, dp)
     "pp2 x dp2": (2, 1, 2),
     "tp2 x dp2": (1, 2, 2),
@@ -101,19 +102,20 @@ LAYOUTS = {   # name -> (pp, tp, dp)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each layout at zero = 0 and 1 on one set of 4 ranks; zbv; a tied GPT-2 over 2 stages."""
+    """Each layout at zero = 0 and 1 on one set of 4 ranks; zbv; a tied GPT-2 over 2 stages
+    (their losses only: no checkpoints)."""
     cases = {}
     for name, (pp, tp, dp) in LAYOUTS.items():
         for zero in (0, 1, 2) if tp > 1 else (0, 1):   # zero 2: test_zero_parity, float64
             folder = tmp_path_factory.mktemp(f"{name.replace(' ', '')}-zero{zero}")
-            cases[(name, zero)] = (config(*_layout(pp, tp, dp, zero)), str(folder))
+            cases[(name, zero)] = (config(*_layout(pp, tp, dp, zero), UNSAVED), str(folder))
     for zero in (0, 1, 2):
         if zero < 2:
             folder = tmp_path_factory.mktemp(f"zbv-zero{zero}")
-            cases[("zbv pp2 x dp2", zero)] = (config(*_layout(2, 1, 2, zero, "zbv")),
+            cases[("zbv pp2 x dp2", zero)] = (config(*_layout(2, 1, 2, zero, "zbv"), UNSAVED),
                                               str(folder))
         folder = tmp_path_factory.mktemp(f"gpt2-zero{zero}")
-        cases[("tied gpt2 pp2 x dp2", zero)] = (gpt2(2, 2, zero), str(folder))
+        cases[("tied gpt2 pp2 x dp2", zero)] = (gpt2(2, 2, zero, every=0), str(folder))
     return spawn_cases(_train, 4, cases, timeout=TIMEOUT * 3)
 
 
