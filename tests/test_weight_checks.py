@@ -11,12 +11,12 @@ Integer buffers (BatchNorm's ``num_batches_tracked``) still load.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import CliResult
+from cli_in_process import hybridpar as hybridpar_cli
 from torch import nn
 
 import hybridpar
@@ -44,12 +44,12 @@ def _tiny_state() -> dict[str, torch.Tensor]:
     return dict(build_model("gpt", **load_config(TINY).model.args).state_dict())
 
 
-def _run(tmp_path: Path, init_from: Path) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, init_from: Path) -> CliResult:
+    """`hybridpar run tiny.toml --init-from INIT_FROM` in this process (the agent's line that
+    names the failing worker's error is what the tests read)."""
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.read_text())
-    return subprocess.run([sys.executable, "-m", "hybridpar.cli", "run", str(config),
-                           "--init-from", str(init_from)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=180)
+    return hybridpar_cli("run", config, "--init-from", init_from, cwd=tmp_path, timeout=180)
 
 
 # as a user meets it: `hybridpar run --init-from`, 2 workers ------------------------------------
