@@ -5,8 +5,13 @@ cores, on the quick-start GPT at 32 tokens a sequence (tests/data/gpu_check_smok
 batch of 4 (one row a micro-batch): half the time of the quick run's own sizes. `--ranks 2`
 adds the layout sweep (pp x tp = 1 x 2 and 2 x 1 on two gloo ranks), so the multi-device code
 path runs too. Its numbers mean nothing; every check must PASS and every table must be printed.
+The script's `main` runs in the test's process (what `python scripts/gpu_check.py` runs: every
+check's work is in ranks that `hybridpar.spawn` starts, so the process boundary is not what
+is tested; this saves an interpreter's imports and a fork server's start).
 """
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -28,12 +33,18 @@ TABLE_HEADERS = ["| step ", "| dropout | checkpoint ", "| layer | kind ", "| sta
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
+    """The script's `main` in this process (its ranks are `hybridpar.spawn`'s, each with the
+    script's timeout; the suite's pytest-timeout bounds the whole): what it prints, and its
+    output folder."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+
     out = tmp_path_factory.mktemp("gpu_check")
-    run = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick",
-                          "--ranks", "2", "--out", str(out), "--config", str(CONFIG),
-                          "--batch", "4"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)   # (120 s was short on a loaded 2-core EPYC:
-    return run, out                                    # 203 s beside the suite's 3 workers)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = gpu_check.main(["--device", "cpu", "--quick", "--ranks", "2", "--out", str(out),
+                               "--config", str(CONFIG), "--batch", "4"])
+    return subprocess.CompletedProcess("gpu_check.main", code, printed.getvalue(), ""), out
 
 
 def test_every_check_passes_and_is_in_the_json(smoke):
