@@ -3,7 +3,8 @@
 `scripts/make_pretrained.py` makes the "pretrained" model (a BPE trained by `tokenizers` on the
 embedded corpus, a tiny model saved with `save_pretrained`), `hybridpar tokenize --config`
 tokenizes this repository's docs with its tokenizer, and `configs/finetune_llama.toml` (as it
-is, shrunk by --set) fine-tunes it through the real `hybridpar run` at pp2 x tp2; the export
+is, shrunk by --set) fine-tunes it through the real `hybridpar run` (its console entry, called
+in this process) at pp2 x tp2; the export
 loads with `from_pretrained`, tokenizer included, and generates text. gpt2, qwen2 and mistral
 take one step each from a token folder (pp2, in-process ranks: one spawn for the three) and
 export the same way.
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from cli_in_process import hybridpar
 from spawn_cases import spawn_cases
 
 from hybridpar.cli import main
@@ -110,9 +110,8 @@ def test_finetune_llama_config_trains_at_pp2_tp2_and_exports_a_generating_model(
     steps = 8
     sets = [f"train.steps={steps}", "train.eval_every=4", "checkpoint.every=8", "train.lr=3e-3",
             *SMALL]
-    done = subprocess.run([sys.executable, "-m", "hybridpar.cli", "run", str(config),
-                           *[a for s in sets for a in ("--set", s)]],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=240)
+    done = hybridpar("run", config, *[a for s in sets for a in ("--set", s)], cwd=tmp_path,
+                     timeout=240)      # in this process (the workers print elsewhere)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "runs" / "finetune_llama"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
