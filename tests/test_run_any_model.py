@@ -1,20 +1,20 @@
 """`hybridpar run` for any model: Hugging Face families (`hf:llama`) and a user's builder.
 
-`hybridpar run` starts its workers from a process of its own (`_cli`); the commands that do
-their work in the process that parses them (`export`, `balance`) run in this one
-(`hybridpar.cli.main`), which has imported torch and transformers already.
+Every command runs in this process, which has imported torch and transformers already: `hybridpar
+run` through tests/cli_in_process.py (`_cli`: the console entry, its agent's signal handlers
+and environment put back; its workers come from the fork server), `export` and `balance` by
+`hybridpar.cli.main`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import CliResult, hybridpar
 from spawn_cases import spawn_cases
 
 from hybridpar.cli import main
@@ -40,9 +40,8 @@ def _user_config(folder: Path, name: str, *options: str) -> Path:
     return file
 
 
-def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hybridpar.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=240)
+def _cli(*args: str, cwd: Path = ROOT) -> CliResult:
+    return hybridpar(*args, cwd=cwd, timeout=240)
 
 
 def test_llama_tiny_trains_end_to_end_and_exports_a_checkpoint_from_pretrained_loads(tmp_path,
