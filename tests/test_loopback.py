@@ -82,17 +82,23 @@ def _own_listeners(pid: int | str = "self") -> set[tuple[str, int]]:
     return {(addr, port) for addr, port, inode in _listening() if inode in mine}
 
 
-def _process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+def _process_tree(root: int, parents: dict[int, int]) -> list[int]:
+    """`root` and every process it started, and theirs. `parents` (pid -> parent pid), kept
+    between calls, spares re-reading the stat of a process seen before (each poll read every
+    process's: half a poll's CPU); a pid gone from /proc is forgotten (its number may be
+    reused), and one reparented after its parent ended stays in the tree."""
+    running = {int(name) for name in os.listdir("/proc") if name.isdigit()}
+    for pid in parents.keys() - running:
+        del parents[pid]
+    for pid in running - parents.keys():
         try:
-            stat = (proc / "stat").read_text()
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])   # the name in (...) may hold spaces
-        children.setdefault(ppid, []).append(int(proc.name))
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])   # the name in (...) may hold spaces
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -256,6 +262,7 @@ def test_hybridpar_run_listens_on_loopback_only(tmp_path: Path):
     config.write_text(TINY.read_text())
     log = tmp_path / "run.log"
     seen: dict[tuple[str, int], int] = {}   # every listener of the run's processes -> its pid
+    parents: dict[int, int] = {}
     with log.open("w") as out:
         agent = subprocess.Popen(
             [sys.executable, "-m", "hybridpar.cli", "run", str(config), "--run-dir", "r",
@@ -266,7 +273,7 @@ def test_hybridpar_run_listens_on_loopback_only(tmp_path: Path):
         try:
             while agent.poll() is None:
                 assert time.monotonic() < deadline, "the run did not end in 120 s"
-                owners = {inode: pid for pid in _process_tree(agent.pid)
+                owners = {inode: pid for pid in _process_tree(agent.pid, parents)
                           for inode in _socket_inodes(pid)}
                 for addr, port, inode in _listening():
                     if inode in owners:
