@@ -9,8 +9,10 @@ both copies free it when collected: the storage's weak count goes below zero and
 is freed while in use. `train.check.fake_gpu.FakeFunctions` now keeps the mode out of the copy.
 
 The dry runs run in a child process (the fake GPU's registration lasts for the process), the
-CLI's in another beside it. A fake step's time goes with the number of ops it runs, not their
-sizes: the jobs' models have 2 blocks, and every dry run here takes 2 micro-batches.
+CLI's after them in the same child, through the console script's entry (`hybridpar.cli.main`,
+tests/cli_in_process.py; tests/test_check.py runs `hybridpar check` as a process). A fake
+step's time goes with the number of ops it runs, not their sizes: the jobs' models have 2
+blocks, and every dry run here takes 2 micro-batches.
 """
 
 from __future__ import annotations
@@ -75,42 +77,46 @@ def pretrained_llama(folder: Path) -> CheckReport:
                                      "parallel.pp=1", "parallel.tp=1"], isolate=False)
 
 
+# `hybridpar check configs/llama_tiny.toml --memory 80 --set parallel.chunks=2 --json PATH`
+CLI = ("check", str(LLAMA), "--memory", "80", "--set", "parallel.chunks=2", "--json")
+
+
 def run_jobs(out: str) -> None:
-    """In the child: every job's report as JSON in `out`."""
+    """In the child: every job's report as JSON in `out`, then the CLI's `CLI` (its JSON in
+    cli.json, its exit status, stdout and stderr in cli.txt beside `out`)."""
+    from cli_in_process import hybridpar
+
     reports = {name: job().to_dict() for name, job in JOBS.items()}
     reports["llama pretrained"] = pretrained_llama(Path(out).with_name("pretrained")).to_dict()
     Path(out).write_text(json.dumps(reports))
+    done = hybridpar(*CLI, Path(out).with_name("cli.json"), timeout=300)
+    Path(out).with_name("cli.txt").write_text(json.dumps(
+        {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{job: CheckReport}, and the CLI's ``hybridpar check configs/llama_tiny.toml --memory
     80 --json`` (its 4 blocks, 2 micro-batches; exit status, stdout, its JSON as a
-    CheckReport) as "cli"."""
+    CheckReport) as "cli": all in one child process."""
     folder = tmp_path_factory.mktemp("check_hf")
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_check_hf; "
             f"test_check_hf.run_jobs({str(folder / 'jobs.json')!r})")
-    commands = {"jobs": [sys.executable, "-c", code],
-                "cli": [sys.executable, "-m", "hybridpar.cli", "check", str(LLAMA), "--memory",
-                        "80", "--set", "parallel.chunks=2", "--json", str(folder / "cli.json")]}
-    procs = {}
-    for name, command in commands.items():
-        with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
-            procs[name] = subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT)
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=300)
-    finally:
-        for proc in procs.values():
+    with open(folder / "jobs.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=err, stderr=err, cwd=ROOT)
+        try:
+            proc.wait(timeout=480)
+        finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    for name, proc in procs.items():
-        assert proc.returncode == 0, (folder / f"{name}.err").read_text()[-3000:]
+    assert proc.returncode == 0, (folder / "jobs.err").read_text()[-3000:]
+    cli = json.loads((folder / "cli.txt").read_text())
+    assert cli["returncode"] == 0, cli["stderr"][-3000:]
     reports = {name: CheckReport.from_dict(r)
                for name, r in json.loads((folder / "jobs.json").read_text()).items()}
     reports["cli"] = CheckReport.from_dict(json.loads((folder / "cli.json").read_text()))
-    return reports, (folder / "cli.out").read_text()
+    return reports, cli["stdout"]
 
 
 def test_the_cli_checks_the_tiny_llama_at_pp2_x_tp2_and_prints_each_ranks_bytes(runs):
