@@ -210,7 +210,9 @@ def _block(message):
 def test_a_stuck_stage_makes_every_other_rank_report_where_it_waits(schedule):
     start = time.monotonic()
     results = hybridpar.spawn(_four_stages, 4, args=("sleep", schedule), timeout=60)
-    assert time.monotonic() - start < TIMEOUT + 6           # spawn returned promptly
+    # Nobody waited out a hang: the spawn returned far inside its own 60 s limit (each rank's
+    # own time to give up is bounded below; start-up on a loaded 2-core machine took 8-10 s)
+    assert time.monotonic() - start < 30
     for rank in (0, 2, 3):
         waited, message, _ = results[rank]
         _, fields = _block(message)
