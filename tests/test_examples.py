@@ -26,6 +26,10 @@ EXAMPLES = {   # name -> the command line's arguments after the interpreter
 }
 TIMEOUT = 300          # seconds, each example
 AT_ONCE = 2
+# The `outputs` fixture runs all five (two at a time) inside the first test: pytest's
+# 300 s per test (pyproject.toml) was passed twice on a loaded 2-core EPYC; each example
+# keeps its own TIMEOUT.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
