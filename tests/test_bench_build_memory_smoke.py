@@ -5,16 +5,11 @@ its numbers mean little at this size. tests/test_memory_bound.py runs the rows' 
 size that means something."""
 
 import json
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_small_run_measures_every_rank_of_every_row(tmp_path, capsys):
     # in this process: every measure is a rank's own (hybridpar.spawn, timeout 600 s; the
     # suite's pytest-timeout bounds the test), so the script needs no interpreter of its own
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_build_memory
 
     out = tmp_path / "build_memory.json"

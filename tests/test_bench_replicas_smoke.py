@@ -3,10 +3,7 @@
 nothing here."""
 
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--batch", "4", "--seq", "8",
         "--chunks", "2", "--warmup", "0", "--iters", "1"]
 
@@ -14,7 +11,6 @@ TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--batch", "4", "--
 def test_a_tiny_run_times_the_check_and_counts_its_bytes_by_the_formula(tmp_path, capsys):
     # in this process: every time and byte count is a spawned rank's (hybridpar.spawn, timeout
     # 600 s; the suite's pytest-timeout bounds the test), so no interpreter of its own
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_replicas
 
     out = tmp_path / "replicas.json"

@@ -9,16 +9,11 @@ step time is measured, and each zero level's peak resident set above the baselin
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_zero_benchmark_counts_the_formulas_exactly_and_times_both(tmp_path, capsys):
     # in this process: every count, time and peak is a spawned rank's own (hybridpar.spawn,
     # timeout 600 s; the suite's pytest-timeout bounds the test), so no interpreter of its own
-    sys.path.insert(0, str(ROOT / "scripts"))
     import bench_zero
 
     out = tmp_path / "bench_zero.json"

@@ -14,12 +14,10 @@ import contextlib
 import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = Path(__file__).resolve().parent / "data" / "gpu_check_smoke.toml"
 
 SCHEDULE_CHECKS = ["schedule_gpipe", "schedule_1f1b", "schedule_interleaved", "schedule_zb-h1",
@@ -36,7 +34,6 @@ def smoke(tmp_path_factory):
     """The script's `main` in this process (its ranks are `hybridpar.spawn`'s, each with the
     script's timeout; the suite's pytest-timeout bounds the whole): what it prints, and its
     output folder."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
 
     out = tmp_path_factory.mktemp("gpu_check")
@@ -99,7 +96,6 @@ def test_the_numbers_behind_the_verdicts(smoke):
 
 
 def test_a_schedule_that_fails_or_drifts_is_a_fail_with_its_reason():
-    sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check
 
     assert [gpu_check.schedule_pp(n) for n in (1, 2, 3, 4, 8)] == [0, 2, 2, 4, 4]

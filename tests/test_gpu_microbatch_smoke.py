@@ -2,18 +2,13 @@
 without a GPU. Its numbers mean nothing here; every time must be measured and written."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_tiny_run_times_every_count_and_writes_the_profile(tmp_path, capsys):
     # in this process: the script's main times in a rank that hybridpar.spawn starts (timeout
     # 600 s; the suite's pytest-timeout bounds the test), so no interpreter of its own is needed
-    sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_microbatch
 
     code = gpu_microbatch.main(["--device", "cpu", "--tiny", "--chunks", "1,4",
@@ -33,7 +28,6 @@ def test_the_tiny_run_times_every_count_and_writes_the_profile(tmp_path, capsys)
 
 def test_a_batch_that_does_not_split_is_refused(tmp_path, capsys):
     # in this process: the script's main refuses before it starts a rank
-    sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_microbatch
 
     for argv, message in (

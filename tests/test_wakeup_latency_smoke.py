@@ -2,19 +2,14 @@
 arguments; its numbers mean nothing here."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_short_run_measures_every_sleep_and_the_hop(tmp_path, capsys):
     # in this process: the hop is timed in ranks that hybridpar.spawn starts (timeout 300 s;
     # the suite's pytest-timeout bounds the test); main's torch.set_num_threads(1) is undone
-    sys.path.insert(0, str(ROOT / "scripts"))
     import wakeup_latency
 
     threads = torch.get_num_threads()
@@ -32,7 +27,6 @@ def test_a_short_run_measures_every_sleep_and_the_hop(tmp_path, capsys):
 
 def test_a_sleep_of_zero_is_refused(tmp_path, capsys):
     # in this process: the script's main refuses before it measures or starts a rank
-    sys.path.insert(0, str(ROOT / "scripts"))
     import wakeup_latency
 
     with pytest.raises(SystemExit) as exit_:
