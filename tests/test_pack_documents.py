@@ -6,7 +6,9 @@ window before. The reference cuts each window at its EOS tokens (not at the .idx
 the positions come from) and runs every piece alone through the plain model, positions from
 0; the packed model on (ids, positions) must give the same loss and gradients (float64), as
 the gpt and as Hugging Face's Llama and Mistral (a sliding window of 2). Then pp x tp x dp
-layouts on gloo ranks against the one-device packed model, and a run of the trainer.
+layouts on gloo ranks against the one-device packed model (the Llama at pp 2 x tp 2 under its
+own plan by name, "hf", and as the plan object `hybridpar.hf.tp_plan(model)` gives), and a run
+of the trainer.
 """
 
 from __future__ import annotations
@@ -222,11 +224,15 @@ def _model(kind, tp):
     if kind == "gpt":
         torch.manual_seed(0)
         return pack_documents(gpt(**SMALL, tp=tp).double()), gpt_loss, None
-    from hybridpar.hf import to_sequential
+    from hybridpar.hf import to_sequential, tp_plan
     from hybridpar.models.hf import next_token_loss
 
-    plan = "hf" if tp is not None and tp > 1 else None
-    return pack_documents(to_sequential(tiny_hf(kind))), next_token_loss, plan
+    # "llama+tp_plan": the plan object `hybridpar.hf.tp_plan` gives (layer 0 left out: it
+    # passes the positions on), instead of the name "hf"
+    kind, _, how = kind.partition("+")
+    seq = to_sequential(tiny_hf(kind))
+    plan = None if tp is None or tp == 1 else tp_plan(seq) if how == "tp_plan" else "hf"
+    return pack_documents(seq), next_token_loss, plan
 
 
 def _sgd(model, loss_fn, batches):
@@ -284,7 +290,7 @@ def test_pipeline_tensor_and_data_parallel_packed_runs_match_one_device(folder, 
     batches = packed_batches(folder)
     layouts = [("gpt", (2, 2, 1)), ("gpt", (2, 1, 2)), ("gpt", (1, 2, 2))]
     if transformers is not None:
-        layouts.append(("llama", (2, 2, 1)))
+        layouts += [("llama", (2, 2, 1)), ("llama+tp_plan", (2, 2, 1))]
     cfg = trainer_config(folder, "parallel.pp=2", "parallel.tp=2", "parallel.dp=1")
     one = trainer_config(folder, "parallel.pp=1", "parallel.tp=1", "parallel.dp=1")
     ranks = hybridpar.spawn(_cases, 4, args=(layouts, batches, cfg, str(tmp_path / "pp2tp2")),
