@@ -11,6 +11,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from hybridpar.cli import main
 from hybridpar.io.run_lock import LOCK_NAME, RunDirInUse, hold_run_dir, holder
+from hybridpar.launch import free_port
 from hybridpar.train.launcher import launch, registered_worker, worker_pids
 
 TINY = Path(__file__).parent / "data" / "tiny_gpt.toml"   # 2 workers
@@ -209,6 +211,83 @@ def test_the_workers_store_is_bound_by_the_agent_and_new_for_each_attempt() -> N
         assert again.num_keys() == 0 and not again.check(["default_pg/0//rank_0"])
     finally:
         handler.shutdown()
+
+
+def _network_address() -> str | None:
+    """An IPv4 address of this machine that is not loopback (None without a route out)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))   # a documentation address: no packet is sent
+        except OSError:
+            return None
+        address = str(s.getsockname()[0])
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_nodes_of_a_network_rendezvous_get_the_workers_store_node_0s_agent_holds() -> None:
+    # --rdzv-endpoint HOST:PORT on a network: node 0's agent binds the workers' store itself
+    # (port 0) and holds it; node 1 learns its port through the rendezvous store. Before,
+    # torch's agent picked the port by binding and releasing it (the race of one machine).
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from hybridpar.train.launcher import _rendezvous
+    from hybridpar.train.rendezvous import NETWORK_BACKEND
+
+    address = _network_address()
+    if address is None:
+        pytest.skip("this machine has no network address besides loopback")
+    port = free_port()
+    backend, endpoint, local_addr = _rendezvous(f"{address}:{port}", single=False)
+    assert (backend, endpoint, local_addr) == (NETWORK_BACKEND, f"{address}:{port}", None)
+    handlers = [get_rendezvous_handler(RendezvousParameters(
+        backend=backend, endpoint=endpoint, run_id="nodes", min_nodes=2, max_nodes=2,
+        is_host=node == 0, rank=node, read_timeout=20)) for node in (0, 1)]
+    infos: dict[int, object] = {}
+
+    def join(node: int) -> None:
+        infos[node] = handlers[node].next_rendezvous()
+
+    try:
+        threads = [threading.Thread(target=join, args=(node,)) for node in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert sorted(infos) == [0, 1], "a node did not join"
+        stores = {node: info.bootstrap_store_info for node, info in infos.items()}
+        assert stores[0] == stores[1] and stores[0].master_addr == address
+        assert all(h.use_agent_store for h in handlers)
+        workers = stores[0].master_port
+        assert workers != port
+        with socket.socket() as s, pytest.raises(OSError):   # held, not released
+            s.bind(("", workers))
+        wait = datetime.timedelta(seconds=20)
+        client = dist.TCPStore(address, workers, None, False, timeout=wait)
+        client.set("default_pg/0//rank_0", "a worker's address")
+        assert dist.TCPStore(address, workers, None, False, timeout=wait).get(
+            "default_pg/0//rank_0") == b"a worker's address"
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+def test_a_rendezvous_backend_refuses_the_other_kind_of_endpoint() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from hybridpar.train.rendezvous import register_loopback_backend, register_network_backend
+
+    for backend, endpoint, kind in ((register_loopback_backend(), "10.1.2.3:29500", "loopback"),
+                                    (register_network_backend(), "127.0.0.1:29500",
+                                     "network (not loopback)")):
+        with pytest.raises(ValueError, match=re.escape(
+                f"the {backend} rendezvous needs a {kind} endpoint, got '{endpoint}'")):
+            get_rendezvous_handler(RendezvousParameters(
+                backend=backend, endpoint=endpoint, run_id="x", min_nodes=1, max_nodes=1,
+                is_host=True))
 
 
 @LINUX

@@ -183,7 +183,8 @@ def test_the_launcher_picks_the_loopback_rendezvous_for_one_machine():
     assert _rendezvous(None, single=True) == ("hybridpar-loopback", "127.0.0.1:0", "127.0.0.1")
     assert _rendezvous("localhost:29500", single=False) == (
         "hybridpar-loopback", "localhost:29500", "127.0.0.1")
-    assert _rendezvous("10.1.2.3:29500", single=False) == ("c10d", "10.1.2.3:29500", None)
+    assert _rendezvous("10.1.2.3:29500", single=False) == (
+        "hybridpar-c10d", "10.1.2.3:29500", None)
 
 
 def test_the_elastic_rendezvous_store_listens_on_loopback_only():

@@ -26,12 +26,11 @@ The run's lifetime is the agent's:
   `hybridpar.process.lifetime`. A worker started after the agent died sees it gone and ends.
   No orphan goes on writing checkpoints nobody will stop.
 
-With no endpoint or a loopback one (`hybridpar.train.rendezvous`), the agent's store and the
-workers' listen on loopback only, and the workers' store is one the host node's agent binds
-and holds for each attempt (no port picked, released and bound again: two runs started at
-once never collide). A network endpoint uses torch's c10d rendezvous (its store not shared
-with the workers, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: stale addresses in a shared store
-broke restarts).
+The workers' store is one the host node's agent binds and holds for each attempt
+(`hybridpar.train.rendezvous`: no port picked, released and bound again, so two runs started
+at once never collide; not torch's store shared with the workers, whose stale addresses broke
+restarts). With no endpoint or a loopback one, it and the agent's store listen on loopback
+only; a network endpoint (several machines) has both on every interface.
 """
 
 from __future__ import annotations
@@ -124,8 +123,11 @@ def _rendezvous(endpoint: str | None, *, single: bool) -> tuple[str, str, str | 
         from hybridpar.train.rendezvous import register_loopback_backend
 
         return register_loopback_backend(), endpoint, bind_host(host)
-    # A real network endpoint: torch's c10d rendezvous, its store on every interface.
-    return "c10d", endpoint, "127.0.0.1" if single else None
+    # A network endpoint: torch's c10d rendezvous, its stores on every interface (the
+    # workers' one bound and held by node 0's agent, `train.rendezvous`).
+    from hybridpar.train.rendezvous import register_network_backend
+
+    return register_network_backend(), endpoint, "127.0.0.1" if single else None
 
 
 def launch(config_path: str, *, run_dir: str | os.PathLike[str] | None = None,
@@ -190,8 +192,6 @@ def _launch(config: Config, folder: Path, *, world: int, max_restarts: int, nnod
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     single = nnodes == 1
     backend, endpoint, local_addr = _rendezvous(rdzv_endpoint, single=single)
-    if backend == "c10d":
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launch_config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=world // nnodes,
         run_id=f"hybridpar-{config.name}" if not single else f"hybridpar-{uuid.uuid4().hex[:8]}",
