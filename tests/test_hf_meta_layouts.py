@@ -28,8 +28,8 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face test
 BALANCE = [2, 3]            # embedding + block | block + norm + head: the tie crosses stages
 KINDS = ("llama", "qwen3", "gpt2")
 # any decoder (`hf.structure`): glue layers, a scaled embedding sharded with its scale under
-# its own (tied) plan, other trunk names
-NEW = {"gemma2": "hf", "granite": "auto", "gpt_neox": "auto"}
+# its own (tied) plan, other trunk names, per-head norms cut by head (drawn whole by init_fn)
+NEW = {"gemma2": "hf", "granite": "auto", "gpt_neox": "auto", "cohere": "hf"}
 
 
 def _meta_pipe_logits(kind, directory, plan, ids):

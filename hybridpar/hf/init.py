@@ -33,7 +33,9 @@ def init_fn(model_or_config: Any) -> _Init:
         ParallelConv1D               Conv1D(nf, nx)                    "
         ParallelEmbedding            nn.Embedding(V, D, padding_idx)   its vocab / features
 
-    and a Hugging Face module whose own rule draws a child's weight (GPT-2's attention and MLP
+    A Hugging Face module holding a per-head parameter cut by a plan (Cohere's q / k norm
+    weights, `plan.shard_per_head`) draws it whole and keeps its slice the same way. And a
+    Hugging Face module whose own rule draws a child's weight (GPT-2's attention and MLP
     redraw ``c_proj.weight`` scaled by 1 / sqrt(2 n_layer)) draws it on the full layer too:
     its tp children are swapped for full plain layers while the rule runs, and keep the
     slices of what it drew. So a tp group's shards form one full tensor, drawn as on one
@@ -76,7 +78,8 @@ def init_fn(model_or_config: Any) -> _Init:
 
             init_from_full(module, full, init_full, group=getattr(module, "group", None))
         elif type(module).__module__.startswith("transformers."):
-            _init_over_full_children(module, init_weights)
+            with _whole_own_parameters(module):
+                _init_over_full_children(module, init_weights)
         else:
             init_weights(module)
 
@@ -158,6 +161,31 @@ def _init_over_full_children(module: nn.Module, init_weights: _Init) -> None:
         init_weights(module)
     for child, full in swapped.values():
         _keep_slices(child, full, drawn_only=True)
+
+
+@contextmanager
+def _whole_own_parameters(module: nn.Module) -> Iterator[None]:
+    """`module` with its own sharded parameters (per-head ones `plan.shard_per_head` cut:
+    Cohere's q / k norms) whole for the block's duration, NaN first; each then keeps this
+    rank's slice of what the rule drew (left alone if the rule drew nothing)."""
+    from hybridpar.sharded.attrs import tensor_shard_dim
+    from hybridpar.tensor_parallel.state import full_shape, shard_of
+
+    group = getattr(module, "group", None)
+    cut = {name: p for name, p in module.named_parameters(recurse=False)
+           if tensor_shard_dim(p) is not None}
+    for name, p in cut.items():
+        module._parameters[name] = nn.Parameter(
+            torch.full(full_shape(p, group), float("nan"), dtype=p.dtype, device=p.device),
+            requires_grad=False)
+    try:
+        yield
+    finally:
+        for name, p in cut.items():
+            whole = module._parameters[name]
+            module._parameters[name] = p
+            if whole is not None and not bool(whole.isnan().all()):
+                p.copy_(shard_of(whole.detach(), p, group))
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from hybridpar.hf.keys import KeyMap, key_map
-from hybridpar.hf.structure import config_value, num_layers
+from hybridpar.hf.structure import num_layers
 
 __all__ = ["config_of", "tp_plan"]
 
@@ -69,34 +69,8 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         # logits left class-sharded for the vocab-parallel loss (not gathered)
         out[_layer(names, names.tied[0])] = "colwise"
         out[_layer(names, names.tied[1])] = "embedding_rowwise"
-    _check_per_head(model, out, config, names)
     return out
 
-
-def _check_per_head(model: nn.Module, plan: dict[str, str], config: Any, names: KeyMap
-                    ) -> None:
-    """A ValueError for a per-head parameter (heads, head_dim) the plan leaves whole beside
-    projections it shards by head (Cohere's q_norm / k_norm): it would meet this rank's heads
-    only."""
-    heads = {config_value(config, "num_attention_heads"),
-             config_value(config, "num_key_value_heads")} - {None}
-    if not heads or isinstance(model, nn.Sequential):
-        named = dict(plan)
-    else:
-        named = {names.to_hf(f"{k}.weight").removesuffix(".weight"): v for k, v in plan.items()}
-    for prefix, module in model.named_modules():
-        sharded = [c for c, _ in module.named_children()
-                   if named.get(f"{prefix}.{c}".lstrip("."), "").startswith("colwise")]
-        if not sharded:
-            continue
-        for pname, p in module.named_parameters():
-            owner = f"{prefix}.{pname}".lstrip(".").rpartition(".")[0]
-            if p.ndim == 2 and p.shape[0] in heads and p.shape[0] > 1 and owner not in named:
-                raise ValueError(
-                    f"tp_plan 'hf': {type(config).__name__}'s plan shards {', '.join(sharded)} "
-                    f"of '{prefix}' by head but leaves its per-head parameter '{pname}' "
-                    f"{tuple(p.shape)} whole; sharding per-head parameters is not supported "
-                    "yet: use tp_plan='auto' (it keeps such an attention replicated)")
 
 def _layer(names: KeyMap, hf_weight: str) -> str:
     """The Sequential layer holding the HF parameter `hf_weight`."""

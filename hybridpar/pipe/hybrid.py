@@ -52,7 +52,7 @@ from hybridpar.pipeline.runtime.virtual import RankStages
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.precision import cast_parameters, check_dtype_runs
 from hybridpar.process import generation
-from hybridpar.sharded.attrs import has_partial_grad, register_partial_grad
+from hybridpar.sharded.attrs import has_partial_grad, register_partial_grad, tags_kept
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.topology import Topology, current_topology
 
@@ -214,7 +214,8 @@ class HybridPipe(PipeParameters):
         with fail_together((TypeError, ValueError, RuntimeError, NotImplementedError)):
             # a stage of its own: may fail on this rank only
             materialize(local, self.device, init_fn=init_fn)
-            local.to(self.device)
+            with tags_kept(local):
+                local.to(self.device)
         return local
 
     def _build_executors(self, routes: list[SkipRoute], *, watchdog: bool | float | None

@@ -20,6 +20,9 @@ re-tag with `register_parallel_dim` or `RegisterParallelDim`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import Tensor, nn
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "register_parallel_attribute",
     "register_parallel_dim",
     "register_partial_grad",
+    "tags_kept",
     "tensor_shard_dim",
 ]
 
@@ -122,3 +126,19 @@ def is_sharded_layer(module: nn.Module) -> bool:
     """Whether `module` is a tp layer (`tensor_parallel.base.ParallelLayer` says so), told
     without importing tensor parallelism (the pipeline's materialization asks)."""
     return bool(getattr(type(module), SHARDED_LAYER_ATTR, False))
+
+
+@contextlib.contextmanager
+def tags_kept(module: nn.Module) -> Iterator[None]:
+    """Inside, `module` may put new Parameter objects in (``to_empty`` from `meta`, ``.to``
+    another device); after, each has the Python attributes (these tags, a full shape) of
+    the one it replaced. The tp layers re-tag their own; this keeps those of a parameter a
+    plan cut in a module of any class (`plan.shard_per_head`)."""
+    saved = {(id(m), key): dict(vars(p)) for m in module.modules()
+             for key, p in m._parameters.items() if p is not None and vars(p)}
+    yield
+    for m in module.modules():
+        for key, p in m._parameters.items():
+            for attr, value in saved.get((id(m), key), {}).items():
+                if p is not None and not hasattr(p, attr):
+                    setattr(p, attr, value)

@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from hybridpar.keyed import KeyedInit, reset_of
-from hybridpar.sharded.attrs import is_sharded_layer
+from hybridpar.sharded.attrs import is_sharded_layer, tags_kept
 
 __all__ = ["balance_problem", "check_balance", "check_sequential", "free_layers", "layer_spans",
            "materialize", "split", "stage_bounds"]
@@ -160,7 +160,8 @@ def materialize(stage: nn.Module, device: torch.device | str, *,
         for key, param in module._parameters.items():
             if param is not None:
                 holders.setdefault(id(param), []).append((module, key))
-    stage.to_empty(device=device)
+    with tags_kept(stage):
+        stage.to_empty(device=device)
     for users in holders.values():   # to_empty gives each user its own copy: tie them again
         first_module, first_key = users[0]
         for module, key in users[1:]:

@@ -106,6 +106,7 @@ class Pairing:
     rows: dict[str, set[str]]               # row layer -> the columns feeding it
     reasons: dict[str, str]                 # dropped candidate -> why
     partial: dict[str, set[str]] = field(default_factory=dict)   # parameter -> columns
+    sliced: dict[str, int] = field(default_factory=dict)   # per-head parameter -> its dim
 
 
 @contextlib.contextmanager
@@ -238,6 +239,10 @@ def pair_columns(root: nn.Module, names: Mapping[int, str],
         for p, cols in run.mixed().items():
             run.fault(cols, f"its shard meets '{p}', which is also used on full activations "
                             f"(its gradient would be partly a shard's, partly whole)")
+        for p, (_, cols) in run.sliced.items():
+            if p in run.whole:
+                run.fault(cols, f"its shard meets '{p}' split by head, which is also used "
+                                f"whole on full activations")
         dropped = {n for n in run.blame if n in columns} | (run.demoted & set(columns))
         if not dropped:
             fed = set().union(*run.rows.values()) if run.rows else set()
@@ -248,7 +253,7 @@ def pair_columns(root: nn.Module, names: Mapping[int, str],
             if unfed:
                 continue
             rows = {r: c & set(columns) for r, c in run.rows.items() if c & set(columns)}
-            return Pairing(columns, rows, reasons, dict(run.partial))
+            return Pairing(columns, rows, reasons, dict(run.partial), _sliced(run, columns))
         for n in dropped:
             if n in run.blame:
                 reasons[n] = run.blame[n]
@@ -256,10 +261,19 @@ def pair_columns(root: nn.Module, names: Mapping[int, str],
     raise TraceFailed("the simulation did not settle")
 
 
+def _sliced(run: Run, columns: Mapping[str, int]) -> dict[str, int]:
+    """The per-head parameters the shards of `columns` meet: {parameter: its dim}."""
+    return {p: dim for p, (dim, cols) in run.sliced.items() if cols & set(columns)}
+
+
 def partial_uses(root: nn.Module, names: Mapping[int, str],
                  sample: tuple[tuple[Any, ...], dict[str, Any]], full: FullTrace, tp: int,
-                 columns: Mapping[str, int]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+                 columns: Mapping[str, int]
+                 ) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, int]]:
     """A dict plan's columns as given: ({parameter: columns} of the replicated parameters
-    used on their shards, those of them also used on full activations)."""
+    used on their shards, those of them also used on full activations, {per-head parameter:
+    its dim})."""
     run = _simulate(root, names, sample, full, tp, columns, None)
-    return dict(run.partial), run.mixed()
+    mixed = run.mixed()
+    mixed.update({p: cols for p, (_, cols) in run.sliced.items() if p in run.whole})
+    return dict(run.partial), mixed, _sliced(run, columns)

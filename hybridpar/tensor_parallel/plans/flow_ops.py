@@ -32,6 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from hybridpar.tensor_parallel.plans.flow_heads import cut_per_head
+
 __all__ = ["Abort", "FullTrace", "Run", "Shard", "TraceFailed", "is_conv1d", "is_linear_like",
            "linear_sizes"]
 
@@ -140,11 +142,14 @@ class Run:
         self.data: set[int] = set()                     # full activations (from the input)
         self.partial: dict[str, set[str]] = {}          # parameter -> columns whose shard it met
         self.whole: set[str] = set()                    # parameters used on full activations
+        self.param_shapes: dict[str, tuple[int, ...]] = {}
+        self.sliced: dict[str, tuple[int, set[str]]] = {}   # per-head parameters (flow_heads)
 
     def begin(self, params: Mapping[str, Tensor], inputs: list[Tensor]) -> None:
         """Before the forward: the (meta) parameters by name, the input activations."""
         for name, p in params.items():
             self.derived[id(p)] = frozenset({name})
+            self.param_shapes[name] = tuple(p.shape)
         self.data.update(id(t) for t in inputs)
 
     # blame ------------------------------------------------------------------------------------
@@ -166,6 +171,8 @@ class Run:
         sources = frozenset().union(*(s.sources for s in shards)) if shards else frozenset()
         if shards:
             self.last_shard_op = name
+            args, kwargs = cut_per_head(self, name, args, kwargs, ins)
+            ins = _tensors((args, kwargs))
         try:
             out = func(*args, **kwargs)
         except Exception as e:

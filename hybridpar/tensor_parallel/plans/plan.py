@@ -92,12 +92,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TypeVar, cast
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.sharded.attrs import register_partial_grad
-from hybridpar.sharded.mappings import group_size
+from hybridpar.sharded.attrs import register_parallel_attribute, register_partial_grad
+from hybridpar.sharded.mappings import group_rank, group_size, shard_range
 from hybridpar.tensor_parallel.feature.dense import TPDense
 from hybridpar.tensor_parallel.plans.flow import is_conv1d
 from hybridpar.tensor_parallel.plans.hooks import (
@@ -120,6 +121,7 @@ from hybridpar.tensor_parallel.plans.plan_flow import (
     SAMPLE,
     HeadChange,
     Partial,
+    Sliced,
     resolve_auto,
 )
 from hybridpar.tensor_parallel.plans.plan_read import Tie, check_explicit, prepare_plan, read_dict
@@ -131,6 +133,7 @@ from hybridpar.tensor_parallel.plans.plan_styles import (
     STYLES,
 )
 from hybridpar.tensor_parallel.plans.strategy import apply_strategies
+from hybridpar.tensor_parallel.state import register_full_shape
 from hybridpar.topology import default_tp_group
 
 __all__ = ["DENSE_STYLES", "STYLES", "apply_tp_plan", "plan_decisions"]
@@ -192,6 +195,30 @@ def _mark_partial(module: nn.Module, styles: Mapping[str, str], partial: Partial
         register_partial_grad(params[name])
     return [f"{name}: replicated, gradient summed over tp ({reason})"
             for name, reason in sorted(why.items())]
+
+
+def shard_per_head(module: nn.Module, sliced: Sliced, group: ProcessGroup) -> list[str]:
+    """Cut each per-head parameter (`flow_heads`) to this rank's slice along its dim, the
+    heads its column keeps, tagged (that dim, its full shape) so that state dicts, loads and
+    exports see the whole; one decision line each."""
+    tp, rank = group_size(group), group_rank(group)
+    lines = []
+    for name, dim in sorted(sliced.items()):
+        owner_name, _, key = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        whole = getattr(owner, key)
+        start, stop = shard_range(whole.shape[dim], tp, rank)
+        with torch.no_grad():
+            part = nn.Parameter(whole.detach().narrow(dim, start, stop - start).clone(),
+                                requires_grad=whole.requires_grad)
+        register_parallel_attribute(part, -1 if dim == whole.dim() - 1 else dim, 1)
+        register_full_shape(part, whole.shape)
+        setattr(owner, key, part)
+        if getattr(owner, "group", None) is None:   # `state.module_group`: its tp group
+            vars(owner)["group"] = group               # a plain attribute, as nn.Module's
+        lines.append(f"{name}: sharded by head (dim {dim}: {stop - start} of "
+                     f"{whole.shape[dim]} per rank), as the column whose heads it meets")
+    return lines
 
 
 def _dense_note(name: str, links: list[Link]) -> str:
@@ -290,12 +317,14 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
         return module
     ties: list[Tie] = []
     if isinstance(plan, Mapping):
-        notes, fused, changes, ties, partial = check_explicit(module, layers, styles, tp,
-                                                               sample)
+        notes, fused, changes, ties, partial, sliced = check_explicit(module, layers, styles,
+                                                                       tp, sample)
     else:
-        styles, notes, fused, changes, partial = resolve_auto(module, layers, tp, sample)
+        styles, notes, fused, changes, partial, sliced = resolve_auto(module, layers, tp,
+                                                                      sample)
     partial_lines = _mark_partial(module, styles, partial)
     _replace(module, layers, styles, fused, group, ties, changes)
+    partial_lines += shard_per_head(module, sliced, group)
     lines: dict[str, str] = {}
     extra: list[str] = []
     if prepared is not None:

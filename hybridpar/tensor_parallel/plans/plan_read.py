@@ -15,6 +15,7 @@ from hybridpar.tensor_parallel.plans.plan_flow import (
     SAMPLE,
     HeadChange,
     Partial,
+    Sliced,
     explicit_flow,
 )
 from hybridpar.tensor_parallel.plans.plan_styles import (
@@ -77,12 +78,12 @@ def tie_note(name: str, style: str, why: str, styles: Mapping[str, str], layers:
 def check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str], tp: int,
                     sample: SAMPLE | None
                     ) -> tuple[dict[str, str], dict[str, int], list[HeadChange], list[Tie],
-                               Partial]:
-    """A dict plan's notes, fused parts, head changes, ties and partial parameters;
+                               Partial, Sliced]:
+    """A dict plan's notes, fused parts, head changes, ties, partial and per-head parameters;
     ValueError before any change."""
     notes: dict[str, str] = {}
     ties: list[Tie] = []
-    fused, changes, partial = explicit_flow(module, layers, styles, tp, sample)
+    fused, changes, partial, sliced = explicit_flow(module, layers, styles, tp, sample)
     for name, style in styles.items():
         if style in REPLICATED:
             continue
@@ -101,7 +102,7 @@ def check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str],
         elif fused.get(name, 1) > 1 or style == "column_fused2":
             notes[name] = (f"fused in {fused.get(name, 2)} parts, each rank keeps its "
                            f"slice of every part")
-    return notes, fused, changes, ties, partial
+    return notes, fused, changes, ties, partial, sliced
 
 
 def pack_plan_problem(plan: Mapping[Any, Any], key: str = "tp_plan") -> str | None:
