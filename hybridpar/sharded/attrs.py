@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from torch import Tensor, nn
 
 __all__ = [
+    "FULL_SHAPE_ATTR",
     "ORDER_TYPE_ATTR",
     "PARALLEL_DIM_ATTR",
     "PARTIAL_GRAD_ATTR",
@@ -46,6 +47,9 @@ ORDER_TYPE_ATTR = "order_type"
 PARTIAL_GRAD_ATTR = "tp_partial_grad"
 SHARDED_LAYER_ATTR = "tp_sharded_layer"   # a class attribute of the tp layers (ParallelLayer)
 SEQUENCE = -2   # an activation sharded on its sequence dim, (*, T / tp, C): never a layer dim
+FULL_SHAPE_ATTR = "_FULL_SHAPE"   # a sharded tensor's full shape (`tensor_parallel.state`)
+# what `tags_kept` carries over (not the attributes other libraries set on parameters)
+_TAGS = (PARALLEL_DIM_ATTR, ORDER_TYPE_ATTR, PARTIAL_GRAD_ATTR, FULL_SHAPE_ATTR)
 _VALID_DIMS = (None, 0, 1, -1, SEQUENCE)
 
 
@@ -131,11 +135,13 @@ def is_sharded_layer(module: nn.Module) -> bool:
 @contextlib.contextmanager
 def tags_kept(module: nn.Module) -> Iterator[None]:
     """Inside, `module` may put new Parameter objects in (``to_empty`` from `meta`, ``.to``
-    another device); after, each has the Python attributes (these tags, a full shape) of
-    the one it replaced. The tp layers re-tag their own; this keeps those of a parameter a
-    plan cut in a module of any class (`plan.shard_per_head`)."""
-    saved = {(id(m), key): dict(vars(p)) for m in module.modules()
-             for key, p in m._parameters.items() if p is not None and vars(p)}
+    another device); after, each has the tags (parallel dim, order type, partial gradient,
+    full shape) of the one it replaced, and nothing else: a Hugging Face flag such as
+    ``_is_hf_initialized`` stays behind with the old one. The tp layers re-tag their own;
+    this keeps those of a parameter a plan cut in a module of any class
+    (`plan.shard_per_head`)."""
+    saved = {(id(m), key): {a: getattr(p, a) for a in _TAGS if hasattr(p, a)}
+             for m in module.modules() for key, p in m._parameters.items() if p is not None}
     yield
     for m in module.modules():
         for key, p in m._parameters.items():

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.sharded.attrs import tensor_shard_dim
+from hybridpar.sharded.attrs import FULL_SHAPE_ATTR, tensor_shard_dim
 from hybridpar.sharded.mappings import (
     all_gather_along,
     group_rank,
@@ -52,7 +52,6 @@ __all__ = [
     "slice",
 ]
 
-FULL_SHAPE_ATTR = "_FULL_SHAPE"
 
 
 def slice(tensor: Tensor, num_partitions: int, dim: int | None = None,
