@@ -24,8 +24,10 @@ weights, a float32 sum over the tokens of a micro-batch, depends on how the batc
 (~1e-8 relative, HF's arithmetic, not the pipeline's); split alike, the rest is float64.
 Two such sums tp changes too: Gemma 3's q / k norms (head_dim,) are applied to every head, so
 their float32 gradient is a sum over heads, over this rank's heads under tp (then summed over
-tp in float64); Cohere's per-head norms, cut to this rank's heads, sum the same tokens in
-float32 over a tensor of another shape, in another order. Those 4 weights of each agree to
+tp in float64). Cohere's per-head norms also compute in float32; cut to this rank's heads
+they give bit-equal weight gradients on the same input (checked alone), so their difference
+at tp > 1 comes from float64 differences of ~1e-16 upstream (tp's reductions) crossing a
+float32 rounding, magnified by AdamW; not isolated further. Those 4 weights of each agree to
 1e-8 in their tp layouts (measured 1.9e-9 and 1.4e-9), every other parameter to 1e-9.
 """
 

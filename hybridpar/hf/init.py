@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -110,9 +111,10 @@ def _full_layer(layer: nn.Module) -> nn.Module | None:
     return full.to(dtype=weight.dtype)
 
 
-def _keep_slices(layer: nn.Module, full: nn.Module, *, drawn_only: bool = False) -> None:
-    """Copy this rank's slice of every parameter of `full` into `layer`'s (`drawn_only`: of
-    those that hold something other than NaN, i.e. that an initializer wrote)."""
+def _keep_slices(layer: nn.Module, full: Any, *, drawn_only: bool = False) -> None:
+    """Copy this rank's slice of every parameter of `full` (a module, or any object holding
+    full tensors by the parameters' names) into `layer`'s (`drawn_only`: of those that hold
+    something other than NaN, i.e. that an initializer wrote)."""
     from hybridpar.tensor_parallel.state import shard_of
 
     group = getattr(layer, "group", None)
@@ -169,7 +171,7 @@ def _whole_own_parameters(module: nn.Module) -> Iterator[None]:
     Cohere's q / k norms) whole for the block's duration, NaN first; each then keeps this
     rank's slice of what the rule drew (left alone if the rule drew nothing)."""
     from hybridpar.sharded.attrs import tensor_shard_dim
-    from hybridpar.tensor_parallel.state import full_shape, shard_of
+    from hybridpar.tensor_parallel.state import full_shape
 
     group = getattr(module, "group", None)
     cut = {name: p for name, p in module.named_parameters(recurse=False)
@@ -181,11 +183,9 @@ def _whole_own_parameters(module: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for name, p in cut.items():
-            whole = module._parameters[name]
-            module._parameters[name] = p
-            if whole is not None and not bool(whole.isnan().all()):
-                p.copy_(shard_of(whole.detach(), p, group))
+        wholes = {name: module._parameters[name] for name in cut}
+        module._parameters.update(cut)
+    _keep_slices(module, SimpleNamespace(**wholes), drawn_only=True)
 
 
 @contextmanager

@@ -171,8 +171,9 @@ class Run:
         sources = frozenset().union(*(s.sources for s in shards)) if shards else frozenset()
         if shards:
             self.last_shard_op = name
-            args, kwargs = cut_per_head(self, name, args, kwargs, ins)
-            ins = _tensors((args, kwargs))
+            cut_args, cut_kwargs = cut_per_head(self, name, args, kwargs, ins)
+            if cut_args is not args:   # a per-head parameter's slice came in: its tensors
+                args, kwargs, ins = cut_args, cut_kwargs, _tensors((cut_args, cut_kwargs))
         try:
             out = func(*args, **kwargs)
         except Exception as e:
