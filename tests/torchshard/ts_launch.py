@@ -19,8 +19,13 @@ from typing import Any
 import torch
 from torch.multiprocessing import start_processes
 
-# what the server imports once (a server already started, by hybridpar.spawn, keeps its own)
-_PRELOAD = ["torch", "torch.distributed", "hybridpar.torchshard"]
+import hybridpar.launch
+
+# What the server imports once: `hybridpar.spawn`'s list (the suite's warning filters last,
+# tests/conftest.py) and torchshard's layers. The server is one per pytest process, started by
+# whichever test spawns first: `hybridpar.spawn` and this both ask for the same list, so a
+# rank has the filters whichever came first (test_torch_floor.py checks it).
+hybridpar.launch.preload("torch", "torch.distributed", "hybridpar.torchshard")
 _ENV = ("HYBRIDPAR_TS_PORT", "OMP_NUM_THREADS")
 
 
@@ -33,7 +38,7 @@ def _rank(i: int, env: dict[str, str], fn: Callable[..., Any], args: Sequence[An
 def spawn(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True,
           daemon: bool = False, start_method: str = "spawn") -> Any:
     """`torch.multiprocessing.spawn`'s signature; the ranks start from the forkserver."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(hybridpar.launch.preloaded())
     env = {name: os.environ[name] for name in _ENV if name in os.environ}
     return start_processes(_rank, (env, fn, tuple(args)), nprocs, join, daemon,
                            start_method="forkserver")
