@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install clean
+.PHONY: run test campaign lint install clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder; tests=$$?; \
 	wait $$mypy; types=$$?; cat $(VENV)/mypy.log; \
 	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
+
+# the long runs of tests/tiers.py (examples, `hybridpar run` end to end, measurements): CI
+# runs them after the suite
+campaign: $(STAMP)
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --tier campaign
 
 lint: $(STAMP)
 	$(BIN)/ruff check hybridpar tests examples scripts

@@ -18,6 +18,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+from tiers import TIERS, in_campaign
+
 import hybridpar.launch
 
 HF_PRELOAD = ["transformers", "transformers.models.auto.modeling_auto",
@@ -60,9 +63,35 @@ SLOW_FIRST = ("test_run_cli.py", "test_check_memory.py", "test_zero.py", "test_c
               "test_watchdog.py", "test_layer_checkpoint.py", "test_zero_parity.py")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=TIERS, default="suite",
+                     help="suite: `make test`'s tests (the default); campaign: the long runs "
+                          "of tests/tiers.py (`make campaign`); all: both")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "campaign: a long run of tests/tiers.py's campaign "
+                                       "(run with --tier campaign or --tier all)")
+
+
 def pytest_collection_modifyitems(session, config, items):
     def rank(item):
         name = Path(str(item.fspath)).name
         return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
 
-    items.sort(key=rank)   # stable: the rest keep their order
+    tier = config.getoption("--tier")
+    kept, dropped = [], []
+    for item in items:
+        campaign = in_campaign(item.nodeid)
+        if campaign:
+            item.add_marker(pytest.mark.campaign)
+        wanted = tier == "all" or (tier == "campaign") == campaign
+        (kept if wanted else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = sorted(kept, key=rank)   # stable: the rest keep their order
+
+
+def pytest_report_header(config):
+    return (f"tier: {config.getoption('--tier')} (tests/tiers.py; `make test` runs the "
+            "suite, `make campaign` the campaign)")

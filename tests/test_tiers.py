@@ -1,0 +1,30 @@
+"""tests/tiers.py names real tests, and what it says the suite keeps is there."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from tiers import CAMPAIGN, in_campaign
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("prefix", sorted(CAMPAIGN))
+def test_each_campaign_entry_names_a_test_and_what_the_suite_keeps(prefix):
+    path, _, name = prefix.partition("::")
+    source = (TESTS.parent / path).read_text(encoding="utf-8")
+    if name:
+        assert re.search(rf"^def {re.escape(name)}\w*\(", source, re.MULTILINE), prefix
+    for kept in re.findall(r"test_\w+\.py", CAMPAIGN[prefix]):
+        assert (TESTS / kept).is_file(), (prefix, kept)
+
+
+def test_a_node_id_is_the_campaigns_by_its_prefix():
+    assert in_campaign("tests/test_examples.py::test_hybrid_mlp_example_trains_on_four_ranks")
+    assert in_campaign("tests/test_compile.py::test_tp2_compiled_matches_eager_with_graph_"
+                       "breaks_at_the_collectives")
+    assert not in_campaign("tests/test_compile.py::test_compiled_gpt_matches_eager_and_"
+                           "compiles_its_blocks_once")
+    assert not in_campaign("tests/test_pipe_parity.py::test_mlp_two_stages_matches_one_device")

@@ -1,0 +1,80 @@
+"""The suite and the campaign: which tests `make test` runs and which `make campaign` runs.
+
+The suite (`make test`, under 10 minutes on 2 cores) keeps every feature's parity cases,
+every error path and every fault of docs/reliability.md. The campaign (`make campaign`; CI
+runs both) holds the long runs that repeat what the suite already checks in-process, at the
+cost of fresh interpreters and many ranks:
+
+    kind                     what                                         the suite keeps
+    as a user types it       examples/, `hybridpar run` end to end        the same steps in-process
+    measurements             estimated vs measured peak memory, builds   exact byte counts
+                             within their shard, benchmark smoke runs
+    wider sweeps             compiled pipelines and tp, `hybridpar        one case of each
+                             check` of Hugging Face models
+
+A test is in the campaign when its node id starts with one of `CAMPAIGN`'s keys; the value
+says what the suite keeps of it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CAMPAIGN", "TIERS", "in_campaign"]
+
+TIERS = ("suite", "campaign", "all")
+
+_CLI = "tests/test_run_cli.py::"
+_CHECK_MEMORY = "tests/test_check_memory.py::"
+_CHECK_HF = "tests/test_check_hf.py::"
+_GPU_CHECK = "tests/test_gpu_check_smoke.py::"
+
+CAMPAIGN: dict[str, str] = {
+    # as a user types it: fresh interpreters, `hybridpar run`'s agent and workers
+    "tests/test_examples.py": "each example's features: the parity, balance, resume and "
+                              "export tests",
+    _CLI + "test_run_trains_resumes_and_exports": "test_train_run.py (resume, export), "
+                                                  "test_run_cli.py's failing worker",
+    _CLI + "test_two_nodes_on_localhost_train_like_one": "test_launcher_faults.py's network "
+                                                         "rendezvous",
+    "tests/test_trace.py::test_hybridpar_run_trace_writes_one_step_and_logs_comm_per_step":
+        "test_trace.py's traced steps in-process",
+    "tests/test_loopback.py::test_hybridpar_run_listens_on_loopback_only":
+        "test_loopback.py's store and rendezvous checks",
+    "tests/test_bad_inputs.py::test_a_run_whose_workers_fail_ends_in_one_line_and_leaves_"
+    "nothing_running": "test_run_cli.py's failing worker",
+    "tests/test_run_memory_limit.py::test_a_model_larger_than_each_rank_allows_loads_trains_"
+    "and_exports": "test_run_memory_limit.py's budget checks, test_hf_shard_load.py",
+    # measurements
+    _CHECK_MEMORY + "test_the_estimated_peak_of_each_rank": "test_zero.py's exact state counts",
+    _CHECK_MEMORY + "test_the_dp_buckets_hold": "test_dp_reduce.py",
+    _CHECK_MEMORY + "test_zero_2_holds_the_gradients": "test_zero_parity.py",
+    _CHECK_MEMORY + "test_layer_checkpointing_keeps": "test_layer_checkpoint.py",
+    _CHECK_MEMORY + "test_a_7b_llama_is_checked": "test_check.py",
+    "tests/test_check.py::test_the_quick_start_passes_with_the_real_models_parameter_bytes":
+        "test_check.py's dry runs of small models",
+    "tests/test_memory_bound.py": "test_meta_build_layouts.py, test_hf_shard_load.py",
+    "tests/test_bench_smoke.py": "the benchmarks' subjects' own tests",
+    "tests/test_bench_loader_smoke.py": "test_tokens_source.py",
+    "tests/test_bench_zero_smoke.py": "test_zero.py",
+    "tests/test_bench_build_memory_smoke.py": "test_meta_build_layouts.py",
+    "tests/test_tokenize_bench_smoke.py": "test_tokenize.py",
+    "tests/test_gpu_microbatch_smoke.py": "test_device.py",
+    _GPU_CHECK + "test_every_check_passes": "test_device.py, test_nccl_order_plans.py",
+    _GPU_CHECK + "test_the_tables_and_verdicts": "test_gpu_check_smoke.py's verdict rules",
+    _GPU_CHECK + "test_the_numbers_behind": "test_gpu_check_smoke.py's verdict rules",
+    "tests/test_imports.py::test_every_module_imports_alone": "test_imports.py's one-way "
+                                                              "arrows, test_architecture.py",
+    # wider sweeps
+    "tests/test_compile.py::test_pipe_pp2_compiled": "test_compile.py's compiled GPT",
+    "tests/test_compile.py::test_tp2_compiled": "test_compile.py's compiled GPT",
+    _CHECK_HF + "test_the_cli_checks": "test_check.py",
+    _CHECK_HF + "test_the_hf_plan": "test_check.py",
+    _CHECK_HF + "test_a_pretrained_llama": "test_check.py",
+    _CHECK_HF + "test_gpt2_with": "test_check.py",
+    _CHECK_HF + "test_at_dp2": "test_check.py",
+    _CHECK_HF + "test_any_decoder": "test_hf_probe.py",
+}
+
+
+def in_campaign(nodeid: str) -> bool:
+    """Whether the test `nodeid` (``tests/test_x.py::test_y[...]``) is the campaign's."""
+    return any(nodeid.startswith(prefix) for prefix in CAMPAIGN)
