@@ -77,8 +77,21 @@ def linear_sizes(m: nn.Module) -> tuple[int, int]:
     return int(m.in_features), int(m.out_features)  # type: ignore[arg-type]
 
 
-def _tensors(tree: Any) -> list[Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+_LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, slice)
+
+
+def _tensors(tree: Any, out: list[Tensor] | None = None) -> list[Tensor]:
+    """The tensors of `tree` in ``tree_flatten``'s order: tuples, lists and dicts walked here
+    (pytree's generic walk cost more than the op itself on `meta`), others by pytree."""
+    out = [] if out is None else out
+    if isinstance(tree, Tensor):
+        out.append(tree)
+    elif type(tree) in (tuple, list, torch.Size, dict):
+        for v in (tree.values() if type(tree) is dict else tree):
+            _tensors(v, out)
+    elif not isinstance(tree, _LEAVES):
+        out.extend(t for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
+    return out
 
 
 def _op_name(func: Callable[..., Any]) -> str:
@@ -87,9 +100,7 @@ def _op_name(func: Callable[..., Any]) -> str:
 
 def _arg(args: tuple[Any, ...], kwargs: Mapping[str, Any], pos: int, key: str,
          default: Any) -> Any:
-    if key in kwargs:
-        return kwargs[key]
-    return args[pos] if len(args) > pos else default
+    return kwargs[key] if key in kwargs else args[pos] if len(args) > pos else default
 
 
 def _dims(value: Any, ndim: int) -> set[int] | None:
