@@ -177,25 +177,16 @@ def run_jobs(out: str, *names: str) -> None:
     Path(out).write_text(json.dumps(results))
 
 
-@pytest.fixture(scope="module")
-def children(tmp_path_factory):
-    """Three child processes side by side: the LARGE_JOBS in turn, the other JOBS in turn,
-    and `hybridpar check` of the quick start with --json (the CLI test's and the quick-start
-    tests' report). Returns the folder of their files (<name>.out, <name>.err, <name>.json)
-    and {name: exit status}."""
-    folder = tmp_path_factory.mktemp("check")
+def _jobs(folder: Path, name: str, *names: str) -> list[str]:
+    """The command of a child that runs JOBS `names` into <folder>/<name>.json."""
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_check; " \
+           f"test_check.run_jobs({str(folder / (name + '.json'))!r}, *{names!r})"
+    return [sys.executable, "-c", code]
 
-    def jobs(name, *names):
-        code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_check; " \
-               f"test_check.run_jobs({str(folder / (name + '.json'))!r}, *{names!r})"
-        return [sys.executable, "-c", code]
 
-    commands = {   # name -> command
-        "large": jobs("large", *LARGE_JOBS),
-        "jobs": jobs("jobs", *(name for name in JOBS if name not in LARGE_JOBS)),
-        "cli": [sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART), "--json",
-                str(folder / "cli.json")],
-    }
+def _side_by_side(folder: Path, commands: dict[str, list[str]]) -> dict[str, int]:
+    """Run `commands` (name -> command) as child processes at once, their output in
+    <folder>/<name>.out and .err; {name: exit status}."""
     procs = {}
     for name, command in commands.items():
         with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
@@ -209,21 +200,49 @@ def children(tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return folder, {name: proc.returncode for name, proc in procs.items()}
+    return {name: proc.returncode for name, proc in procs.items()}
+
+
+def _reports(folder: Path, status: dict[str, int], names: tuple[str, ...]) -> dict:
+    """The reports (or errors) of the children `names` by job name."""
+    results = {}
+    for name in names:
+        assert status[name] == 0, (folder / f"{name}.err").read_text()[-3000:]
+        results.update(json.loads((folder / f"{name}.json").read_text()))
+    return {name: CheckReport.from_dict(r["report"]) if "report" in r else r
+            for name, r in results.items()}
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """Two child processes side by side: the JOBS but LARGE_JOBS in turn, and `hybridpar
+    check` of the quick start with --json (the CLI test's and the quick-start tests' report).
+    Returns the folder of their files (<name>.out, <name>.err, <name>.json) and {name: exit
+    status}."""
+    folder = tmp_path_factory.mktemp("check")
+    return folder, _side_by_side(folder, {
+        "jobs": _jobs(folder, "jobs", *(name for name in JOBS if name not in LARGE_JOBS)),
+        "cli": [sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART), "--json",
+                str(folder / "cli.json")],
+    })
 
 
 @pytest.fixture(scope="module")
 def runs(children):
     folder, status = children
-    results = {}
-    for name in ("large", "jobs", "cli"):
-        assert status[name] == 0, (folder / f"{name}.err").read_text()[-3000:]
-    for name in ("large", "jobs"):
-        results.update(json.loads((folder / f"{name}.json").read_text()))
+    results = _reports(folder, status, ("jobs",))
     # `hybridpar check configs/quickstart.toml --json`: the dry run's report as is
-    results["quickstart"] = {"report": json.loads((folder / "cli.json").read_text())}
-    return {name: CheckReport.from_dict(r["report"]) if "report" in r else r
-            for name, r in results.items()}
+    assert status["cli"] == 0, (folder / "cli.err").read_text()[-3000:]
+    results["quickstart"] = CheckReport.from_dict(json.loads((folder / "cli.json").read_text()))
+    return results
+
+
+@pytest.fixture(scope="module")
+def large_runs(tmp_path_factory):
+    """The LARGE_JOBS in one child (the campaign's: 8 fake ranks, virtual stages)."""
+    folder = tmp_path_factory.mktemp("check-large")
+    return _reports(folder, _side_by_side(folder, {"large": _jobs(folder, "large",
+                                                                 *LARGE_JOBS)}), ("large",))
 
 
 # the quick start -------------------------------------------------------------------------------
@@ -284,8 +303,8 @@ def test_saved_activations_follow_the_schedule(runs):
         assert (g.activations - batch) * (p - g.stage) == (f.activations - batch) * m
 
 
-def test_the_large_gpu_config_passes_on_8_fake_ranks(runs):
-    report = runs["large"]
+def test_the_large_gpu_config_passes_on_8_fake_ranks(large_runs):
+    report = large_runs["large"]
     assert report.dims == (1, 4, 2) and len(report.ranks) == 8
     assert report.precision == "bf16" and len(report.balance) == 4
     assert any("balance='time'" in note for note in report.notes)
@@ -332,11 +351,11 @@ def test_too_little_memory_names_the_rank_and_by_how_much(runs):
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_virtual_stages_dry_run_every_stage_with_its_headers(runs, schedule):
+def test_virtual_stages_dry_run_every_stage_with_its_headers(large_runs, schedule):
     """pp 2 x tp 2, 2 stages per rank: the shape passes go round the ranks (under the V,
     rank 0's last stage waits for rank 1's), then every rank's steps exchange their headers,
     and their groups replay under NCCL's rules."""
-    report = runs[schedule]
+    report = large_runs[schedule]
     held = {"interleaved": {0: (0, 2), 1: (1, 3)}, "zbv": {0: (0, 3), 1: (1, 2)}}[schedule]
     assert report.p2p_groups > 0
     for r in report.ranks:

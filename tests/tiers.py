@@ -63,7 +63,15 @@ CAMPAIGN: dict[str, str] = {
     _GPU_CHECK + "test_the_numbers_behind": "test_gpu_check_smoke.py's verdict rules",
     "tests/test_imports.py::test_every_module_imports_alone": "test_imports.py's one-way "
                                                               "arrows, test_architecture.py",
+    "tests/test_tp_dense.py::test_the_tp_dense_example_matches_plain_linear_layers":
+        "test_tp_dense.py's dense layers against nn.Linear",
+    "tests/test_tp_shard.py::test_example_runs_on_two_ranks_and_matches_the_plain_module":
+        "test_tp_shard.py's strategies against the unsharded module",
     # wider sweeps
+    "tests/test_check.py::test_the_large_gpu_config_passes_on_8_fake_ranks":
+        "test_check.py's pp2 x tp2 dry runs",
+    "tests/test_check.py::test_virtual_stages_dry_run_every_stage": "test_nccl_order_plans.py "
+                                                                    "(every schedule's replay)",
     "tests/test_compile.py::test_pipe_pp2_compiled": "test_compile.py's compiled GPT",
     "tests/test_compile.py::test_tp2_compiled": "test_compile.py's compiled GPT",
     _CHECK_HF + "test_the_cli_checks": "test_check.py",
