@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 
-
 def slice(tensor: Tensor, num_partitions: int, dim: int | None = None,
           contiguous: bool = False) -> tuple[Tensor, ...]:
     """Split `tensor` into `num_partitions` pieces along `dim` (default: the last dim).

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from hybridpar.sharded.attrs import PARALLEL_DIM_ATTR
 from hybridpar.tensor_parallel.plans.flow_ops import (
@@ -51,6 +50,7 @@ from hybridpar.tensor_parallel.plans.flow_ops import (
     is_conv1d,
     is_linear_like,
     linear_sizes,
+    tensors_in,
 )
 
 __all__ = ["COUNT_ATTRS", "WIDTH_ATTRS", "FullTrace", "Pairing", "TraceFailed",
@@ -137,7 +137,7 @@ def _forward(root: nn.Module, run: Run, sample: tuple[tuple[Any, ...], dict[str,
     # replicated parameters (not a tp layer's shard): the run follows their uses
     run.begin({k: meta[k] for k, p in root.named_parameters()
                if getattr(p, PARALLEL_DIM_ATTR, None) is None},
-              [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)])
+              tensors_in((args, kwargs)))
     state = torch.get_rng_state()
     try:
         with _patched(root, run), torch.no_grad(), _Recorder(run):

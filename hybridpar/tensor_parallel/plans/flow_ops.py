@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 from hybridpar.tensor_parallel.plans.flow_heads import cut_per_head
 
 __all__ = ["Abort", "FullTrace", "Run", "Shard", "TraceFailed", "is_conv1d", "is_linear_like",
-           "linear_sizes"]
+           "linear_sizes", "tensors_in"]
 
 _DIM_OPS = {  # op name -> (position of its dim argument, keyword, default)
     "softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum": (1, "dim", None),
@@ -80,7 +80,7 @@ def linear_sizes(m: nn.Module) -> tuple[int, int]:
 _LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, slice)
 
 
-def _tensors(tree: Any, out: list[Tensor] | None = None) -> list[Tensor]:
+def tensors_in(tree: Any, out: list[Tensor] | None = None) -> list[Tensor]:
     """The tensors of `tree` in ``tree_flatten``'s order: tuples, lists and dicts walked here
     (pytree's generic walk cost more than the op itself on `meta`), others by pytree."""
     out = [] if out is None else out
@@ -88,7 +88,7 @@ def _tensors(tree: Any, out: list[Tensor] | None = None) -> list[Tensor]:
         out.append(tree)
     elif type(tree) in (tuple, list, torch.Size, dict):
         for v in (tree.values() if type(tree) is dict else tree):
-            _tensors(v, out)
+            tensors_in(v, out)
     elif not isinstance(tree, _LEAVES):
         out.extend(t for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
     return out
@@ -177,14 +177,14 @@ class Run:
     def op(self, func: Callable[..., Any], args: tuple[Any, ...],
            kwargs: dict[str, Any]) -> Any:
         name = _op_name(func)
-        ins = _tensors((args, kwargs))
+        ins = tensors_in((args, kwargs))
         shards = self._sources(ins) if self.full is not None else []
         sources = frozenset().union(*(s.sources for s in shards)) if shards else frozenset()
         if shards:
             self.last_shard_op = name
             cut_args, cut_kwargs = cut_per_head(self, name, args, kwargs, ins)
             if cut_args is not args:   # a per-head parameter's slice came in: its tensors
-                args, kwargs, ins = cut_args, cut_kwargs, _tensors((cut_args, cut_kwargs))
+                args, kwargs, ins = cut_args, cut_kwargs, tensors_in((cut_args, cut_kwargs))
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -192,7 +192,7 @@ class Run:
                 self.fault(sources, f"{name} fails on the shard ({str(e).splitlines()[0]})")
                 raise Abort from e
             raise
-        outs = _tensors(out)
+        outs = tensors_in(out)
         if not outs:
             return out
         if self.full is None:
@@ -388,7 +388,7 @@ class Run:
         return out
 
     def leaks(self, output: Any) -> None:
-        for t in _tensors(_outputs(output)):
+        for t in tensors_in(_outputs(output)):
             s = self.shard.get(id(t))
             if s is not None:
                 self.fault(s.sources, "its shard reaches the model's output")
