@@ -7,14 +7,18 @@ cores). When the collected tests import transformers (they are being run), the f
 imports those modules too, once, before the first spawn starts it: what each rank runs is
 unchanged, it only finds them imported. Last, it imports `torch_warnings`, which sets the
 suite's warning filters (torch's deprecations are errors) in the forkserver, so in every rank.
-Python 3.11's forkserver imports its preloads with its own path (the current directory first,
+Python 3.11's forkserver imports its preloads with its own path (its current directory first,
 not tests/), hence the module by both names, its own (where the forkserver's path has tests/)
-and the one from the current directory (``tests.torch_warnings`` from the checkout); a name
-that does not import is skipped, and test_torch_floor.py checks that a rank has the filters.
+and the one from the checkout (``tests.torch_warnings``); a name that does not import is
+skipped. So the server starts here, once the tests are collected, from the checkout, not at
+the first spawn, which may run in whatever folder a test moved to; test_torch_floor.py
+checks that a rank has the filters.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.forkserver
 import sys
 from pathlib import Path
 
@@ -35,15 +39,24 @@ def pytest_collection_finish(session):
     # import, 0.5 s of CPU in each rank of the ZeRO tests (a few dozen spawns)
     hybridpar.launch.preload("torch.distributed.optim")
     # last: the imports above run unfiltered
-    hybridpar.launch.preload("torch_warnings", _name_from_cwd("torch_warnings"))
+    root = session.config.rootpath
+    hybridpar.launch.preload("torch_warnings", _name_from(root, "torch_warnings"))
+    if session.items and not session.config.option.collectonly:
+        # Started now, from the checkout: it imports `tests.torch_warnings` from its current
+        # directory, and the first test to spawn may have moved this process elsewhere
+        # (monkeypatch.chdir), where the server would start without the filters.
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            hybridpar.launch.preloaded())
+        with contextlib.chdir(root):
+            multiprocessing.forkserver.ensure_running()
 
 
-def _name_from_cwd(module: str) -> str:
-    """The dotted name of tests/`module` as imported from the current directory."""
+def _name_from(root: Path, module: str) -> str:
+    """The dotted name of tests/`module` as imported from directory `root`."""
     path = Path(__file__).resolve().parent / module
     try:
-        return ".".join(path.relative_to(Path.cwd().resolve()).parts)
-    except ValueError:   # run from outside the checkout: the forkserver cannot import it
+        return ".".join(path.relative_to(root.resolve()).parts)
+    except ValueError:   # tests/ is outside `root`: the forkserver cannot import it
         return module
 
 
