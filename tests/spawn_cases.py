@@ -6,12 +6,18 @@ ranks (each case calls `hybridpar.init` again, which reuses the process group) a
 ``{case: [rank 0's result, rank 1's, ...]}``, so a test per case can assert on its own case. A
 case that raises fails the spawn with its name in the traceback (``in case '<name>'``). Only
 cases that leave no message unmatched belong together: never a pipeline stopped mid-step.
+
+`selected_ids(request, test)` names the cases a module fixture needs: the parametrize ids of
+`test` that this session runs (`--tier`, ``-k``), so a matrix split between the suite and the
+campaign (tests/tiers.py) computes only its own corners.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import pytest
 
 import hybridpar
 
@@ -26,6 +32,13 @@ def each_case(fn: Callable[..., Any], cases: Mapping[str, Sequence[Any]]) -> dic
             e.add_note(f"in case {name!r}")
             raise
     return out
+
+
+def selected_ids(request: pytest.FixtureRequest, test: str) -> set[str]:
+    """The parametrize ids of the tests named `test`, in the requesting fixture's module,
+    that this session runs."""
+    return {item.callspec.id for item in request.session.items
+            if item.path == request.path and getattr(item, "originalname", None) == test}
 
 
 def spawn_cases(fn: Callable[..., Any], nprocs: int, cases: Mapping[str, Sequence[Any]], *,

@@ -39,7 +39,7 @@ import torch
 pytest.importorskip("transformers", reason="hybridpar.hf needs the optional extra hybridpar[hf]")
 
 from hf_models import tiny
-from spawn_cases import spawn_cases
+from spawn_cases import selected_ids, spawn_cases
 from test_hf_pipe import _assert_same, _train
 from test_hf_pipe import _reference as _hf_reference
 
@@ -95,16 +95,20 @@ IDS = torch.arange(12).reshape(2, 6) % 64
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case's results by name: one spawn of 2 ranks, one of 4 (with the exports)."""
+def runs(request, tmp_path_factory):
+    """The results of every case this session runs by name (tests/tiers.py holds some for the
+    campaign): one spawn of 2 ranks, one of 4 (with the exports)."""
     folder = str(tmp_path_factory.mktemp("exports"))
     by_world: dict[int, dict] = {2: {}, 4: {}}
-    for name, args in CASES.items():
+    for name in selected_ids(request, "test_a_family_trains_as_its_own_transformers_model"):
+        args = CASES[name]
         by_world[args[1][0] * args[1][1]][name] = args
-    for kind, plan in EXPORTS.items():
-        by_world[4][f"export {kind}"] = (kind, (2, 2), folder, "export", plan)
-    return {**spawn_cases(_worker, 2, by_world[2], timeout=280),
-            **spawn_cases(_worker, 4, by_world[4], timeout=280), "folder": folder}
+    for kind in selected_ids(request, "test_an_export_loads_with_from_pretrained_and_gives_"
+                                      "the_pipes_logits"):
+        by_world[4][f"export {kind}"] = (kind, (2, 2), folder, "export", EXPORTS[kind])
+    return {**{name: value for world, cases in by_world.items() if cases
+               for name, value in spawn_cases(_worker, world, cases, timeout=280).items()},
+            "folder": folder}
 
 
 @pytest.mark.parametrize("kind", EXPORTS)

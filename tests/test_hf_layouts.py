@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("transformers", reason="hybridpar.hf needs the optional extra hybridpar[hf]")
 
 from hf_models import tiny
-from spawn_cases import spawn_cases
+from spawn_cases import selected_ids, spawn_cases
 from test_hf_pipe import _assert_same, _reference, _train
 
 import hybridpar
@@ -59,17 +59,19 @@ def _case(what, *args):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Each layout's results by its id and the tp=2 save of the fused q|k|v test ("fused
-    save", in the folder "fused folder"): one spawn of 2 ranks, one of 4."""
+def runs(request, tmp_path_factory):
+    """The results of each layout this session runs by its id (tests/tiers.py holds some for
+    the campaign) and the tp=2 save of the fused q|k|v test ("fused save", in the folder
+    "fused folder"): one spawn of 2 ranks, one of 4."""
     folder = str(tmp_path_factory.mktemp("fused"))
+    wanted = selected_ids(request, "test_hugging_face_models_train_as_on_one_device")
     two = {name: ("layout", *args) for name, args in zip(IDS, LAYOUTS)
-           if args[1][0] * args[1][1] == 2}
+           if args[1][0] * args[1][1] == 2 and name in wanted}
     four = {name: ("layout", *args) for name, args in zip(IDS, LAYOUTS)
-            if args[1][0] * args[1][1] == 4}
+            if args[1][0] * args[1][1] == 4 and name in wanted}
     two["fused save"] = ("fused save", folder, 2)
-    return {**spawn_cases(_case, 2, two, timeout=300), **spawn_cases(_case, 4, four, timeout=400),
-            "fused folder": folder}
+    return {**spawn_cases(_case, 2, two, timeout=300),
+            **(spawn_cases(_case, 4, four, timeout=400) if four else {}), "fused folder": folder}
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,13 @@ cost of fresh interpreters and many ranks:
     wider sweeps             compiled pipelines and tp, `hybridpar        one case of each
                              check` of Hugging Face models
 
-A test is in the campaign when its node id starts with one of `CAMPAIGN`'s keys; the value
-says what the suite keeps of it.
+A test is in the campaign when its node id starts with one of `CAMPAIGN`'s keys (where a `*`
+stands for any text: a corner of a matrix); the value says what the suite keeps of it.
 """
 
 from __future__ import annotations
+
+import re
 
 __all__ = ["CAMPAIGN", "TIERS", "in_campaign"]
 
@@ -26,6 +28,9 @@ _CLI = "tests/test_run_cli.py::"
 _CHECK_MEMORY = "tests/test_check_memory.py::"
 _CHECK_HF = "tests/test_check_hf.py::"
 _GPU_CHECK = "tests/test_gpu_check_smoke.py::"
+_FAULTS = "tests/test_launcher_faults.py::"
+_FAMILIES = "tests/test_hf_families.py::test_a_family_trains_as_its_own_transformers_model["
+_LAYOUTS = "tests/test_hf_layouts.py::test_hugging_face_models_train_as_on_one_device["
 
 CAMPAIGN: dict[str, str] = {
     # as a user types it: fresh interpreters, `hybridpar run`'s agent and workers
@@ -35,6 +40,10 @@ CAMPAIGN: dict[str, str] = {
                                                   "test_run_cli.py's failing worker",
     _CLI + "test_two_nodes_on_localhost_train_like_one": "test_launcher_faults.py's network "
                                                          "rendezvous",
+    _CLI + "test_torchrun_runs_the_worker_module": "test_train_run.py's runs of the same worker "
+                                                   "module in-process",
+    _FAULTS + "test_runs_started_at_once": "test_launcher_faults.py's store bound by the agent "
+                                           "and new for each attempt",
     "tests/test_trace.py::test_hybridpar_run_trace_writes_one_step_and_logs_comm_per_step":
         "test_trace.py's traced steps in-process",
     "tests/test_loopback.py::test_hybridpar_run_listens_on_loopback_only":
@@ -57,6 +66,8 @@ CAMPAIGN: dict[str, str] = {
     "tests/test_bench_zero_smoke.py": "test_zero.py",
     "tests/test_bench_build_memory_smoke.py": "test_meta_build_layouts.py",
     "tests/test_tokenize_bench_smoke.py": "test_tokenize.py",
+    "tests/test_hf_probe.py::test_the_coverage_script": "test_hf_probe.py's probe, "
+                                                         "test_hf_families.py",
     "tests/test_gpu_microbatch_smoke.py": "test_device.py",
     _GPU_CHECK + "test_every_check_passes": "test_device.py, test_nccl_order_plans.py",
     _GPU_CHECK + "test_the_tables_and_verdicts": "test_gpu_check_smoke.py's verdict rules",
@@ -80,9 +91,21 @@ CAMPAIGN: dict[str, str] = {
     _CHECK_HF + "test_gpt2_with": "test_check.py",
     _CHECK_HF + "test_at_dp2": "test_check.py",
     _CHECK_HF + "test_any_decoder": "test_hf_probe.py",
+    # the HF plan at tp 2 on one stage: the same plan over two stages (pp 2 x tp 2) stays
+    _FAMILIES + "*-pp1tp2-gpipe-hf]": "test_hf_families.py's pp2tp2-1f1b-hf of each family",
+    _LAYOUTS + "*-pp1tp2-gpipe-hf]": "test_hf_layouts.py's pp2tp2-1f1b-hf of each family",
+    _LAYOUTS + "*-pp2tp2-zbv-hf]": "test_hf_layouts.py's pp2tp2-zbv-auto of each family",
 }
+
+
+def _prefix(key: str) -> re.Pattern[str]:
+    """`key` as a pattern of node id prefixes (`*`: any text)."""
+    return re.compile(".*".join(map(re.escape, key.split("*"))))
+
+
+_PREFIXES = [_prefix(key) for key in CAMPAIGN]
 
 
 def in_campaign(nodeid: str) -> bool:
     """Whether the test `nodeid` (``tests/test_x.py::test_y[...]``) is the campaign's."""
-    return any(nodeid.startswith(prefix) for prefix in CAMPAIGN)
+    return any(prefix.match(nodeid) for prefix in _PREFIXES)
