@@ -2,6 +2,8 @@
 transformers model does, at pp 2, tp 2 and pp 2 x tp 2, under "auto" and their own HF plan
 (float64, 3 AdamW steps, every parameter to 1e-9, the replica check after every step), and
 four export from pp 2 x tp 2 into folders `from_pretrained` loads with the pipe's logits.
+The suite runs pp 2 and both plans over pp 2 x tp 2; the campaign adds tp 2 on one stage
+(tests/tiers.py).
 
     family        what the generic path meets (`hf.structure`, `hf.glue`, tp)
     gemma         a scaled-embedding subclass (sqrt(D)), tied head: vocab-sharded with its scale

@@ -1,6 +1,8 @@
 """Hugging Face families in every layout: pipeline stages, tensor-parallel sharding ("auto"
 and the model's own plan), 1F1B, GPipe and ZBV train as the single-device HF model does
 (float64, 3 AdamW steps, every parameter to 1e-9), with the replica check after every step.
+The suite runs both plans at pp 2 x tp 2 (1F1B) and "auto" under ZBV; the campaign adds tp 2
+on one stage and the HF plan under ZBV (tests/tiers.py).
 
     family    what it adds                                   plans
     llama     GQA (4 q / 2 kv heads)                         auto, hf

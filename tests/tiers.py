@@ -1,16 +1,18 @@
 """The suite and the campaign: which tests `make test` runs and which `make campaign` runs.
 
 The suite (`make test`, under 10 minutes on 2 cores) keeps every feature's parity cases,
-every error path and every fault of docs/reliability.md. The campaign (`make campaign`; CI
-runs both) holds the long runs that repeat what the suite already checks in-process, at the
-cost of fresh interpreters and many ranks:
+every error path, and the mechanism of every fault of docs/reliability.md in-process. The
+campaign (`make campaign`; CI runs both) holds the long runs that repeat what the suite
+already checks in-process, at the cost of fresh interpreters and many ranks:
 
-    kind                     what                                         the suite keeps
-    as a user types it       examples/, `hybridpar run` end to end        the same steps in-process
-    measurements             estimated vs measured peak memory, builds   exact byte counts
-                             within their shard, benchmark smoke runs
-    wider sweeps             compiled pipelines and tp, `hybridpar        one case of each
-                             check` of Hugging Face models
+    kind                 what                                         the suite keeps
+    as a user types it   examples/, `hybridpar run` end to end, its   the same steps and the
+                         agent killed or signalled, runs at once      same mechanisms in-process
+    measurements         estimated vs measured peak memory, builds    exact byte counts
+                         within their shard, benchmark smoke runs
+    wider sweeps         compiled pipelines and tp, `hybridpar        one case of each; each
+                         check` of Hugging Face models, the HF        family over two stages
+                         families at tp 2 on one stage                under both plans
 
 A test is in the campaign when its node id starts with one of `CAMPAIGN`'s keys (where a `*`
 stands for any text: a corner of a matrix); the value says what the suite keeps of it.
@@ -44,6 +46,12 @@ CAMPAIGN: dict[str, str] = {
                                                    "module in-process",
     _FAULTS + "test_runs_started_at_once": "test_launcher_faults.py's store bound by the agent "
                                            "and new for each attempt",
+    _FAULTS + "test_kill_9_of_the_agent": "test_launcher_faults.py's process lifetime (parent "
+                                          "and named process gone) and held run directories",
+    _CLI + "test_a_killed_worker_is_restarted": "test_train_run.py's resume after a crash, "
+                                                "test_run_cli.py's failing worker",
+    "tests/test_run_stops.py::test_sigterm_to_hybridpar_run": "test_run_stops.py's signal on "
+                                                             "one rank stopping every rank",
     "tests/test_trace.py::test_hybridpar_run_trace_writes_one_step_and_logs_comm_per_step":
         "test_trace.py's traced steps in-process",
     "tests/test_loopback.py::test_hybridpar_run_listens_on_loopback_only":
@@ -91,9 +99,11 @@ CAMPAIGN: dict[str, str] = {
     _CHECK_HF + "test_gpt2_with": "test_check.py",
     _CHECK_HF + "test_at_dp2": "test_check.py",
     _CHECK_HF + "test_any_decoder": "test_hf_probe.py",
-    # the HF plan at tp 2 on one stage: the same plan over two stages (pp 2 x tp 2) stays
-    _FAMILIES + "*-pp1tp2-gpipe-hf]": "test_hf_families.py's pp2tp2-1f1b-hf of each family",
-    _LAYOUTS + "*-pp1tp2-gpipe-hf]": "test_hf_layouts.py's pp2tp2-1f1b-hf of each family",
+    # tp 2 on one stage: the same plans over two stages (pp 2 x tp 2) stay
+    _FAMILIES + "*-pp1tp2-gpipe-": "test_hf_families.py's pp2tp2-zbv-auto and pp2tp2-1f1b-hf of "
+                                   "each family",
+    _LAYOUTS + "*-pp1tp2-gpipe-": "test_hf_layouts.py's pp2tp2-1f1b-auto and -hf of each "
+                                  "family",
     _LAYOUTS + "*-pp2tp2-zbv-hf]": "test_hf_layouts.py's pp2tp2-zbv-auto of each family",
 }
 
