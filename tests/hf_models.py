@@ -39,6 +39,8 @@ def tiny(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float64):
         "gpt_neox": dict(rotary_pct=0.5, use_parallel_residual=True, hidden_dropout=0.0,
                          attention_dropout=0.0),
         "smollm3": dict(no_rope_layers=[1, 0], use_sliding_window=False),
+        "granite_swa": dict(**window, layer_types=["sliding_attention", "full_attention"],
+                            attention_multiplier=0.25),
     }
     if kind in extra:
         options = {**decoder, **ids, **extra[kind], "tie_word_embeddings": kind != "phi3"}
@@ -46,6 +48,11 @@ def tiny(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float64):
     config = configs[kind]()
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    for m in model.modules():   # attention sinks start at 0: a value per head tells them apart
+        if isinstance(getattr(m, "sinks", None), torch.nn.Parameter) and \
+                m.sinks.device.type != "meta":
+            with torch.no_grad():
+                m.sinks.copy_(torch.linspace(-1.0, 1.0, m.sinks.numel(), dtype=dtype))
     return model
 
 

@@ -1,4 +1,4 @@
-"""Any Hugging Face decoder: twelve families no adapter was written for train as their own
+"""Any Hugging Face decoder: thirteen families no adapter was written for train as their own
 transformers model does, at pp 2, tp 2 and pp 2 x tp 2, under "auto" and their own HF plan
 (float64, 3 AdamW steps, every parameter to 1e-9, the replica check after every step), and
 four export from pp 2 x tp 2 into folders `from_pretrained` loads with the pipe's logits.
@@ -19,6 +19,9 @@ The suite runs pp 2 and both plans over pp 2 x tp 2; the campaign adds tp 2 on o
     starcoder2    embedding dropout (glue), a sliding window, biases
     gpt_neox      other trunk names (embed_in, emb_dropout, final_layer_norm), parallel residual
     smollm3       no-rope layers (a per-layer list)
+    granite_swa   attention sinks (heads,), viewed (1, heads, 1) against the heads: under tp
+                  sharded by head (`flow_heads`), by either plan (its own names the parameter
+                  'colwise'); alternating windows
 
 The reference is the plain HF model on one device, fed the same micro-batches (2; gradient
 accumulation): Gemma's and Cohere's norms compute in float32, so the gradient of their
@@ -48,7 +51,7 @@ from test_hf_pipe import _reference as _hf_reference
 import hybridpar
 
 FAMILIES = ("gemma", "gemma2", "gemma3_text", "phi3", "phi", "olmo2", "granite", "cohere",
-            "glm4", "starcoder2", "gpt_neox", "smollm3")
+            "glm4", "starcoder2", "gpt_neox", "smollm3", "granite_swa")
 CHUNKS = 2
 # (pp, tp), balance (embedding, 2 blocks, norm, head), schedule, plan
 LAYOUTS = [((2, 1), [2, 3], "1f1b", None), ((1, 2), [5], "gpipe", "auto"),
@@ -59,6 +62,8 @@ CASES = {f"{kind}-pp{g[0]}tp{g[1]}-{s}" + (f"-{p}" if p else ""): (kind, g, b, s
 # export back to Hugging Face at pp 2 x tp 2 (its folder, then the pipe's logits): glue
 # layers, a vocab-sharded tied head, other trunk names, per-head norms cut by head
 EXPORTS = {"granite": "hf", "gemma2": "hf", "gpt_neox": "auto", "cohere": "auto"}
+# per-head parameters, cut by head with the attention's heads at tp 2 (`flow_heads`)
+PER_HEAD = {"cohere": ("k_norm.weight", "q_norm.weight"), "granite_swa": ("sinks",)}
 
 
 def _worker(kind, layout, balance, schedule, plan):
@@ -142,9 +147,9 @@ def test_a_family_trains_as_its_own_transformers_model(name, runs):
         if layout[1] > 1:         # the MLP is sharded in every family, by either plan
             mlp = [d for d in r["decisions"] if ".mlp." in d.split(" ")[0]]
             assert mlp and all(": column" in d or ": row" in d for d in mlp), mlp
-        if kind == "cohere" and layout[1] > 1:   # its q / k norms hold this rank's heads
+        if kind in PER_HEAD and layout[1] > 1:   # they hold this rank's heads
             heads = sorted(d.split(":")[0] for d in r["decisions"] if "sharded by head" in d)
-            assert heads == [f"{i}.self_attn.{n}_norm.weight" for i in (1, 2)
-                             for n in ("k", "q")], r["decisions"]
+            assert heads == [f"{i}.self_attn.{n}" for i in (1, 2) for n in PER_HEAD[kind]], \
+                r["decisions"]
     worst = max(float((runs[name][0]["state"][k] - v).abs().max()) for k, v in ref[1].items())
     print(f"{name}: max |diff| {worst:.1e}")

@@ -1,9 +1,10 @@
 """Per-head parameters under a tp plan (`tensor_parallel.plans.flow_heads`): cut by head with
-the column whose heads they meet, or the column kept replicated when they are also used whole.
+the column whose heads they meet, or the column kept replicated when they are also used whole;
+one viewed with dims of size 1 around its heads (attention sinks) too.
 
 Decisions only, on one process over torch's fake process group of 2 ranks (nothing is
 communicated: the plan is read from the forward on `meta`). The training arithmetic of such a
-cut (Cohere's q / k norms) is checked against the plain Hugging Face model in
+cut (Cohere's q / k norms, GraniteSWA's sinks) is checked against the plain Hugging Face model in
 tests/test_hf_families.py, at tp 2 and pp 2 x tp 2 under both plans.
 """
 
@@ -76,3 +77,60 @@ def test_one_also_used_whole_keeps_auto_replicated_and_fails_a_dict_plan(fake_tp
     with pytest.raises(ValueError, match="the parameter 'scale' is used on the shards of "
                                          r"\['q'\] and on full activations"):
         apply_tp_plan(HeadScaled(whole=True), {"q": "column", "o": "row"}, group=fake_tp2)
+
+
+class Sinks(nn.Module):
+    """An attention's sinks: (B, H, T) per-head log-sum-exps minus sinks (H,) viewed
+    (1, H, 1), as GraniteSWA's attention does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(WIDTH, HEADS * HEAD_DIM)
+        self.o = nn.Linear(HEADS * HEAD_DIM, WIDTH)
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, HEADS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x).view(*x.shape[:-1], -1, HEAD_DIM).transpose(1, 2)    # (B, H, T, D)
+        scale = (h.logsumexp(-1) - self.sinks.view(1, -1, 1)).sigmoid()    # (B, H, T)
+        return x + self.o((h * scale.unsqueeze(-1)).transpose(1, 2).flatten(-2))
+
+
+class Attention(nn.Module):
+    """`Sinks` as a submodule: a Hugging Face plan names its parameter `attn.sinks`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Sinks()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
+
+
+def test_sinks_viewed_around_their_heads_are_cut_by_head(fake_tp2):
+    model = apply_tp_plan(Sinks(), "auto", group=fake_tp2)
+    assert "sinks: sharded by head (dim 0: 2 of 4 per rank), as the column whose heads it " \
+           "meets" in plan_decisions(model)
+    assert model.sinks.tolist() == pytest.approx([1 / 3, 1.0])     # rank 1: heads 2 and 3
+    assert full_shape(model.sinks) == (HEADS,)
+
+
+HF_PLAN = {"attn.q": "colwise", "attn.o": "rowwise", "attn.sinks": "colwise",
+           "attn": "local_params"}
+
+
+def test_a_hugging_face_plan_may_name_the_sinks_colwise_and_its_module_local_params(fake_tp2):
+    model = apply_tp_plan(Attention(), HF_PLAN, group=fake_tp2)
+    assert tuple(model.attn.sinks.shape) == (2,)
+    assert any(d.startswith("attn.sinks: sharded by head") for d in plan_decisions(model))
+
+
+@pytest.mark.parametrize("key,style,message", [
+    ("attn.sinks", "rowwise", r"tp_plan\['attn.sinks'\] = 'rowwise' names a parameter; "
+                              r"hybridpar takes 'colwise' there"),
+    ("attn.sink", "colwise", r"tp_plan key 'attn.sink' \('colwise'.*matches no module"),
+])
+def test_a_parameter_key_of_another_style_or_no_parameter_is_refused(fake_tp2, key, style,
+                                                                      message):
+    plan = {k: v for k, v in HF_PLAN.items() if k != "attn.sinks"} | {key: style}
+    with pytest.raises(ValueError, match=message):
+        apply_tp_plan(Attention(), plan, group=fake_tp2)

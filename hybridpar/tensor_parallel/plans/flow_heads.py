@@ -9,14 +9,18 @@ and the full parameter no longer broadcasts against its shard:
     q_norm: weight * x        (B, T, H / tp, D) dim 2  (H, D)        weight[r H / tp : ...]
                                                                      (dim 0, H / tp rows)
 
-A tensor computed from one parameter alone, of the parameter's own shape, whose dim aligned
-(broadcasting from the right) with the shard's sharded dim has the full size there, is the
-parameter sliced along that dim: the simulated run passes the slice in its place and notes
-`Run.sliced` {parameter: (its dim, the columns of the shards it met)}. Not followed: a
-parameter reshaped before it meets the heads (attention sinks (heads,) viewed as
-(1, heads, 1, 1)); its column stays replicated, the failed op named. Each rank's gradient
-is then that of its own slice (not a partial sum over tp, as a replicated parameter used on
-a shard would have); `plan.shard_per_head` cuts the parameter so.
+    sinks: lse - s.view(1,-1,1)  (B, H / tp, T) dim 1     (H,)          sinks[r H / tp : ...]
+                                                                     (dim 0, viewed: dim 1)
+
+A tensor computed from one parameter alone, of the parameter's own shape up to dims of size 1
+(a view that adds or drops them: GraniteSWA's attention sinks (heads,) viewed as
+(1, heads, 1)), whose dim aligned (broadcasting from the right) with the shard's sharded dim
+has the full size there, is the parameter sliced along the matching dim: the simulated run
+passes the slice in its place and notes `Run.sliced` {parameter: (its dim, the columns of
+the shards it met)}. Not followed: any other reshape (its column stays replicated, the failed
+op named). Each rank's gradient is then that of its own slice (not a partial sum over tp, as
+a replicated parameter used on a shard would have); `plan.shard_per_head` cuts the parameter
+so.
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ __all__ = ["cut_per_head"]
 _BROADCAST = frozenset({"mul", "add", "sub", "div", "true_divide", "truediv", "rsub", "radd",
                         "rmul", "rtruediv", "where", "addcmul", "addcdiv", "lerp", "maximum",
                         "minimum"})
+
+
+def _param_dim(view: tuple[int, ...], j: int, shape: tuple[int, ...]) -> int | None:
+    """The dim of a parameter of `shape` that dim `j` of `view` is, when `view` is the
+    parameter with dims of size 1 added or dropped (else None)."""
+    if [n for n in view if n != 1] != [n for n in shape if n != 1]:
+        return None
+    k = sum(1 for n in view[:j] if n != 1)   # the non-1 dims before j: the same in both
+    return [i for i, n in enumerate(shape) if n != 1][k]
 
 
 def cut_per_head(run: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -50,14 +63,17 @@ def cut_per_head(run: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, A
             continue
         (param,) = owners
         j = t.dim() - (x.dim() - s.dim)
-        # a dim the tags can name: 0, 1 or the last (`attrs.register_parallel_attribute`)
-        if tuple(t.shape) != run.param_shapes.get(param) or j not in (0, 1, t.dim() - 1) or \
-                t.shape[j] != full:
+        shape = run.param_shapes.get(param)
+        if shape is None or not 0 <= j < t.dim() or t.shape[j] != full:
             continue
-        dim, met = run.sliced.setdefault(param, (j, set()))
-        if dim != j:
+        k = _param_dim(tuple(t.shape), j, shape)
+        # a dim the tags can name: 0, 1 or the last (`attrs.register_parallel_attribute`)
+        if k is None or k not in (0, 1, len(shape) - 1):
+            continue
+        dim, met = run.sliced.setdefault(param, (k, set()))
+        if dim != k:
             run.fault(s.sources, f"'{param}' meets shards split by head along its dims {dim} "
-                                 f"and {j}")
+                                 f"and {k}")
             continue
         met.update(s.sources)
         cuts[id(t)] = t.narrow(j, 0, full // run.tp)

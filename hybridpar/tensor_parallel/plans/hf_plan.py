@@ -14,10 +14,16 @@
     sequence_parallel                      replicate (a norm's weights; the activations'
                                            sharding is parallel.sequence_parallel's)
 
-Other styles (packed_rowwise, all_reduce, moe_*, local_params,
-mla_kv_a_proj) raise ValueError. A key is a module name in which ``*`` stands for one layer
-index (``layers.*.self_attn.q_proj``); a ``base_model_tp_plan`` key is relative to the base
-model, so a key matching nothing from the root is tried under ``model.base_model_prefix``.
+    colwise on a parameter                 sharded by head, as the        a per-head parameter
+      (``layers.*.self_attn.sinks``)         column it meets (`flow_heads`)  (attention sinks)
+    local_params                           nothing to do: HF keeps the module's parameters
+                                           plain tensors, as hybridpar does every parameter
+
+Other styles (packed_rowwise, all_reduce, moe_*, mla_kv_a_proj) raise ValueError. A key is
+a module name in which ``*`` stands for one layer index (``layers.*.self_attn.q_proj``), or a
+parameter's (module name, then the parameter); a ``base_model_tp_plan`` key is relative to
+the base model, so a key matching nothing from the root is tried under
+``model.base_model_prefix``.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["HF_STYLES", "UNSUPPORTED_HF_STYLES", "is_hf_style", "match_hf_key", "split_plan"]
+__all__ = ["HF_STYLES", "NO_OP_HF_STYLES", "UNSUPPORTED_HF_STYLES", "is_hf_style",
+           "match_hf_key", "split_plan"]
 
 HF_STYLES = {
     "colwise": "column", "rowwise": "row", "rowwise_rep": "row", "rowwise_split_input": "row",
@@ -37,8 +44,9 @@ HF_STYLES = {
     # sharding is parallel.sequence_parallel's (`hf.sequence`), on or off
     "sequence_parallel": "replicate",
 }
+NO_OP_HF_STYLES = ("local_params",)
 UNSUPPORTED_HF_STYLES = ("packed_rowwise", "all_reduce", "moe_tp_experts",
-                         "moe_identity_expert", "local_params", "mla_kv_a_proj", "local_colwise",
+                         "moe_identity_expert", "mla_kv_a_proj", "local_colwise",
                          "local_rowwise", "local_packed_rowwise", "local", "gather",
                          "isolate", "ep_router", "grouped_gemm")
 
@@ -46,7 +54,7 @@ UNSUPPORTED_HF_STYLES = ("packed_rowwise", "all_reduce", "moe_tp_experts",
 def is_hf_style(style: object) -> bool:
     """Whether `style` is a Hugging Face style name (supported or not), not a hybridpar one."""
     return isinstance(style, str) and style != "replicate" and (
-        style in HF_STYLES or style in UNSUPPORTED_HF_STYLES)
+        style in HF_STYLES or style in NO_OP_HF_STYLES or style in UNSUPPORTED_HF_STYLES)
 
 
 def match_hf_key(key: str, style: str, names: list[str], prefix: str) -> list[str]:

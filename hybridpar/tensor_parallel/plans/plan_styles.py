@@ -25,7 +25,7 @@ from typing import Any, cast
 from torch import nn
 
 from hybridpar.tensor_parallel.plans.flow_ops import is_conv1d, linear_sizes
-from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES, match_hf_key
+from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES, NO_OP_HF_STYLES, match_hf_key
 from hybridpar.tensor_parallel.plans.layer_graph import Layers
 
 __all__ = ["COLUMNS", "DENSE_MODES", "DENSE_STYLES", "REPLICATED", "STYLES", "STYLE_HELP",
@@ -121,6 +121,8 @@ def resolve_hf(plan: Mapping[str, str], root: nn.Module, layers: Layers) -> dict
         prefix in dict(root.named_children()) else ""
     styles: dict[str, str] = {}
     for key, style in plan.items():
+        if style in NO_OP_HF_STYLES or _per_head_parameter(key, style, root, prefix):
+            continue
         internal = HF_STYLES.get(style, "")
         for n in match_hf_key(key, style, layers.names, prefix):
             m = layers.by_name[n]
@@ -133,6 +135,27 @@ def resolve_hf(plan: Mapping[str, str], root: nn.Module, layers: Layers) -> dict
                                  f"({layers.describe(n)}); {style!r} is for {kind}")
             styles[n] = internal
     return styles
+
+
+def _per_head_parameter(key: str, style: str, root: nn.Module, prefix: str) -> bool:
+    """Whether HF plan `key` names a parameter (``layers.*.self_attn.sinks``), not a module:
+    'colwise' there is a per-head parameter, which the data flow cuts by head with the column
+    it meets (`flow_heads`), or keeps whole beside a replicated one; ValueError for other
+    styles."""
+    owner_key, _, param = key.rpartition(".")
+    modules = [n for n, _ in root.named_modules() if n]
+    try:
+        owners = match_hf_key(owner_key, style, modules, prefix) if owner_key else [""]
+    except ValueError:
+        return False
+    if not any(isinstance(getattr(root.get_submodule(n), param, None), nn.Parameter)
+               for n in owners):
+        return False
+    if style != "colwise":
+        raise ValueError(f"tp_plan[{key!r}] = {style!r} names a parameter; hybridpar takes "
+                         f"'colwise' there (a per-head parameter, cut by head with its "
+                         f"attention's heads) or no entry")
+    return True
 
 
 def tie_group(name: str, styles: Mapping[str, str], layers: Layers, tp: int
