@@ -213,6 +213,13 @@ def test_a_tpdense_style_in_the_tp_plan_is_accepted(small):
     assert cfg.parallel.tp_plan == {"*.mlp.fc": "dense_gather"}
 
 
+def test_hugging_face_styles_the_library_reads_are_accepted(small):
+    # "local_params" does nothing here (`hf_plan`), as `apply_tp_plan` reads it
+    plan = '{"layers.*.self_attn.sinks" = "colwise", "layers.*.self_attn" = "local_params"}'
+    cfg = load_config(small, [f"parallel.tp_plan={plan}"])
+    assert cfg.parallel.tp_plan["layers.*.self_attn"] == "local_params"
+
+
 @pytest.mark.parametrize("override, expected", [
     ("train.steps=0", "train.steps must be positive, got 0"),
     ("train.batch_size=-4", "train.batch_size must be positive"),

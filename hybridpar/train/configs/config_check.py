@@ -26,7 +26,7 @@ from hybridpar.pipeline.activations.checkpoint import check_checkpoint
 from hybridpar.pipeline.parameters.partition import balance_problem
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.tensor_parallel.embedding import sequence_length_problem
-from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES
+from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES, NO_OP_HF_STYLES
 from hybridpar.tensor_parallel.plans.plan import DENSE_STYLES, STYLES
 from hybridpar.tensor_parallel.plans.plan_read import pack_plan_problem
 from hybridpar.tensor_parallel.plans.strategy import strategy_problem
@@ -127,7 +127,7 @@ def check_layout(cfg: Config, where: Where) -> Config:
                 if problem:
                     raise where.error(f"parallel.tp_plan[{glob!r}] = {style}: {problem}",
                                       "parallel.tp_plan", "parallel.tp")
-            elif style not in (*STYLES, *DENSE_STYLES, *HF_STYLES):
+            elif style not in (*STYLES, *DENSE_STYLES, *HF_STYLES, *NO_OP_HF_STYLES):
                 raise where.error(f"parallel.tp_plan[{glob!r}] must be one of "
                                   f"{', '.join(map(repr, STYLES))}, a TPDense style "
                                   f"({', '.join(map(repr, DENSE_STYLES))}) or a Hugging Face style "
