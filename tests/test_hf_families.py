@@ -1,7 +1,7 @@
 """Any Hugging Face decoder: thirteen families no adapter was written for train as their own
 transformers model does, at pp 2, tp 2 and pp 2 x tp 2, under "auto" and their own HF plan
 (float64, 3 AdamW steps, every parameter to 1e-9, the replica check after every step), and
-four export from pp 2 x tp 2 into folders `from_pretrained` loads with the pipe's logits.
+five export from pp 2 x tp 2 into folders `from_pretrained` loads with the pipe's logits.
 The suite runs pp 2 and both plans over pp 2 x tp 2; the campaign adds tp 2 on one stage
 (tests/tiers.py).
 
@@ -60,8 +60,9 @@ LAYOUTS = [((2, 1), [2, 3], "1f1b", None), ((1, 2), [5], "gpipe", "auto"),
 CASES = {f"{kind}-pp{g[0]}tp{g[1]}-{s}" + (f"-{p}" if p else ""): (kind, g, b, s, p)
          for kind in FAMILIES for g, b, s, p in LAYOUTS}
 # export back to Hugging Face at pp 2 x tp 2 (its folder, then the pipe's logits): glue
-# layers, a vocab-sharded tied head, other trunk names, per-head norms cut by head
-EXPORTS = {"granite": "hf", "gemma2": "hf", "gpt_neox": "auto", "cohere": "auto"}
+# layers, a vocab-sharded tied head, other trunk names, per-head norms and sinks cut by head
+EXPORTS = {"granite": "hf", "gemma2": "hf", "gpt_neox": "auto", "cohere": "auto",
+           "granite_swa": "hf"}
 # per-head parameters, cut by head with the attention's heads at tp 2 (`flow_heads`)
 PER_HEAD = {"cohere": ("k_norm.weight", "q_norm.weight"), "granite_swa": ("sinks",)}
 
