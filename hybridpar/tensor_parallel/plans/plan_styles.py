@@ -119,9 +119,14 @@ def resolve_hf(plan: Mapping[str, str], root: nn.Module, layers: Layers) -> dict
     prefix = getattr(root, "base_model_prefix", "")
     prefix = prefix if isinstance(prefix, str) and prefix and \
         prefix in dict(root.named_children()) else ""
+    submodules = dict(root.named_modules())
+    modules = [n for n in submodules if n]
+    # the names parameters have: a key ending in one of them may name a parameter
+    param_names = {p for m in submodules.values() for p, _ in m.named_parameters(recurse=False)}
     styles: dict[str, str] = {}
     for key, style in plan.items():
-        if style in NO_OP_HF_STYLES or _per_head_parameter(key, style, root, prefix):
+        if style in NO_OP_HF_STYLES or (key.rpartition(".")[2] in param_names and
+                                        _per_head_parameter(key, style, root, modules, prefix)):
             continue
         internal = HF_STYLES.get(style, "")
         for n in match_hf_key(key, style, layers.names, prefix):
@@ -137,13 +142,13 @@ def resolve_hf(plan: Mapping[str, str], root: nn.Module, layers: Layers) -> dict
     return styles
 
 
-def _per_head_parameter(key: str, style: str, root: nn.Module, prefix: str) -> bool:
+def _per_head_parameter(key: str, style: str, root: nn.Module, modules: list[str],
+                        prefix: str) -> bool:
     """Whether HF plan `key` names a parameter (``layers.*.self_attn.sinks``), not a module:
     'colwise' there is a per-head parameter, which the data flow cuts by head with the column
     it meets (`flow_heads`), or keeps whole beside a replicated one; ValueError for other
     styles."""
     owner_key, _, param = key.rpartition(".")
-    modules = [n for n, _ in root.named_modules() if n]
     try:
         owners = match_hf_key(owner_key, style, modules, prefix) if owner_key else [""]
     except ValueError:
