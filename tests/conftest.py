@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiers import TIERS, in_campaign
+from tiers import TIERS, campaign_keys, in_campaign
 
 import hybridpar.launch
 
@@ -79,6 +79,11 @@ SLOW_FIRST = ("test_run_cli.py", "test_check_memory.py", "test_zero.py", "test_c
               "test_watchdog.py", "test_layer_checkpoint.py", "test_zero_parity.py")
 
 
+# the files collected and the tests/tiers.py keys that named a collected test, before any
+# is deselected (test_tiers.py reads them)
+COLLECTED = pytest.StashKey[tuple[set, set]]()
+
+
 def pytest_addoption(parser):
     parser.addoption("--tier", choices=TIERS, default="suite",
                      help="suite: `make test`'s tests (the default); campaign: the long runs "
@@ -90,7 +95,11 @@ def pytest_configure(config):
                                        "(run with --tier campaign or --tier all)")
 
 
+@pytest.hookimpl(tryfirst=True)   # before -k deselects: COLLECTED sees every test
 def pytest_collection_modifyitems(session, config, items):
+    config.stash[COLLECTED] = ({item.nodeid.partition("::")[0] for item in items},
+                               {key for item in items for key in campaign_keys(item.nodeid)})
+
     def rank(item):
         name = Path(str(item.fspath)).name
         return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)

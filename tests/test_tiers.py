@@ -22,6 +22,16 @@ def test_each_campaign_entry_names_a_test_and_what_the_suite_keeps(prefix):
         assert (TESTS / kept).is_file(), (prefix, kept)
 
 
+def test_each_campaign_entry_of_a_collected_file_names_a_collected_test(request):
+    # a `*` entry with a typo would name nothing (and the suite would keep the corner)
+    from conftest import COLLECTED
+
+    files, named = request.config.stash[COLLECTED]
+    for key in CAMPAIGN:
+        if "::" in key and key.partition("::")[0] in files:
+            assert key in named, key
+
+
 def test_a_node_id_is_the_campaigns_by_its_prefix():
     assert in_campaign("tests/test_examples.py::test_hybrid_mlp_example_trains_on_four_ranks")
     assert in_campaign("tests/test_compile.py::test_tp2_compiled_matches_eager_with_graph_"

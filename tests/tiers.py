@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CAMPAIGN", "TIERS", "in_campaign"]
+__all__ = ["CAMPAIGN", "TIERS", "campaign_keys", "in_campaign"]
 
 TIERS = ("suite", "campaign", "all")
 
@@ -116,6 +116,11 @@ def _prefix(key: str) -> re.Pattern[str]:
 _PREFIXES = [_prefix(key) for key in CAMPAIGN]
 
 
+def campaign_keys(nodeid: str) -> list[str]:
+    """The `CAMPAIGN` keys that name the test `nodeid` (``tests/test_x.py::test_y[...]``)."""
+    return [key for key, prefix in zip(CAMPAIGN, _PREFIXES) if prefix.match(nodeid)]
+
+
 def in_campaign(nodeid: str) -> bool:
-    """Whether the test `nodeid` (``tests/test_x.py::test_y[...]``) is the campaign's."""
-    return any(prefix.match(nodeid) for prefix in _PREFIXES)
+    """Whether the test `nodeid` is the campaign's."""
+    return bool(campaign_keys(nodeid))
