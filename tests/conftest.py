@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiers import TIERS, campaign_keys, in_campaign
+from tiers import COLLECTED, TIERS, campaign_keys, in_campaign
 
 import hybridpar.launch
 
@@ -77,11 +77,6 @@ SLOW_FIRST = ("test_run_cli.py", "test_check_memory.py", "test_zero.py", "test_c
               "test_pipe_errors.py", "test_loopback.py", "test_weight_checks.py",
               "test_wakeup_latency_smoke.py", "test_tp_dense.py", "test_tp_shard.py",
               "test_watchdog.py", "test_layer_checkpoint.py", "test_zero_parity.py")
-
-
-# the files collected and the tests/tiers.py keys that named a collected test, before any
-# is deselected (test_tiers.py reads them)
-COLLECTED = pytest.StashKey[tuple[set, set]]()
 
 
 def pytest_addoption(parser):

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from tiers import CAMPAIGN, in_campaign
+from tiers import CAMPAIGN, COLLECTED, in_campaign
 
 TESTS = Path(__file__).resolve().parent
 
@@ -24,8 +24,6 @@ def test_each_campaign_entry_names_a_test_and_what_the_suite_keeps(prefix):
 
 def test_each_campaign_entry_of_a_collected_file_names_a_collected_test(request):
     # a `*` entry with a typo would name nothing (and the suite would keep the corner)
-    from conftest import COLLECTED
-
     files, named = request.config.stash[COLLECTED]
     for key in CAMPAIGN:
         if "::" in key and key.partition("::")[0] in files:

@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CAMPAIGN", "TIERS", "campaign_keys", "in_campaign"]
+import pytest
+
+__all__ = ["CAMPAIGN", "COLLECTED", "TIERS", "campaign_keys", "in_campaign"]
 
 TIERS = ("suite", "campaign", "all")
+# the files collected and the `CAMPAIGN` keys that named a collected test, before any is
+# deselected (conftest.py fills it, test_tiers.py reads it)
+COLLECTED = pytest.StashKey[tuple[set[str], set[str]]]()
 
 _CLI = "tests/test_run_cli.py::"
 _CHECK_MEMORY = "tests/test_check_memory.py::"
