@@ -190,7 +190,10 @@ def results(tmp_path_factory):
                 ranks = (par.dp or 1) * par.pp * par.tp
                 measured[name] = hybridpar.spawn(_measure, ranks, timeout=400, args=(
                     str(CONFIGS / config), overrides, warm_up))
-            child.wait(timeout=180)
+            # the dry runs alone: ~115 core-s (2 min here); beside the ranks above and the
+            # campaign's other workers they get a fraction of a core (180 s was too short
+            # on CI): the limit only catches a hang, under the test's 1200 s
+            child.wait(timeout=900)
         finally:
             if child.poll() is None:
                 child.kill()
