@@ -9,7 +9,8 @@ cases that leave no message unmatched belong together: never a pipeline stopped 
 
 `selected_ids(request, test)` names the cases a module fixture needs: the parametrize ids of
 `test` that this session runs (`--tier`, ``-k``), so a matrix split between the suite and the
-campaign (tests/tiers.py) computes only its own corners.
+campaign (tests/tiers.py) computes only its own corners; `layout_id` names a layout case so
+(``pp2tp2dp1-1f1b-always``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def selected_ids(request: pytest.FixtureRequest, test: str) -> set[str]:
     that this session runs."""
     return {item.callspec.id for item in request.session.items
             if item.path == request.path and getattr(item, "originalname", None) == test}
+
+
+def layout_id(layout: Sequence[int], options: Mapping[str, Any]) -> str:
+    """A layout case's parametrize id: ``pp{pp}tp{tp}dp{dp}-{schedule}-{checkpoint}``."""
+    pp, tp, dp = layout
+    return f"pp{pp}tp{tp}dp{dp}-{options.get('schedule', 'gpipe')}-" \
+           f"{options.get('checkpoint', 'except_last')}"
 
 
 def spawn_cases(fn: Callable[..., Any], nprocs: int, cases: Mapping[str, Sequence[Any]], *,

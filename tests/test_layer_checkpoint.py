@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from spawn_cases import spawn_by_world, spawn_cases
+from spawn_cases import layout_id, selected_ids, spawn_by_world, spawn_cases
 from test_pipe_tp import _gpt_worker, assert_like_one_device
 from torch import nn
 from torchgpipe.checkpoint import is_recomputing
@@ -34,6 +34,7 @@ DROPOUT = [   # one stage, one micro-batch: the one-device masks
     {"chunks": 1, "schedule": "zb-h1", "checkpoint": "layers:2"},
     {"chunks": 1, "checkpoint": "selective"},
 ]
+IDS = [layout_id(layout, options) for layout, _, options in LAYOUTS]
 MODES = ["never", "layers", "selective"]   # dropout, 4 micro-batches, tp2
 
 
@@ -42,9 +43,12 @@ def _case(*args):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(request):
     cases = {}
-    for layout, balance, options in LAYOUTS:
+    wanted = selected_ids(request, "test_layer_checkpointing_trains_as_one_device")
+    for (layout, balance, options), name in zip(LAYOUTS, IDS):
+        if name not in wanted:   # the campaign's (tests/tiers.py)
+            continue
         cases[f"train {layout} {options}"] = (layout[0] * layout[1] * layout[2],
                                               (layout, balance, options, 0.0))
     for options in DROPOUT:
@@ -55,7 +59,7 @@ def runs():
     return spawn_by_world(_case, cases, timeout=240)
 
 
-@pytest.mark.parametrize("layout,balance,options", LAYOUTS)
+@pytest.mark.parametrize("layout,balance,options", LAYOUTS, ids=IDS)
 def test_layer_checkpointing_trains_as_one_device(layout, balance, options, runs):
     assert_like_one_device(runs[f"train {layout} {options}"])
 

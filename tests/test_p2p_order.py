@@ -11,7 +11,7 @@ from functools import cache
 
 import pytest
 import torch
-from spawn_cases import spawn_by_world, spawn_cases
+from spawn_cases import selected_ids, spawn_by_world, spawn_cases
 from torch import nn
 
 import hybridpar
@@ -121,17 +121,22 @@ CHANGING = [
     ("gpt", (2, 2), [1, 1, 2, 1], "zbv"),          # virtual stages: a slot's headers, then
     ("skipnet", (2, 1), [2, 2, 2, 1], "interleaved"),   # its activations (both ends)
 ]
+CHANGING_IDS = [f"{name}-pp{pp}tp{tp}-{schedule}" for name, (pp, tp), _, schedule in CHANGING]
 
 
 @pytest.fixture(scope="module")
-def changing():
-    """Each case of CHANGING run through the PLAN: one spawn per world size (2, 3, 4 ranks),
-    a fresh pipe (its own book of agreed shapes) per case. repr(case) -> each rank's result."""
+def changing(request):
+    """Each selected case of CHANGING (tests/tiers.py holds some for the campaign) run through
+    the PLAN: one spawn per world size (2, 3, 4 ranks), a fresh pipe (its own book of agreed
+    shapes) per case. repr(case) -> each rank's result."""
+    wanted = selected_ids(request, "test_changing_shapes_equal_one_device_and_known_shapes_"
+                                   "send_no_header")
     return spawn_by_world(_worker, {repr(case): (case[1][0] * case[1][1], case)
-                                    for case in CHANGING}, timeout=360)
+                                    for case, name in zip(CHANGING, CHANGING_IDS)
+                                    if name in wanted}, timeout=360)
 
 
-@pytest.mark.parametrize("name,layout,balance,schedule", CHANGING)
+@pytest.mark.parametrize("name,layout,balance,schedule", CHANGING, ids=CHANGING_IDS)
 def test_changing_shapes_equal_one_device_and_known_shapes_send_no_header(name, layout, balance,
                                                                           schedule, changing):
     ref_values, ref_state = _reference(name)

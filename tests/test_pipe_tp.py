@@ -10,7 +10,7 @@ asserts on its own case."""
 
 import pytest
 import torch
-from spawn_cases import spawn_by_world
+from spawn_cases import layout_id, selected_ids, spawn_by_world
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
@@ -74,6 +74,7 @@ DROPOUT = [
     {"chunks": 1, "schedule": "zb-h1", "checkpoint": "always"},   # recomputed in I, W apart
 ]
 LOADS = [((2, 2, 1), [3, 2]), ((1, 4, 1), [5])]
+IDS = [layout_id(layout, options) for layout, _, options in LAYOUTS]
 
 
 def _case(what, *args):
@@ -81,12 +82,15 @@ def _case(what, *args):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(request):
     """Each test's run by name: "train <layout> <balance> <options>", "dropout <options>",
     "load <layout> <balance>"."""
     _, _, trained = _reference(0.0)
     cases = {}   # name -> (world size, _case's arguments)
-    for layout, balance, options in LAYOUTS:
+    wanted = selected_ids(request, "test_tensor_parallel_gpt_pipeline_matches_one_device")
+    for (layout, balance, options), name in zip(LAYOUTS, IDS):
+        if name not in wanted:   # the campaign's (tests/tiers.py)
+            continue
         cases[f"train {layout} {balance} {options}"] = (
             layout[0] * layout[1] * layout[2], ("train", layout, balance, options, 0.0))
     for options in DROPOUT:
@@ -112,7 +116,7 @@ def assert_like_one_device(results, dropout=0.0, dtype=torch.float32):
             torch.testing.assert_close(r["state"][k], v, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("layout,balance,options", LAYOUTS)
+@pytest.mark.parametrize("layout,balance,options", LAYOUTS, ids=IDS)
 def test_tensor_parallel_gpt_pipeline_matches_one_device(layout, balance, options, runs):
     assert_like_one_device(runs[f"train {layout} {balance} {options}"])
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_cases import spawn_by_world
+from spawn_cases import layout_id, selected_ids, spawn_by_world
 from test_pipe_tp import BATCH, SMALL, _batches, assert_like_one_device
 
 import hybridpar
@@ -55,13 +55,17 @@ LAYOUTS = [   # (pp, tp, dp), balance, options
                                "checkpoint": "layers:2"}),
     ((2, 2, 2), [3, 2], {"chunks": 2, "schedule": "1f1b", "checkpoint": "selective"}),
 ]
+IDS = [layout_id(layout, options) for layout, _, options in LAYOUTS]
 DROPOUT = [{"chunks": 1}, {"chunks": 1, "schedule": "zb-h1", "checkpoint": "always"}]
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(request):
     cases = {}
-    for layout, balance, options in LAYOUTS:
+    wanted = selected_ids(request, "test_sequence_parallel_gpt_trains_as_one_device")
+    for (layout, balance, options), name in zip(LAYOUTS, IDS):
+        if name not in wanted:   # the campaign's (tests/tiers.py)
+            continue
         cases[f"train {layout} {options}"] = (layout[0] * layout[1] * layout[2],
                                               (layout, balance, options, 0.0))
     for options in DROPOUT:
@@ -72,7 +76,7 @@ def runs():
     return spawn_by_world(_worker, cases, timeout=240)
 
 
-@pytest.mark.parametrize("layout,balance,options", LAYOUTS)
+@pytest.mark.parametrize("layout,balance,options", LAYOUTS, ids=IDS)
 def test_sequence_parallel_gpt_trains_as_one_device(layout, balance, options, runs):
     assert_like_one_device(runs[f"train {layout} {options}"], dtype=torch.float64)
     for r in runs[f"train {layout} {options}"]:
@@ -197,20 +201,25 @@ HF_LAYOUTS = [("qwen3", (1, 2), [5], "gpipe", "hf"), ("mistral", (2, 2), [2, 3],
               ("granite", (2, 2), [2, 3], "1f1b", "hf"), ("phi", (1, 2), [5], "gpipe", "auto")]
 
 
+HF_IDS = [f"{kind}-pp{layout[0]}tp{layout[1]}-{schedule}-{plan}"
+          for kind, layout, _, schedule, plan in HF_LAYOUTS]
 GPT2_DROPOUT = 0.1   # GPT-2's embedding and residual dropouts (its attention's stays 0)
 
 
 @pytest.fixture(scope="module")
-def hf_runs():
+def hf_runs(request):
     pytest.importorskip("transformers", reason="hybridpar.hf needs hybridpar[hf]")
+    wanted = selected_ids(request, "test_hugging_face_decoders_train_sequence_parallel_as_"
+                                   "one_device")
     cases = {f"{kind} {layout} {schedule} {plan}": (layout[0] * layout[1],
                                                     (kind, layout, balance, schedule, plan))
-             for kind, layout, balance, schedule, plan in HF_LAYOUTS}
+             for (kind, layout, balance, schedule, plan), name in zip(HF_LAYOUTS, HF_IDS)
+             if name in wanted}
     cases["gpt2 dropout"] = (2, ("gpt2", (1, 2), [5], "gpipe", "auto", GPT2_DROPOUT))
     return spawn_by_world(_hf_worker, cases, timeout=300)
 
 
-@pytest.mark.parametrize("kind,layout,balance,schedule,plan", HF_LAYOUTS)
+@pytest.mark.parametrize("kind,layout,balance,schedule,plan", HF_LAYOUTS, ids=HF_IDS)
 def test_hugging_face_decoders_train_sequence_parallel_as_one_device(
         kind, layout, balance, schedule, plan, hf_runs):
     from test_hf_pipe import _assert_same, _reference

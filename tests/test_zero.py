@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_cases import spawn_by_world, spawn_cases
+from spawn_cases import selected_ids, spawn_by_world, spawn_cases
 
 import hybridpar
 from hybridpar.optim import (
@@ -97,27 +97,35 @@ LAYOUTS = {   # name -> (pp, tp, dp)
 }
 
 
+# (layout, zero) compared with zero 0: zero 2 on tp2 here (test_zero_parity: float64)
+LOSS_CASES = [(name, 1) for name in (*LAYOUTS, "zbv pp2 x dp2")] + [
+    ("tp2 x dp2", 2), ("tied gpt2 pp2 x dp2", 1), ("tied gpt2 pp2 x dp2", 2)]
+
+
+def _loss_config(name: str, zero: int) -> Config:
+    """The config of a LOSS_CASES run (checkpoints off)."""
+    if name == "tied gpt2 pp2 x dp2":
+        return gpt2(2, 2, zero, every=0)
+    if name == "zbv pp2 x dp2":
+        return config(*_layout(2, 1, 2, zero, "zbv"), UNSAVED)
+    return config(*_layout(*LAYOUTS[name], zero), UNSAVED)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Each layout at zero = 0 and 1 on one set of 4 ranks; zbv; a tied GPT-2 over 2 stages
-    (their losses only: no checkpoints)."""
+def runs(request, tmp_path_factory):
+    """The selected LOSS_CASES and their zero-0 runs on one set of 4 ranks (tests/tiers.py
+    holds some for the campaign); their losses only: no checkpoints."""
+    wanted = selected_ids(request, "test_zero_1_and_2_train_with_the_losses_of_zero_0")
     cases = {}
-    for name, (pp, tp, dp) in LAYOUTS.items():
-        for zero in (0, 1, 2) if tp > 1 else (0, 1):   # zero 2: test_zero_parity, float64
-            folder = tmp_path_factory.mktemp(f"{name.replace(' ', '')}-zero{zero}")
-            cases[(name, zero)] = (config(*_layout(pp, tp, dp, zero), UNSAVED), str(folder))
-    for zero in (0, 1, 2):
-        if zero < 2:
-            folder = tmp_path_factory.mktemp(f"zbv-zero{zero}")
-            cases[("zbv pp2 x dp2", zero)] = (config(*_layout(2, 1, 2, zero, "zbv"), UNSAVED),
-                                              str(folder))
-        folder = tmp_path_factory.mktemp(f"gpt2-zero{zero}")
-        cases[("tied gpt2 pp2 x dp2", zero)] = (gpt2(2, 2, zero, every=0), str(folder))
+    for name, zero in LOSS_CASES:
+        if f"{name}-{zero}" in wanted:
+            for z in (0, zero):
+                folder = tmp_path_factory.mktemp(f"{name.replace(' ', '')}-zero{z}")
+                cases[(name, z)] = (_loss_config(name, z), str(folder))
     return spawn_cases(_train, 4, cases, timeout=TIMEOUT * 3)
 
 
-@pytest.mark.parametrize("name,zero", [(name, 1) for name in (*LAYOUTS, "zbv pp2 x dp2")] + [
-    ("tp2 x dp2", 2), ("tied gpt2 pp2 x dp2", 1), ("tied gpt2 pp2 x dp2", 2)])
+@pytest.mark.parametrize("name,zero", LOSS_CASES)
 def test_zero_1_and_2_train_with_the_losses_of_zero_0(runs, name, zero):
     plain, sharded = runs[(name, 0)], runs[(name, zero)]
     losses = [r[0] for r in sharded]

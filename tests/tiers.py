@@ -12,7 +12,9 @@ already checks in-process, at the cost of fresh interpreters and many ranks:
                          within their shard, benchmark smoke runs
     wider sweeps         compiled pipelines and tp, `hybridpar        one case of each; each
                          check` of Hugging Face models, the HF        family over two stages
-                         families at tp 2 on one stage                under both plans
+                         families at tp 2 on one stage, corners of    under both plans; every
+                         the layout x schedule x recompute matrices   schedule, recompute mode
+                         (8-rank layouts among them)                  and layout kind
 
 A test is in the campaign when its node id starts with one of `CAMPAIGN`'s keys (where a `*`
 stands for any text: a corner of a matrix); the value says what the suite keeps of it.
@@ -38,6 +40,16 @@ _GPU_CHECK = "tests/test_gpu_check_smoke.py::"
 _FAULTS = "tests/test_launcher_faults.py::"
 _FAMILIES = "tests/test_hf_families.py::test_a_family_trains_as_its_own_transformers_model["
 _LAYOUTS = "tests/test_hf_layouts.py::test_hugging_face_models_train_as_on_one_device["
+_EXPORTS = "tests/test_hf_families.py::test_an_export_loads_with_from_pretrained_and_gives_the_" \
+    "pipes_logits["
+_ZERO = "tests/test_zero.py::test_zero_1_and_2_train_with_the_losses_of_zero_0"
+_PIPE_TP = "tests/test_pipe_tp.py::test_tensor_parallel_gpt_pipeline_matches_one_device"
+_RECOMPUTE = "tests/test_layer_checkpoint.py::test_layer_checkpointing_trains_as_one_device"
+_SP = "tests/test_sequence_parallel.py::test_sequence_parallel_gpt_trains_as_one_device"
+_SP_HF = "tests/test_sequence_parallel.py::test_hugging_face_decoders_train_sequence_" \
+    "parallel_as_one_device"
+_CHANGING = "tests/test_p2p_order.py::test_changing_shapes_equal_one_device_and_known_" \
+    "shapes_send_no_header"
 
 CAMPAIGN: dict[str, str] = {
     # as a user types it: fresh interpreters, `hybridpar run`'s agent and workers
@@ -104,6 +116,30 @@ CAMPAIGN: dict[str, str] = {
     _CHECK_HF + "test_gpt2_with": "test_check.py",
     _CHECK_HF + "test_at_dp2": "test_check.py",
     _CHECK_HF + "test_any_decoder": "test_hf_probe.py",
+    _ZERO + "[zbv pp2 x dp2-1]": "its pp2 x dp2-1 and tp2 x dp2-1, test_zero_parity.py",
+    _ZERO + "[tied gpt2 pp2 x dp2-2]": "its tied gpt2 pp2 x dp2-1 and tp2 x dp2-2",
+    _PIPE_TP + "[pp2tp2dp2-": "its pp 2 x tp 2 layouts, test_virtual_parity.py's pp2 x tp2 x "
+                              "dp2",
+    _RECOMPUTE + "[pp2tp2dp1-zb-h1-layers]": "its gpipe, 1f1b and zbv layers and zb-h1 "
+                                             "selective",
+    _RECOMPUTE + "[pp1tp2dp2-1f1b-selective]": "its zb-h1 selective",
+    _SP + "[pp2tp2dp1-zb-h1-never]": "its tp2 gpipe, pp2 x tp2 1f1b and zbv, the zb-h1 "
+                                     "dropout case",
+    _SP + "[pp2tp2dp1-interleaved-": "its zbv with layers",
+    _SP + "[pp2tp2dp2-": "its pp2 x tp2 layouts",
+    _SP_HF + "[mistral-": "qwen3, llama, gpt2 and granite",
+    _SP_HF + "[phi-": "qwen3, llama, gpt2 and granite",
+    _CHANGING + "[gpt-pp2tp1-1f1b]": "its five other layouts",
+    _CHANGING + "[skipnet-pp3tp1-zb-h1]": "its five other layouts (skipnet pp3 1f1b)",
+    _CHANGING + "[gpt-pp2tp2-zb-h1]": "its five other layouts",
+    "tests/test_train_run.py::test_resume_under_virtual_stages_matches_the_uninterrupted_run"
+    "[interleaved]": "its [zbv]",
+    "tests/test_tokenize_concurrent.py::test_two_real_tokenize_processes_into_one_folder":
+        "test_tokenize_concurrent.py's guards in-process",
+    "tests/test_export_disk_full.py::test_a_file_size_limit_is_cannot_write_out_and_exit_2"
+    "[model.pt]": "its [model]",
+    _EXPORTS + "gemma2]": "the exports of granite, cohere and granite_swa",
+    _EXPORTS + "gpt_neox]": "the exports of granite, cohere and granite_swa",
     # tp 2 on one stage: the same plans over two stages (pp 2 x tp 2) stay
     _FAMILIES + "*-pp1tp2-gpipe-": "test_hf_families.py's pp2tp2-zbv-auto and pp2tp2-1f1b-hf of "
                                    "each family",
