@@ -9,7 +9,8 @@ The suite runs pp 2 and both plans over pp 2 x tp 2; the campaign adds tp 2 on o
     gemma         a scaled-embedding subclass (sqrt(D)), tied head: vocab-sharded with its scale
     gemma2        + final logit soft-capping (glue), attention soft-capping, alternating windows
     gemma3_text   + a rotary table per layer type, q / k norms
-    phi3          fused qkv_proj / gate_up_proj, a sliding window
+    phi3          fused qkv_proj (q | k | v of unequal widths: 4 q, 2 kv heads) and
+                  gate_up_proj, a sliding window: "auto" shards both part by part
     phi           dropout between embedding and blocks (a pp-plan module), partial rotary
     olmo2         q / k RMSNorm over the whole projection width
     granite       embedding multiplier and logits scaling (glue), residual multipliers
@@ -62,9 +63,10 @@ LAYOUTS = [((2, 1), [2, 3], "1f1b", None), ((1, 2), [5], "gpipe", "auto"),
 CASES = {f"{kind}-pp{g[0]}tp{g[1]}-{s}" + (f"-{p}" if p else ""): (kind, g, b, s, p)
          for kind in FAMILIES for g, b, s, p in LAYOUTS}
 # export back to Hugging Face at pp 2 x tp 2 (its folder, then the pipe's logits): glue
-# layers, a vocab-sharded tied head, other trunk names, per-head norms and sinks cut by head
+# layers, a vocab-sharded tied head, other trunk names, per-head norms and sinks cut by head,
+# a fused q | k | v of unequal widths
 EXPORTS = {"granite": "hf", "gemma2": "hf", "gpt_neox": "auto", "cohere": "auto",
-           "granite_swa": "hf"}
+           "granite_swa": "hf", "phi3": "auto"}
 # per-head parameters, cut by head with the attention's heads at tp 2 (`flow_heads`)
 PER_HEAD = {"cohere": ("k_norm.weight", "q_norm.weight"), "granite_swa": ("sinks",)}
 
@@ -184,7 +186,7 @@ def test_an_export_loads_with_from_pretrained_and_gives_the_pipes_logits(kind, r
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_family_trains_as_its_own_transformers_model(name, runs):
-    kind, layout, _, _, _ = CASES[name]
+    kind, layout, _, _, plan = CASES[name]
     ref = _reference(kind)
     if kind in ("gemma3_text", "cohere") and layout[1] > 1:   # see the module's docstring
         split = {k: v for k, v in ref[1].items() if k.endswith(("q_norm.weight",
@@ -198,6 +200,10 @@ def test_a_family_trains_as_its_own_transformers_model(name, runs):
         if layout[1] > 1:         # the MLP is sharded in every family, by either plan
             mlp = [d for d in r["decisions"] if ".mlp." in d.split(" ")[0]]
             assert mlp and all(": column" in d or ": row" in d for d in mlp), mlp
+        if kind == "phi3" and layout[1] > 1 and plan == "auto":   # (its own plan gathers)
+            qkv = [d for d in r["decisions"] if d.split(" ")[0].endswith(".qkv_proj")]
+            assert len(qkv) == 2 and all(": column" in d and "fused in 3 parts (32, 16, 16)"
+                                         in d for d in qkv), qkv
         if kind in PER_HEAD and layout[1] > 1:   # they hold this rank's heads
             heads = sorted(d.split(":")[0] for d in r["decisions"] if "sharded by head" in d)
             assert heads == [f"{i}.self_attn.{n}" for i in (1, 2) for n in PER_HEAD[kind]], \

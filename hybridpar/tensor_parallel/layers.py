@@ -36,7 +36,13 @@ from hybridpar.sharded.attrs import register_parallel_attribute, register_parall
 from hybridpar.tensor_parallel.base import ParallelLayer, convert_children
 from hybridpar.tensor_parallel.embedding import ParallelEmbedding
 from hybridpar.tensor_parallel.functional import check_parallel_dim, parallel_linear
-from hybridpar.tensor_parallel.fused import FUSED_ATTR, fused_shard_of
+from hybridpar.tensor_parallel.fused import (
+    FUSED_ATTR,
+    Fused,
+    fused_shard_of,
+    part_count,
+    part_sizes,
+)
 from hybridpar.tensor_parallel.sliced_init import init_from_full
 from hybridpar.tensor_parallel.state import (
     register_ddp_parameters_to_ignore,
@@ -45,6 +51,14 @@ from hybridpar.tensor_parallel.state import (
 )
 
 __all__ = ["ParallelConv1D", "ParallelEmbedding", "ParallelLinear", "RegisterParallelDim"]
+
+
+def _splits(fused: Fused, length: int, tp: int) -> bool:
+    """Whether `fused` cuts a dim of `length` into parts that tp divides."""
+    try:
+        return all(n % tp == 0 for n in part_sizes(fused, length))
+    except (ValueError, TypeError):
+        return False
 
 
 class ParallelLinear(ParallelLayer):
@@ -59,13 +73,14 @@ class ParallelLinear(ParallelLayer):
     ``fused=k`` (column only): the output is k equal parts (q | k | v), each split over tp;
     the rank keeps its slice of every part, in order (`fused`): its output is
     ``[q_r | k_r | v_r]``, so code that splits the output in k parts works on the shard.
+    ``fused=(n_0, n_1, ...)``: parts of those widths (q | k | v under grouped queries).
     """
 
     _transposed = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 dim: int | None = None, *, fused: int = 1, group: ProcessGroup | None = None,
-                 device: torch.device | str | None = None,
+                 dim: int | None = None, *, fused: Fused = 1,
+                 group: ProcessGroup | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self._setup_group(dim, group, "ParallelLinear")
@@ -73,12 +88,12 @@ class ParallelLinear(ParallelLayer):
         self.out_features = out_features
         self.fused = fused
         tp = self.tp_size
-        if fused != 1 and (dim not in (1, -1) or type(fused) is not int or fused < 1 or
-                           out_features % (fused * tp)):
+        if fused != 1 and (dim not in (1, -1) or not _splits(fused, out_features, tp)):
             raise ValueError(
                 f"ParallelLinear(out_features={out_features}, dim={dim}, fused={fused}): a "
-                f"fused layer is column-parallel (dim=-1) with out_features a multiple of "
-                f"fused * tp = {fused} * {tp}")
+                f"fused layer is column-parallel (dim=-1) with out_features made of k equal "
+                f"parts (fused=k) or of parts of the widths given (adding up to it), each a "
+                f"multiple of tp={tp}")
         sharded = {None: None, 0: ("in_features", in_features),
                    1: ("out_features", out_features), -1: ("out_features", out_features)}[dim]
         if sharded is not None and sharded[1] % tp != 0:
@@ -115,9 +130,10 @@ class ParallelLinear(ParallelLayer):
         self._tag_fused()
 
     def _tag_fused(self) -> None:
+        fused = getattr(self, "fused", 1)
         for p in (self.weight, self.bias):
-            if p is not None and getattr(self, "fused", 1) > 1:
-                setattr(p, FUSED_ATTR, self.fused)
+            if p is not None and part_count(fused) > 1:
+                setattr(p, FUSED_ATTR, part_sizes(fused, self.out_features))
 
     def reset_parameters(self) -> None:
         """Re-initialize as `nn.Linear` would the full layer, keeping this rank's slice."""
@@ -128,7 +144,7 @@ class ParallelLinear(ParallelLayer):
         init_from_full(self, full, nn.Linear.reset_parameters, group=self.group)
 
     def _load_full(self, weight: Tensor, bias: Tensor | None) -> None:
-        slice_of = fused_shard_of if self.fused > 1 else shard_of
+        slice_of = fused_shard_of if part_count(self.fused) > 1 else shard_of
         with torch.no_grad():
             self.weight.copy_(slice_of(weight, self.weight, self.group))
             if self.bias is not None and bias is not None:
@@ -144,10 +160,10 @@ class ParallelLinear(ParallelLayer):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, dim={self.dim}"
-                + (f", fused={self.fused}" if self.fused > 1 else ""))
+                + (f", fused={self.fused}" if part_count(self.fused) > 1 else ""))
 
     @classmethod
-    def from_module(cls, module: nn.Module, dim: int | None, *, fused: int = 1,
+    def from_module(cls, module: nn.Module, dim: int | None, *, fused: Fused = 1,
                     group: ProcessGroup | None = None) -> ParallelLinear:
         """A layer of this class holding its slice of `module`'s values (no random number)."""
         old_w, old_b = module.weight, module.bias
@@ -169,7 +185,7 @@ class ParallelLinear(ParallelLayer):
         return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
 
     @classmethod
-    def _on_meta(cls, n_in: int, n_out: int, bias: bool, dim: int | None, *, fused: int,
+    def _on_meta(cls, n_in: int, n_out: int, bias: bool, dim: int | None, *, fused: Fused,
                  group: ProcessGroup | None, dtype: torch.dtype) -> ParallelLinear:
         """An empty layer of this class on `meta` (its constructor's argument order)."""
         return cls(n_in, n_out, bias, dim, fused=fused, group=group, device="meta", dtype=dtype)
@@ -224,7 +240,7 @@ class ParallelConv1D(ParallelLinear):
     _transposed = True
 
     def __init__(self, nf: int, nx: int, bias: bool = True, dim: int | None = None, *,
-                 fused: int = 1, group: ProcessGroup | None = None,
+                 fused: Fused = 1, group: ProcessGroup | None = None,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(nx, nf, bias, dim, fused=fused, group=group, device=device,
@@ -243,7 +259,7 @@ class ParallelConv1D(ParallelLinear):
         return int(module.nx), int(module.nf)  # type: ignore[arg-type]
 
     @classmethod
-    def _on_meta(cls, n_in: int, n_out: int, bias: bool, dim: int | None, *, fused: int,
+    def _on_meta(cls, n_in: int, n_out: int, bias: bool, dim: int | None, *, fused: Fused,
                  group: ProcessGroup | None, dtype: torch.dtype) -> ParallelLinear:
         return cls(n_out, n_in, bias, dim, fused=fused, group=group, device="meta", dtype=dtype)
 

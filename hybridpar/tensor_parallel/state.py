@@ -33,7 +33,12 @@ from hybridpar.sharded.mappings import (
     shard_range,
     shard_sizes,
 )
-from hybridpar.tensor_parallel.fused import fused_gather_full, fused_parts, fused_ranges
+from hybridpar.tensor_parallel.fused import (
+    fused_gather_full,
+    fused_parts,
+    fused_ranges,
+    fused_sizes,
+)
 from hybridpar.topology import default_tp_group
 
 __all__ = [
@@ -108,7 +113,7 @@ def shard_ranges(param: Tensor, group: ProcessGroup | None = None) -> ShardRange
         param                        ranges
         plain                        [shard_range(L, tp, r)]   (the first L % tp ranks get
                                                                 one more: uneven vocab)
-        fused, k parts (q | k | v)   `fused_ranges(L, k, tp, r)`: the r-th of tp in each part
+        fused (q | k | v)            `fused_ranges(sizes, tp, r)`: the r-th of tp in each part
 
     `shard_of` cuts these from a full tensor; `hybridpar.hf.load_hf_shards` reads them from
     a file (one read per range), so the two cannot disagree.
@@ -119,7 +124,7 @@ def shard_ranges(param: Tensor, group: ProcessGroup | None = None) -> ShardRange
     g = _resolve(group)
     length, tp, rank = full_shape(param, g)[dim], group_size(g), group_rank(g)
     if fused_parts(param) > 1:
-        return ShardRanges(dim, fused_ranges(length, fused_parts(param), tp, rank))
+        return ShardRanges(dim, fused_ranges(fused_sizes(param), tp, rank))
     return ShardRanges(dim, [shard_range(length, tp, rank)])
 
 

@@ -42,6 +42,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from hybridpar.sharded.attrs import PARALLEL_DIM_ATTR
+from hybridpar.tensor_parallel.fused import Fused
 from hybridpar.tensor_parallel.plans.flow_ops import (
     Abort,
     FullTrace,
@@ -52,10 +53,11 @@ from hybridpar.tensor_parallel.plans.flow_ops import (
     linear_sizes,
     tensors_in,
 )
+from hybridpar.tensor_parallel.plans.flow_parts import finish
 
-__all__ = ["COUNT_ATTRS", "WIDTH_ATTRS", "FullTrace", "Pairing", "TraceFailed",
+__all__ = ["COUNT_ATTRS", "WIDTH_ATTRS", "FullTrace", "LocalConfig", "Pairing", "TraceFailed",
            "head_attributes", "is_conv1d", "is_linear_like", "linear_sizes", "pair_columns",
-           "partial_uses", "sample_input", "trace_full"]
+           "partial_uses", "sample_input", "set_head_attribute", "trace_full"]
 
 # attributes of an attention module that count heads, or hold a width made of heads
 COUNT_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads",
@@ -102,7 +104,7 @@ class Pairing:
     the replicated parameters used on the kept shards (their gradients are partial over tp),
     with the columns whose shards they meet."""
 
-    columns: dict[str, int]                 # layer -> fused parts
+    columns: dict[str, Fused]               # layer -> fused parts
     rows: dict[str, set[str]]               # row layer -> the columns feeding it
     reasons: dict[str, str]                 # dropped candidate -> why
     partial: dict[str, set[str]] = field(default_factory=dict)   # parameter -> columns
@@ -156,52 +158,97 @@ def trace_full(root: nn.Module, names: Mapping[int, str],
     except Exception as e:
         raise TraceFailed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                           ) from e
+    finish(run)
     return run.trace
 
 
-def head_attributes(root: nn.Module, columns: Mapping[str, int], full: FullTrace, tp: int
+def head_attributes(root: nn.Module, columns: Mapping[str, Fused], full: FullTrace, tp: int
                     ) -> list[tuple[nn.Module, str, str, int, int]]:
     """(module, its name, attribute, value, value / tp) for the attention modules of `columns`.
 
-    A module owning a sharded column with n heads of size d (per fused part) holds n / tp
-    heads per rank: its integer attributes named in COUNT_ATTRS equal to such an n, and in
-    WIDTH_ATTRS equal to such an n * d, are divided by tp. Nothing else (head_dim, configs).
+    A module owning a sharded column whose parts hold n heads of size d (q: n, k and v: the
+    kv heads) holds n / tp of them per rank: its integer attributes named in COUNT_ATTRS equal
+    to such an n, and in WIDTH_ATTRS equal to such an n * d, are divided by tp; so are the
+    COUNT_ATTRS of its ``config`` (``config.num_attention_heads``: Phi-3 cuts its fused q | k
+    | v by them), in a view of its own (`LocalConfig`). Nothing else (head_dim).
     """
     counts: dict[str, set[int]] = {}
     widths: dict[str, set[int]] = {}
     for name in columns:
         if name in full.heads:
             parent = name.rpartition(".")[0]
-            n, d = full.heads[name]
-            counts.setdefault(parent, set()).add(n)
-            widths.setdefault(parent, set()).add(n * d)
+            d = full.heads[name][1]
+            ns = full.counts.get(name, {full.heads[name][0]})
+            counts.setdefault(parent, set()).update(ns)
+            widths.setdefault(parent, set()).update(n * d for n in ns)
     changes = []
     for parent, ns in counts.items():
         module = root.get_submodule(parent)
-        for attr in (*COUNT_ATTRS, *WIDTH_ATTRS):
-            value = vars(module).get(attr)
+        config = vars(module).get("config")
+        for attr in (*COUNT_ATTRS, *WIDTH_ATTRS, *(f"config.{a}" for a in COUNT_ATTRS)):
+            value = vars(module).get(attr) if not attr.startswith("config.") else \
+                vars(config).get(attr[7:]) if config is not None else None
             if type(value) is not int:
                 continue
-            pool = ns if attr in COUNT_ATTRS else widths[parent]
+            pool = ns if attr.rpartition(".")[2] in COUNT_ATTRS else widths[parent]
             if value in pool and value % tp == 0:
                 changes.append((module, parent, attr, value, value // tp))
     return changes
+
+
+class LocalConfig:
+    """One module's view of the model's shared config with some values of its own (this
+    rank's head counts): reads those first, everything else from the shared config, to which
+    every write goes; `isinstance` sees the config's class."""
+
+    def __init__(self, shared: Any, own: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_shared", shared)
+        object.__setattr__(self, "_own", dict(own))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_shared", "_own"):
+            raise AttributeError(name)
+        return self._own[name] if name in self._own else getattr(self._shared, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._shared, name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return LocalConfig, (self._shared, self._own)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return type(self._shared)
+
+
+def set_head_attribute(module: nn.Module, attr: str, value: int) -> None:
+    """`module.attr = value`; ``config.<name>``: in the module's own view of its config
+    (`LocalConfig`), dropped again when it equals the shared value."""
+    if not attr.startswith("config."):
+        setattr(module, attr, value)
+        return
+    key, config = attr[7:], vars(module)["config"]
+    shared = config._shared if type(config) is LocalConfig else config
+    own = dict(config._own) if type(config) is LocalConfig else {}
+    own[key] = value
+    own = {k: v for k, v in own.items() if v != getattr(shared, k)}
+    vars(module)["config"] = LocalConfig(shared, own) if own else shared
 
 
 @contextlib.contextmanager
 def _attributes(changes: list[tuple[nn.Module, str, str, int, int]]) -> Iterator[None]:
     try:
         for module, _, attr, _, new in changes:
-            setattr(module, attr, new)
+            set_head_attribute(module, attr, new)
         yield
     finally:
         for module, _, attr, old, _ in changes:
-            setattr(module, attr, old)
+            set_head_attribute(module, attr, old)
 
 
 def _simulate(root: nn.Module, names: Mapping[int, str],
               sample: tuple[tuple[Any, ...], dict[str, Any]], full: FullTrace, tp: int,
-              columns: Mapping[str, int], no_rows: Mapping[str, str] | None) -> Run:
+              columns: Mapping[str, Fused], no_rows: Mapping[str, str] | None) -> Run:
     """One simulated sharded forward with `columns`; its faults are in `run.blame`."""
     run = Run(names, tp, full, columns, no_rows)
     try:
@@ -222,7 +269,7 @@ def _simulate(root: nn.Module, names: Mapping[int, str],
 
 def pair_columns(root: nn.Module, names: Mapping[int, str],
                  sample: tuple[tuple[Any, ...], dict[str, Any]], full: FullTrace, tp: int,
-                 candidates: Mapping[str, int], no_rows: Mapping[str, str] | None = None
+                 candidates: Mapping[str, Fused], no_rows: Mapping[str, str] | None = None
                  ) -> Pairing:
     """Simulate the sharded forward until every candidate's shard obeys the rules.
 
@@ -261,14 +308,14 @@ def pair_columns(root: nn.Module, names: Mapping[int, str],
     raise TraceFailed("the simulation did not settle")
 
 
-def _sliced(run: Run, columns: Mapping[str, int]) -> dict[str, int]:
+def _sliced(run: Run, columns: Mapping[str, Fused]) -> dict[str, int]:
     """The per-head parameters the shards of `columns` meet: {parameter: its dim}."""
     return {p: dim for p, (dim, cols) in run.sliced.items() if cols & set(columns)}
 
 
 def partial_uses(root: nn.Module, names: Mapping[int, str],
                  sample: tuple[tuple[Any, ...], dict[str, Any]], full: FullTrace, tp: int,
-                 columns: Mapping[str, int]
+                 columns: Mapping[str, Fused]
                  ) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, int]]:
     """A dict plan's columns as given: ({parameter: columns} of the replicated parameters
     used on their shards, those of them also used on full activations, {per-head parameter:

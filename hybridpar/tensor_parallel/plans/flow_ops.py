@@ -32,7 +32,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from hybridpar.tensor_parallel.fused import Fused, part_count
 from hybridpar.tensor_parallel.plans.flow_heads import cut_per_head
+from hybridpar.tensor_parallel.plans.flow_parts import learn, takes_a_part
 
 __all__ = ["Abort", "FullTrace", "Run", "Shard", "TraceFailed", "is_conv1d", "is_linear_like",
            "linear_sizes", "tensors_in"]
@@ -115,7 +117,7 @@ def _dims(value: Any, ndim: int) -> set[int] | None:
 class Shard:
     sources: frozenset[str]
     dim: int
-    fused: int = 1  # the direct output of a fused column: k parts along `dim`
+    fused: Fused = 1  # the direct output of a fused column: its parts along `dim`
 
 
 @dataclass
@@ -124,8 +126,9 @@ class FullTrace:
 
     shapes: list[tuple[str, list[tuple[int, ...]]]] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)       # layer -> times called
-    fused: dict[str, int] = field(default_factory=dict)       # layer -> parts (k > 1)
+    fused: dict[str, Fused] = field(default_factory=dict)     # layer -> parts (flow_parts)
     heads: dict[str, tuple[int, int]] = field(default_factory=dict)  # layer -> (n, head dim)
+    counts: dict[str, set[int]] = field(default_factory=dict)  # layer -> n of each part
     positional: set[str] = field(default_factory=set)  # embedding tables not indexed by input
 
 
@@ -133,7 +136,8 @@ class Run:
     """One run: the full one (`full` is None) records shapes; a simulated one follows shards."""
 
     def __init__(self, names: Mapping[int, str], tp: int, full: FullTrace | None,
-                 columns: Mapping[str, int], no_rows: Mapping[str, str] | None = None) -> None:
+                 columns: Mapping[str, Fused], no_rows: Mapping[str, str] | None = None
+                 ) -> None:
         self.no_rows = no_rows or {}
         self.names = names          # id(module) -> name, the Linear-like layers
         self.tp = tp
@@ -155,6 +159,7 @@ class Run:
         self.whole: set[str] = set()                    # parameters used on full activations
         self.param_shapes: dict[str, tuple[int, ...]] = {}
         self.sliced: dict[str, tuple[int, set[str]]] = {}   # per-head parameters (flow_heads)
+        self.cuts: dict[str, dict[tuple[int, int], int]] = {}  # full run (flow_parts.learn)
 
     def begin(self, params: Mapping[str, Tensor], inputs: list[Tensor]) -> None:
         """Before the forward: the (meta) parameters by name, the input activations."""
@@ -242,27 +247,12 @@ class Run:
 
     def _learn(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                ins: list[Tensor], outs: list[Tensor]) -> None:
-        """Full run: fused outputs (split at once in k equal parts) and heads (first reshape)."""
-        if not ins or id(ins[0]) not in self.direct:
-            return
-        x = ins[0]
-        layer, part = self.direct[id(x)]
-        last = x.dim() - 1
-        if name in _SLICE_OPS and part is None and len(outs) > 1:
-            pos, default = _SLICE_OPS[name]
-            dim = _arg(args, kwargs, pos, "dim", default)
-            if isinstance(dim, int) and dim % x.dim() == last and \
-                    len({t.shape[-1] for t in outs}) == 1 and \
-                    sum(t.shape[-1] for t in outs) == x.shape[-1]:
-                self.trace.fused.setdefault(layer, len(outs))
-                for i, t in enumerate(outs):
-                    self.direct[id(t)] = (layer, i)
-                    self.keep.append(t)
-        elif name in ("view", "reshape", "unflatten") and len(outs) == 1:
-            y = outs[0]
-            if y.dim() == x.dim() + 1 and tuple(y.shape[:last]) == tuple(x.shape[:last]) and \
-                    y.shape[-2] * y.shape[-1] == x.shape[-1] and layer not in self.trace.heads:
-                self.trace.heads[layer] = (int(y.shape[-2]), int(y.shape[-1]))
+        """Full run: fused outputs and heads (`flow_parts.learn`)."""
+        if ins and id(ins[0]) in self.direct:
+            slice_dim = _SLICE_OPS[name] if name in _SLICE_OPS else None
+            dim = None if slice_dim is None else _arg(args, kwargs, slice_dim[0], "dim",
+                                                      slice_dim[1])
+            learn(self, name, args, ins[0], outs, dim)
 
     def _check(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                ins: list[Tensor], outs: list[Tensor], full: list[tuple[int, ...]],
@@ -282,7 +272,7 @@ class Run:
             return
         if not self._splits_parts(name, args, kwargs, ins[0], outs):
             why = self._refusal(name, args, kwargs, ins, outs, full, dims)
-            if why is None and any(s.fused > 1 for s in shards):
+            if why is None and any(part_count(s.fused) > 1 for s in shards):
                 why = f"{name} reads a fused output before it is split into its parts"
             if why is not None:
                 self.fault(sources, why)
@@ -302,8 +292,13 @@ class Run:
                       x: Tensor, outs: list[Tensor]) -> bool:
         """Whether the op splits a fused shard into its parts (q | k | v): each a shard."""
         s = self.shard.get(id(x))
-        return name in _SLICE_OPS and s is not None and s.fused > 1 and \
-            len(outs) == s.fused and self._slice_dim(name, args, kwargs, x, s)
+        if s is None or part_count(s.fused) < 2:
+            return False
+        if name == "__getitem__":
+            return s.dim == x.dim() - 1 and len(args) > 1 and \
+                takes_a_part(s.fused, args[1], x, self.tp)
+        return name in _SLICE_OPS and len(outs) == part_count(s.fused) and \
+            self._slice_dim(name, args, kwargs, x, s)
 
     def _refusal(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                  ins: list[Tensor], outs: list[Tensor], full: list[tuple[int, ...]],
@@ -366,7 +361,8 @@ class Run:
             if name in self.no_rows:
                 self.fault(s.sources, f"'{name}' reads the shard but cannot be a row layer "
                                       f"({self.no_rows[name]})")
-            elif s.dim == x.dim() - 1 and s.fused == 1 and x.shape[-1] * self.tp == n_in:
+            elif s.dim == x.dim() - 1 and part_count(s.fused) == 1 and \
+                    x.shape[-1] * self.tp == n_in:
                 self.rows.setdefault(name, set()).update(s.sources)
             else:
                 self.fault(s.sources, f"'{name}' reads the shard, but not as its input features")

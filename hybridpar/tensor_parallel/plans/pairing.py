@@ -42,6 +42,7 @@ from torch.distributed import ProcessGroup
 from hybridpar.tensor_parallel.base import ParallelLayer
 from hybridpar.tensor_parallel.embedding import ParallelEmbedding
 from hybridpar.tensor_parallel.feature.dense import TPDense
+from hybridpar.tensor_parallel.fused import Fused
 from hybridpar.tensor_parallel.layers import ParallelConv1D, ParallelLinear, RegisterParallelDim
 from hybridpar.tensor_parallel.plans.flow_ops import is_conv1d
 from hybridpar.tensor_parallel.plans.hooks import (
@@ -190,7 +191,7 @@ def gather_unlinked(root: nn.Module, producers: Iterable[nn.Module], links: Iter
     return gathered
 
 
-def convert_layer(old: Any, kind: str, group: ProcessGroup, *, fused: int = 1) -> nn.Module:
+def convert_layer(old: Any, kind: str, group: ProcessGroup, *, fused: Fused = 1) -> nn.Module:
     """The parallel layer holding this rank's slice of `old` (values kept, no random number).
 
     `kind`: "column" / "row" for a Linear-like `old` (nn.Linear, HF Conv1D, a

@@ -100,7 +100,8 @@ from torch.distributed import ProcessGroup
 from hybridpar.sharded.attrs import register_parallel_attribute, register_partial_grad
 from hybridpar.sharded.mappings import group_rank, group_size, shard_range
 from hybridpar.tensor_parallel.feature.dense import TPDense
-from hybridpar.tensor_parallel.plans.flow import is_conv1d
+from hybridpar.tensor_parallel.fused import Fused
+from hybridpar.tensor_parallel.plans.flow import is_conv1d, set_head_attribute
 from hybridpar.tensor_parallel.plans.hooks import (
     ExpectShardedOutput,
     GatherOutput,
@@ -146,7 +147,7 @@ _M = TypeVar("_M", bound=nn.Module)
 
 # changing the module ----------------------------------------------------------------------------
 
-def _convert(old: nn.Module, style: str, group: ProcessGroup, fused: int = 1) -> nn.Module:
+def _convert(old: nn.Module, style: str, group: ProcessGroup, fused: Fused = 1) -> nn.Module:
     """The parallel layer of `style` holding this rank's slice of `old` (no random number)."""
     if style in DENSE_MODES:
         mode, async_comm = DENSE_MODES[style]
@@ -162,7 +163,7 @@ def _convert(old: nn.Module, style: str, group: ProcessGroup, fused: int = 1) ->
 
 
 def _replace(module: nn.Module, layers: Layers, styles: Mapping[str, str],
-             fused: Mapping[str, int], group: ProcessGroup, ties: list[Tie],
+             fused: Mapping[str, Fused], group: ProcessGroup, ties: list[Tie],
              changes: list[HeadChange]) -> None:
     """Swap in the parallel layers, share tied weights again, give attentions their heads."""
     for name in layers.names:  # parents come before children: replace top-down
@@ -177,7 +178,7 @@ def _replace(module: nn.Module, layers: Layers, styles: Mapping[str, str],
         for lin in tied_linears:
             module.get_submodule(lin).register_parameter("weight", tied_weight)
     for owner, _, attr, _, value in changes:  # the attention holds tp-th of the heads
-        setattr(owner, attr, value)
+        set_head_attribute(owner, attr, value)
 
 
 def _mark_partial(module: nn.Module, styles: Mapping[str, str], partial: Partial

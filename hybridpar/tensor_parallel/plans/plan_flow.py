@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from hybridpar.tensor_parallel.fused import Fused, part_count
 from hybridpar.tensor_parallel.plans.flow import (
     FullTrace,
     Pairing,
@@ -47,15 +48,16 @@ LOGITS_NOTE = "class-sharded logits (tagged -1): train with ParallelCrossEntropy
 def heads_error(layers: Layers, full: FullTrace, columns: Sequence[str], tp: int) -> None:
     """ValueError naming the attention and its head counts when tp splits a head."""
     for name in columns:
-        if name not in full.heads or full.heads[name][0] % tp == 0:
+        if name not in full.heads or all(n % tp == 0 for n in full.counts.get(name, ())):
             continue
         parent = name.rpartition(".")[0]
         kin = [n for n in layers.names if n.rpartition(".")[0] == parent and n in full.heads]
-        counts = ", ".join(f"{n.rpartition('.')[2]} {full.heads[n][0]}" for n in kin)
-        numbers = sorted({full.heads[n][0] for n in kin})
+        shown = {n: " / ".join(map(str, sorted(full.counts[n], reverse=True))) for n in kin}
+        counts = ", ".join(f"{n.rpartition('.')[2]} {shown[n]}" for n in kin)
+        numbers = sorted(set().union(*(full.counts[n] for n in kin)))
         raise ValueError(
             f"tp={tp} does not divide the heads of '{parent or name}': heads per projection "
-            f"{counts} (head_dim {full.heads[name][1]}); '{name}' has {full.heads[name][0]}. "
+            f"{counts} (head_dim {full.heads[name][1]}); '{name}' has {shown[name]}. "
             f"Each rank must hold whole heads, query and key/value heads alike: use a tp "
             f"that divides {' and '.join(map(str, numbers))}, or a dict tp_plan that marks "
             f"'{parent}.*' 'replicate'")
@@ -75,9 +77,9 @@ def trace_model(module: nn.Module, layers: Layers, sample: SAMPLE | None
 
 
 def _candidates(layers: Layers, full: FullTrace, names: Mapping[int, str], tp: int,
-                notes: dict[str, str]) -> tuple[dict[str, int], dict[str, str]]:
+                notes: dict[str, str]) -> tuple[dict[str, Fused], dict[str, str]]:
     """The Linears that may be columns (-> fused parts), those that may not be rows (-> why)."""
-    candidates: dict[str, int] = {}
+    candidates: dict[str, Fused] = {}
     no_rows: dict[str, str] = {}
     for n in layers.names:
         m = layers.by_name[n]
@@ -111,8 +113,10 @@ def _styles_of(layers: Layers, full: FullTrace, pairing: Pairing, tp: int,
         if col in full.heads:
             heads, d = full.heads[col]
             note += f"; {heads // tp} of {heads} heads (head_dim {d}) per rank"
-        if parts > 1:
-            note += f"; fused in {parts} parts, each rank keeps its slice of every part"
+        if part_count(parts) > 1:
+            widths = f" {parts}" if isinstance(parts, tuple) else ""
+            note += f"; fused in {part_count(parts)} parts{widths}, each rank keeps its " \
+                    f"slice of every part"
         notes[col] = note
     for n, why in pairing.reasons.items():
         notes[n] = why
@@ -124,7 +128,7 @@ def _styles_of(layers: Layers, full: FullTrace, pairing: Pairing, tp: int,
 
 
 def resolve_auto(root: nn.Module, layers: Layers, tp: int, sample: SAMPLE | None
-                 ) -> tuple[dict[str, str], dict[str, str], dict[str, int], list[HeadChange],
+                 ) -> tuple[dict[str, str], dict[str, str], dict[str, Fused], list[HeadChange],
                             Partial, Sliced]:
     """Styles, notes, fused parts, head attribute changes, partial and per-head parameters by
     the data flow of the forward."""
@@ -144,7 +148,7 @@ def resolve_auto(root: nn.Module, layers: Layers, tp: int, sample: SAMPLE | None
     pairing = pair_columns(root, names, sample, full, tp, candidates, no_rows)
     styles = _styles_of(layers, full, pairing, tp, notes)
     _embeddings_and_classifier(layers, tp, styles, notes, full.positional)
-    fused = {c: p for c, p in pairing.columns.items() if p > 1}
+    fused = {c: p for c, p in pairing.columns.items() if part_count(p) > 1}
     return styles, notes, fused, head_attributes(root, pairing.columns, full, tp), \
         pairing.partial, pairing.sliced
 
@@ -233,7 +237,7 @@ def _resolve_by_order(root: nn.Module, layers: Layers, tp: int
 
 def explicit_flow(module: nn.Module, layers: Layers, styles: Mapping[str, str], tp: int,
                   sample: SAMPLE | None
-                  ) -> tuple[dict[str, int], list[HeadChange], Partial, Sliced]:
+                  ) -> tuple[dict[str, Fused], list[HeadChange], Partial, Sliced]:
     """A dict plan's column layers: fused parts, heads, partial and per-head parameters from
     the forward (best effort: nothing when it cannot be followed). A parameter used both on a
     column's shard and on a full activation is a ValueError."""
@@ -245,7 +249,7 @@ def explicit_flow(module: nn.Module, layers: Layers, styles: Mapping[str, str], 
         full, names, sample = trace_model(module, layers, sample)
     except TraceFailed:
         return {}, [], {}, {}
-    fused = {n: full.fused[n] for n in columns if n in full.fused}
+    fused: dict[str, Fused] = {n: full.fused[n] for n in columns if n in full.fused}
     fused.update({n: 2 for n in columns if styles[n] == "column_fused2"})
     heads_error(layers, full, columns, tp)
     parts = {n: fused.get(n, 1) for n in columns}

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from hybridpar.tensor_parallel.fused import Fused, part_count
 from hybridpar.tensor_parallel.plans.hf_plan import split_plan
 from hybridpar.tensor_parallel.plans.layer_graph import Layers
 from hybridpar.tensor_parallel.plans.plan_flow import (
@@ -77,7 +78,7 @@ def tie_note(name: str, style: str, why: str, styles: Mapping[str, str], layers:
 
 def check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str], tp: int,
                     sample: SAMPLE | None
-                    ) -> tuple[dict[str, str], dict[str, int], list[HeadChange], list[Tie],
+                    ) -> tuple[dict[str, str], dict[str, Fused], list[HeadChange], list[Tie],
                                Partial, Sliced]:
     """A dict plan's notes, fused parts, head changes, ties, partial and per-head parameters;
     ValueError before any change."""
@@ -99,9 +100,9 @@ def check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str],
             notes[name] = "output all-gathered (full), as HF's colwise_gather_output"
         elif style == "embedding_feature":
             notes[name] = "embedding dim sharded, output all-gathered (full)"
-        elif fused.get(name, 1) > 1 or style == "column_fused2":
-            notes[name] = (f"fused in {fused.get(name, 2)} parts, each rank keeps its "
-                           f"slice of every part")
+        elif part_count(fused.get(name, 1)) > 1 or style == "column_fused2":
+            notes[name] = (f"fused in {part_count(fused.get(name, 2))} parts, each rank "
+                           f"keeps its slice of every part")
     return notes, fused, changes, ties, partial, sliced
 
 

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from hybridpar.tensor_parallel.fused import Fused, part_sizes
 from hybridpar.tensor_parallel.plans.flow_ops import is_conv1d, linear_sizes
 from hybridpar.tensor_parallel.plans.hf_plan import HF_STYLES, NO_OP_HF_STYLES, match_hf_key
 from hybridpar.tensor_parallel.plans.layer_graph import Layers
@@ -56,7 +57,7 @@ def is_type(m: nn.Module, style: str) -> bool:
     return isinstance(m, wanted) or (wanted is nn.Linear and is_conv1d(m))
 
 
-def indivisible(m: nn.Module, style: str, tp: int, parts: int = 1) -> str | None:
+def indivisible(m: nn.Module, style: str, tp: int, parts: Fused = 1) -> str | None:
     """Which size of `m` tp does not divide under `style` (None: all divide)."""
     if style in DENSE_STYLES and isinstance(m, nn.Linear):
         for attr in ("in_features", "out_features"):   # both ends are feature shards
@@ -67,8 +68,9 @@ def indivisible(m: nn.Module, style: str, tp: int, parts: int = 1) -> str | None
     if (style in COLUMNS or style == "row") and (isinstance(m, nn.Linear) or is_conv1d(m)):
         n_in, n_out = linear_sizes(m)
         attr, size = ("out_features", n_out) if style != "row" else ("in_features", n_in)
-        if size % (tp * parts):
-            per = f" (in {parts} fused parts)" if parts > 1 else ""
+        widths = part_sizes(parts, size) if style != "row" else (size,)
+        if any(n % tp for n in widths):
+            per = f" (in fused parts {widths})" if len(widths) > 1 else ""
             return f"{attr} {size} is not divisible by tp={tp}{per}"
     return None
 

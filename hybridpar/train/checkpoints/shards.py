@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from hybridpar.pipeline.parameters.partition import layer_spans
 from hybridpar.sharded.attrs import get_parallel_dim, tensor_shard_dim
 from hybridpar.sharded.mappings import group_rank, group_size, shard_range
-from hybridpar.tensor_parallel.fused import fused_parts
+from hybridpar.tensor_parallel.fused import fused_parts, fused_ranges, fused_sizes
 from hybridpar.tensor_parallel.state import full_shape
 
 __all__ = ["Entry", "ShardChunk", "ShardLoadPlanner", "ShardSavePlanner", "check_unique",
@@ -127,12 +127,11 @@ def _entry(tensor: Tensor, param: Tensor | None, group: Any) -> Tensor | ShardCh
     if dim is None or group is None or group_size(group) == 1:
         return tensor
     size = full_shape(param, group)
-    parts = fused_parts(param)
-    if parts > 1:   # q | k | v: this rank's slice of each part, one block each
-        step, whole = tensor.shape[dim] // parts, size[dim] // parts
-        rank = group_rank(group)
-        blocks = [(tensor.narrow(dim, p * step, step),
-                   _at(tensor.dim(), dim, p * whole + rank * step)) for p in range(parts)]
+    if fused_parts(param) > 1:   # q | k | v: this rank's slice of each part, one block each
+        blocks, local = [], 0
+        for start, stop in fused_ranges(fused_sizes(param), group_size(group), group_rank(group)):
+            blocks.append((tensor.narrow(dim, local, stop - start), _at(tensor.dim(), dim, start)))
+            local += stop - start
         return ShardChunk(tensor, size, blocks[0][1], blocks=blocks)
     start, _ = shard_range(size[dim], group_size(group), group_rank(group))
     return ShardChunk(tensor, size, _at(tensor.dim(), dim, start))
