@@ -37,8 +37,8 @@ def each_case(fn: Callable[..., Any], cases: Mapping[str, Sequence[Any]]) -> dic
 
 def selected_ids(request: pytest.FixtureRequest, test: str) -> set[str]:
     """The parametrize ids of the tests named `test`, in the requesting fixture's module,
-    that this session runs."""
-    return {item.callspec.id for item in request.session.items
+    that this session runs (``{""}``: a test without parameters that it runs)."""
+    return {getattr(getattr(item, "callspec", None), "id", "") for item in request.session.items
             if item.path == request.path and getattr(item, "originalname", None) == test}
 
 

@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from spawn_cases import spawn_by_world, spawn_cases
+from spawn_cases import selected_ids, spawn_by_world, spawn_cases
 from test_zero import config, gpt2
 
 import hybridpar
@@ -118,10 +118,25 @@ def _cases():
     return cases
 
 
+def _needed(request) -> set[str]:
+    """The `_cases` the selected tests read (tests/tiers.py holds the 8-rank ones for the
+    campaign)."""
+    layouts = selected_ids(request, "test_bf16_layouts_train_as_one_rank")
+    needed = set(layouts) | {"tied 1x1" if n.startswith("tied") else "1x1" for n in layouts}
+    for name in selected_ids(request, "test_zero_1_steps_exactly_as_zero_0"):
+        needed |= {f"{name} zero0", f"{name} zero1"}
+    if selected_ids(request, "test_fp32_zero_1_at_pp2_x_tp2_x_dp2_trains_as_one_rank"):
+        needed |= {"fp32 pp2 x tp2 x dp2 zero1", "1x1 fp32"}
+    if selected_ids(request, "test_bf16_weights_train_close_to_fp32"):
+        needed |= {"1x1", "1x1 fp32"}
+    return needed
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
+    needed = _needed(request)
     cases = {name: (world, (*args, str(tmp_path_factory.mktemp(name.replace(" ", "")))))
-             for name, (world, args) in _cases().items()}
+             for name, (world, args) in _cases().items() if name in needed}
     return spawn_by_world(_train, cases, timeout=TIMEOUT * 3)
 
 

@@ -43,6 +43,7 @@ _LAYOUTS = "tests/test_hf_layouts.py::test_hugging_face_models_train_as_on_one_d
 _EXPORTS = "tests/test_hf_families.py::test_an_export_loads_with_from_pretrained_and_gives_the_" \
     "pipes_logits["
 _ZERO = "tests/test_zero.py::test_zero_1_and_2_train_with_the_losses_of_zero_0"
+_MASTER = "tests/test_master_weights.py::"
 _PIPE_TP = "tests/test_pipe_tp.py::test_tensor_parallel_gpt_pipeline_matches_one_device"
 _RECOMPUTE = "tests/test_layer_checkpoint.py::test_layer_checkpointing_trains_as_one_device"
 _SP = "tests/test_sequence_parallel.py::test_sequence_parallel_gpt_trains_as_one_device"
@@ -116,7 +117,11 @@ CAMPAIGN: dict[str, str] = {
     _CHECK_HF + "test_gpt2_with": "test_check.py",
     _CHECK_HF + "test_at_dp2": "test_check.py",
     _CHECK_HF + "test_any_decoder": "test_hf_probe.py",
-    _ZERO + "[zbv pp2 x dp2-1]": "its pp2 x dp2-1 and tp2 x dp2-1, test_zero_parity.py",
+    _ZERO + "[zbv pp2 x dp2-1]": "its tp2 x dp2-1, test_zero_parity.py's zbv",
+    _ZERO + "[pp2 x dp2-1]": "its tp2 x dp2-1, test_zero_parity.py's pp2 x dp2",
+    _MASTER + "test_bf16_layouts_train_as_one_rank[pp2 x tp2 x dp2 zero1]": "its pp2 x dp2 and "
+                                                                           "tp2 x dp2 at zero 1",
+    _MASTER + "test_fp32_zero_1_at_pp2_x_tp2_x_dp2": "test_zero_parity.py",
     _ZERO + "[tied gpt2 pp2 x dp2-2]": "its tied gpt2 pp2 x dp2-1 and tp2 x dp2-2",
     _PIPE_TP + "[pp2tp2dp2-": "its pp 2 x tp 2 layouts, test_virtual_parity.py's pp2 x tp2 x "
                               "dp2",
@@ -138,8 +143,12 @@ CAMPAIGN: dict[str, str] = {
         "test_tokenize_concurrent.py's guards in-process",
     "tests/test_export_disk_full.py::test_a_file_size_limit_is_cannot_write_out_and_exit_2"
     "[model.pt]": "its [model]",
-    _EXPORTS + "gemma2]": "the exports of granite, cohere and granite_swa",
-    _EXPORTS + "gpt_neox]": "the exports of granite, cohere and granite_swa",
+    _EXPORTS + "gemma2]": "the exports of granite, cohere, granite_swa and phi3",
+    _EXPORTS + "gpt_neox]": "the exports of granite, cohere, granite_swa and phi3",
+    _FAMILIES + "*-pp2tp1-1f1b]": "test_hf_families.py's pp2tp2 cases of each family (two "
+                                  "stages)",
+    _LAYOUTS + "gpt2-pp4tp1-": "test_hf_layouts.py's gpt2-pp2tp1-1f1b, test_pipe_parity.py's "
+                               "four stages",
     # tp 2 on one stage: the same plans over two stages (pp 2 x tp 2) stay
     _FAMILIES + "*-pp1tp2-gpipe-": "test_hf_families.py's pp2tp2-zbv-auto and pp2tp2-1f1b-hf of "
                                    "each family",
