@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from hybridpar.sharded.attrs import PARALLEL_DIM_ATTR
 from hybridpar.tensor_parallel.fused import Fused
+from hybridpar.tensor_parallel.plans.flow_heads import finish
 from hybridpar.tensor_parallel.plans.flow_ops import (
     Abort,
     FullTrace,
@@ -53,7 +54,6 @@ from hybridpar.tensor_parallel.plans.flow_ops import (
     linear_sizes,
     tensors_in,
 )
-from hybridpar.tensor_parallel.plans.flow_parts import finish
 
 __all__ = ["COUNT_ATTRS", "WIDTH_ATTRS", "FullTrace", "LocalConfig", "Pairing", "TraceFailed",
            "head_attributes", "is_conv1d", "is_linear_like", "linear_sizes", "pair_columns",

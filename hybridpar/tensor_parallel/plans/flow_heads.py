@@ -1,4 +1,20 @@
-"""Per-head parameters: a replicated parameter that meets a shard split by heads is split too.
+"""The heads and parts of a column's output: fused parts (q | k | v) and per-head parameters.
+
+**Fused parts.** The full run (`learn`, `finish`) learns a layer's heads from each part's
+first reshape ``(*, F) -> (*, n, d)``, and its parts from how its output is first cut along
+the last dim:
+
+    cut                                        parts                       example
+    one op: split / chunk / unbind ...         its outputs' widths         GPT-2's c_attn.split
+    indexing ``y[..., a:b]`` (several ops)     the slices, when they tile  Phi-3's qkv_proj:
+                                               the whole width              [:q] [q:q+kv] [q+kv:]
+
+Equal widths are ``k`` parts, others their widths (`fused.Fused`). A fused column keeps its
+slice of every part ([q_r | k_r | v_r]); in the simulated run the same cut, computed by the
+forward from the attention's divided head counts (`flow.head_attributes`), must take whole
+parts of the shard: then each part is a plain shard.
+
+**Per-head parameters:** a replicated parameter that meets a shard split by heads is split too.
 
 A parameter shaped by heads (Cohere's per-head q / k LayerNorm weight (heads, head_dim))
 multiplies or adds to the attention's activations head by head.
@@ -25,13 +41,105 @@ so.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-__all__ = ["cut_per_head"]
+from hybridpar.tensor_parallel.fused import Fused, part_count, part_sizes
 
+__all__ = ["cut_per_head", "finish", "fused_of_cut", "last_dim_slice", "learn",
+           "local_part_ranges", "takes_a_part", "tiled_parts"]
+
+
+# fused parts ----------------------------------------------------------------------------------
+def last_dim_slice(index: Any, x: Tensor) -> tuple[int, int] | None:
+    """The ``[start, stop)`` that ``x[index]`` takes of the last dim of `x` when it keeps every
+    other dim whole (``x[..., a:b]``, ``x[:, :, a:b]``); None for any other index."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not items or not isinstance(items[-1], slice):
+        return None
+    rest = items[:-1]
+    whole = [i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in rest]
+    if not all(whole) or (Ellipsis not in rest and len(items) != x.dim()):
+        return None
+    start, stop, step = items[-1].indices(int(x.shape[-1]))
+    return (start, stop) if step == 1 and stop > start else None
+
+
+def fused_of_cut(widths: list[int], total: int) -> Fused | None:
+    """A layer's parts from the widths of one op's outputs along its last dim (None: the op
+    does not cut the whole width in parts)."""
+    if len(widths) < 2 or sum(widths) != total:
+        return None
+    return len(widths) if len(set(widths)) == 1 else tuple(widths)
+
+
+def tiled_parts(slices: Mapping[tuple[int, int], object], total: int) -> Fused | None:
+    """A layer's parts from the slices indexing took of its output, when they tile
+    ``[0, total)`` end to end (None otherwise)."""
+    ranges = sorted(slices)
+    if len(ranges) < 2 or ranges[0][0] != 0 or ranges[-1][1] != total or \
+            any(a[1] != b[0] for a, b in itertools.pairwise(ranges)):
+        return None
+    return fused_of_cut([b - a for a, b in ranges], total)
+
+
+def local_part_ranges(fused: Fused, local: int, tp: int) -> list[tuple[int, int]]:
+    """Where each part lies in a rank's shard of `local` features ([q_r | k_r | v_r])."""
+    ranges, start = [], 0
+    for n in part_sizes(fused, local * tp):
+        ranges.append((start, start + n // tp))
+        start += n // tp
+    return ranges
+
+
+def takes_a_part(fused: Fused, index: Any, x: Tensor, tp: int) -> bool:
+    """Whether ``x[index]`` on a fused shard `x` (its last dim) takes exactly one part."""
+    rng = last_dim_slice(index, x)
+    return part_count(fused) > 1 and rng is not None and \
+        rng in local_part_ranges(fused, int(x.shape[-1]), tp)
+
+
+def learn(run: Any, name: str, args: tuple[Any, ...], x: Tensor, outs: list[Tensor],
+          dim: Any) -> None:
+    """The full `run` (`flow_ops.Run`): what op `name` on `x`, a layer's output or one of its
+    parts (`run.direct`), says of the layer's parts and heads; `dim`: a slicing op's dim."""
+    layer, part = run.direct[id(x)]
+    last = x.dim() - 1
+    parts: list[Tensor] = []
+    if dim is not None and part is None and len(outs) > 1:
+        fused = fused_of_cut([int(t.shape[-1]) for t in outs], int(x.shape[-1]))
+        if isinstance(dim, int) and dim % x.dim() == last and fused is not None:
+            run.trace.fused.setdefault(layer, fused)
+            parts = outs
+    elif name == "__getitem__" and part is None and len(args) > 1 and len(outs) == 1:
+        cut = last_dim_slice(args[1], x)
+        if cut is not None:
+            run.cuts.setdefault(layer, {})[cut] = int(x.shape[-1])
+            parts = outs
+    elif name in ("view", "reshape", "unflatten") and len(outs) == 1:
+        y = outs[0]
+        if y.dim() == x.dim() + 1 and tuple(y.shape[:last]) == tuple(x.shape[:last]) and \
+                y.shape[-2] * y.shape[-1] == x.shape[-1]:
+            run.trace.heads.setdefault(layer, (int(y.shape[-2]), int(y.shape[-1])))
+            run.trace.counts.setdefault(layer, set()).add(int(y.shape[-2]))
+    for i, t in enumerate(parts):
+        run.direct[id(t)] = (layer, i)
+        run.keep.append(t)
+
+
+def finish(run: Any) -> None:
+    """After the full `run`: the layers whose output indexing cut into parts end to end."""
+    for layer, cuts in run.cuts.items():
+        fused = tiled_parts(cuts, next(iter(cuts.values())))
+        if fused is not None:
+            run.trace.fused.setdefault(layer, fused)
+
+
+# per-head parameters -------------------------------------------------------------------------
 # ops that broadcast their tensor arguments elementwise (also their in-place / reflected forms)
 _BROADCAST = frozenset({"mul", "add", "sub", "div", "true_divide", "truediv", "rsub", "radd",
                         "rmul", "rtruediv", "where", "addcmul", "addcdiv", "lerp", "maximum",

@@ -33,8 +33,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.tensor_parallel.fused import Fused, part_count
-from hybridpar.tensor_parallel.plans.flow_heads import cut_per_head
-from hybridpar.tensor_parallel.plans.flow_parts import learn, takes_a_part
+from hybridpar.tensor_parallel.plans.flow_heads import cut_per_head, learn, takes_a_part
 
 __all__ = ["Abort", "FullTrace", "Run", "Shard", "TraceFailed", "is_conv1d", "is_linear_like",
            "linear_sizes", "tensors_in"]
@@ -126,7 +125,7 @@ class FullTrace:
 
     shapes: list[tuple[str, list[tuple[int, ...]]]] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)       # layer -> times called
-    fused: dict[str, Fused] = field(default_factory=dict)     # layer -> parts (flow_parts)
+    fused: dict[str, Fused] = field(default_factory=dict)     # layer -> parts (flow_heads)
     heads: dict[str, tuple[int, int]] = field(default_factory=dict)  # layer -> (n, head dim)
     counts: dict[str, set[int]] = field(default_factory=dict)  # layer -> n of each part
     positional: set[str] = field(default_factory=set)  # embedding tables not indexed by input
@@ -159,7 +158,7 @@ class Run:
         self.whole: set[str] = set()                    # parameters used on full activations
         self.param_shapes: dict[str, tuple[int, ...]] = {}
         self.sliced: dict[str, tuple[int, set[str]]] = {}   # per-head parameters (flow_heads)
-        self.cuts: dict[str, dict[tuple[int, int], int]] = {}  # full run (flow_parts.learn)
+        self.cuts: dict[str, dict[tuple[int, int], int]] = {}  # full run (flow_heads.learn)
 
     def begin(self, params: Mapping[str, Tensor], inputs: list[Tensor]) -> None:
         """Before the forward: the (meta) parameters by name, the input activations."""
@@ -247,7 +246,7 @@ class Run:
 
     def _learn(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                ins: list[Tensor], outs: list[Tensor]) -> None:
-        """Full run: fused outputs and heads (`flow_parts.learn`)."""
+        """Full run: fused outputs and heads (`flow_heads.learn`)."""
         if ins and id(ins[0]) in self.direct:
             slice_dim = _SLICE_OPS[name] if name in _SLICE_OPS else None
             dim = None if slice_dim is None else _arg(args, kwargs, slice_dim[0], "dim",
