@@ -109,24 +109,34 @@ class Pairing:
     reasons: dict[str, str]                 # dropped candidate -> why
     partial: dict[str, set[str]] = field(default_factory=dict)   # parameter -> columns
     sliced: dict[str, int] = field(default_factory=dict)   # per-head parameter -> its dim
+    reduced: dict[str, set[str]] = field(default_factory=dict)  # module -> columns (summed)
 
 
 @contextlib.contextmanager
 def _patched(root: nn.Module, run: Run) -> Iterator[None]:
-    """Linear-like layers call `run.linear`; modules in eval mode; restored after."""
+    """Linear-like layers call `run.linear`; modules in eval mode; the run knows the module
+    each op runs in (`run.stack`, `run.leaves`); restored after."""
     modes = {m: m.training for m in root.modules()}
     patched = []
-    for m in root.modules():
+    hooks = []
+    for path, m in root.named_modules():
         name = run.names.get(id(m))
         if name is not None:
             m.forward = (lambda x, *a, _n=name, _m=m, **k: run.linear(_n, _m, x))
             patched.append(m)
+        if next(m.children(), None) is None and path:
+            run.leaves.add(path)
+        hooks.append(m.register_forward_pre_hook(lambda _m, _a, _p=path: run.stack.append(_p)))
+        hooks.append(m.register_forward_hook(lambda *_: [run.stack.pop()] and None,
+                                             always_call=True))
     root.eval()
     try:
         yield
     finally:
         for m in patched:
             del m.forward
+        for hook in hooks:
+            hook.remove()
         for m, mode in modes.items():
             m.training = mode
 
@@ -290,6 +300,9 @@ def pair_columns(root: nn.Module, names: Mapping[int, str],
             if p in run.whole:
                 run.fault(cols, f"its shard meets '{p}' split by head, which is also used "
                                 f"whole on full activations")
+        for m in run.reduced.keys() & run.whole_reduced:
+            run.fault(run.reduced[m], f"'{m}' reduces over the features of its shard and of "
+                                      f"full activations (only the first sum over tp)")
         dropped = {n for n in run.blame if n in columns} | (run.demoted & set(columns))
         if not dropped:
             fed = set().union(*run.rows.values()) if run.rows else set()
@@ -300,7 +313,8 @@ def pair_columns(root: nn.Module, names: Mapping[int, str],
             if unfed:
                 continue
             rows = {r: c & set(columns) for r, c in run.rows.items() if c & set(columns)}
-            return Pairing(columns, rows, reasons, dict(run.partial), _sliced(run, columns))
+            return Pairing(columns, rows, reasons, dict(run.partial), _sliced(run, columns),
+                           _reduced(run, columns))
         for n in dropped:
             if n in run.blame:
                 reasons[n] = run.blame[n]
@@ -313,14 +327,23 @@ def _sliced(run: Run, columns: Mapping[str, Fused]) -> dict[str, int]:
     return {p: dim for p, (dim, cols) in run.sliced.items() if cols & set(columns)}
 
 
+def _reduced(run: Run, columns: Mapping[str, Fused]) -> dict[str, set[str]]:
+    """The modules whose reductions over the features of `columns`' shards are summed over
+    tp (`tensor_parallel.reduction`): {module: the columns}."""
+    return {m: cols & set(columns) for m, cols in run.reduced.items() if cols & set(columns)}
+
+
 def partial_uses(root: nn.Module, names: Mapping[int, str],
                  sample: tuple[tuple[Any, ...], dict[str, Any]], full: FullTrace, tp: int,
                  columns: Mapping[str, Fused]
-                 ) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, int]]:
+                 ) -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, int],
+                            dict[str, set[str]]]:
     """A dict plan's columns as given: ({parameter: columns} of the replicated parameters
     used on their shards, those of them also used on full activations, {per-head parameter:
-    its dim})."""
+    its dim}, {module: columns} whose reductions are summed over tp)."""
     run = _simulate(root, names, sample, full, tp, columns, None)
     mixed = run.mixed()
     mixed.update({p: cols for p, (_, cols) in run.sliced.items() if p in run.whole})
-    return dict(run.partial), mixed, _sliced(run, columns)
+    mixed.update({f"{m} (its reductions)": run.reduced[m]
+                  for m in run.reduced.keys() & run.whole_reduced})
+    return dict(run.partial), mixed, _sliced(run, columns), _reduced(run, columns)

@@ -51,7 +51,8 @@ from torch.utils._pytree import tree_map
 from hybridpar.tensor_parallel.fused import Fused, part_count, part_sizes
 
 __all__ = ["cut_per_head", "finish", "fused_of_cut", "last_dim_slice", "learn",
-           "local_part_ranges", "takes_a_part", "tiled_parts"]
+           "local_part_ranges", "note_reduction", "reduction_over_shard", "takes_a_part",
+           "tiled_parts"]
 
 
 # fused parts ----------------------------------------------------------------------------------
@@ -189,3 +190,36 @@ def cut_per_head(run: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, A
     if not cuts:
         return args, kwargs
     return tree_map(lambda a: cuts.get(id(a), a) if isinstance(a, Tensor) else a, (args, kwargs))
+
+
+# distributed norms -----------------------------------------------------------------------------
+def _last_dim_reduction(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                        x: Tensor) -> bool:
+    """Whether op `name` is a mean / sum of `x` over its last dim (and no other)."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    return name in ("mean", "sum") and isinstance(dim, int) and x.dim() > 0 and \
+        dim % x.dim() == x.dim() - 1
+
+
+def reduction_over_shard(run: Any, name: str, args: tuple[Any, ...],
+                         kwargs: Mapping[str, Any], x: Tensor) -> bool:
+    """Simulated `run`: whether op `name`, reducing the shard `x` over its features, is a
+    mean / sum over its last dim in a leaf module, which `tensor_parallel.reduction` sums over
+    tp (OLMo 2's q / k RMSNorm over the whole projection); noted in `run.reduced`."""
+    s = run.shard.get(id(x))
+    module = run.stack[-1] if run.stack else None
+    if s is None or module not in run.leaves or s.dim != x.dim() - 1 or \
+            part_count(s.fused) > 1 or not _last_dim_reduction(name, args, kwargs, x):
+        return False
+    run.reduced.setdefault(module, set()).update(s.sources)
+    return True
+
+
+def note_reduction(run: Any, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                   ins: list[Tensor]) -> None:
+    """Simulated `run`, an op on no shard: a mean / sum over the last dim of a full tensor in
+    a module (`run.whole_reduced`: its reductions cannot all be summed over tp)."""
+    if run.stack and ins and _last_dim_reduction(name, args, kwargs, ins[0]):
+        run.whole_reduced.add(run.stack[-1])

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.tensor_parallel.fused import Fused, part_count
-from hybridpar.tensor_parallel.plans.flow_heads import cut_per_head, learn, takes_a_part
+from hybridpar.tensor_parallel.plans import flow_heads
 
 __all__ = ["Abort", "FullTrace", "Run", "Shard", "TraceFailed", "is_conv1d", "is_linear_like",
            "linear_sizes", "tensors_in"]
@@ -159,6 +159,10 @@ class Run:
         self.param_shapes: dict[str, tuple[int, ...]] = {}
         self.sliced: dict[str, tuple[int, set[str]]] = {}   # per-head parameters (flow_heads)
         self.cuts: dict[str, dict[tuple[int, int], int]] = {}  # full run (flow_heads.learn)
+        self.stack: list[str] = []     # the modules an op runs in (innermost last) and the
+        self.leaves: set[str] = set()  # modules without children; `flow_heads`' norms:
+        self.reduced: dict[str, set[str]] = {}   # module -> columns, modules reducing full
+        self.whole_reduced: set[str] = set()     # tensors' features
 
     def begin(self, params: Mapping[str, Tensor], inputs: list[Tensor]) -> None:
         """Before the forward: the (meta) parameters by name, the input activations."""
@@ -186,7 +190,7 @@ class Run:
         sources = frozenset().union(*(s.sources for s in shards)) if shards else frozenset()
         if shards:
             self.last_shard_op = name
-            cut_args, cut_kwargs = cut_per_head(self, name, args, kwargs, ins)
+            cut_args, cut_kwargs = flow_heads.cut_per_head(self, name, args, kwargs, ins)
             if cut_args is not args:   # a per-head parameter's slice came in: its tensors
                 args, kwargs, ins = cut_args, cut_kwargs, tensors_in((cut_args, cut_kwargs))
         try:
@@ -216,6 +220,8 @@ class Run:
             raise TraceFailed(f"the forward is not the same twice (at {name})")
         if shards:
             self._check(name, args, kwargs, ins, outs, expected[1], shards, sources)
+        else:   # a reduction over full features, in a module
+            flow_heads.note_reduction(self, name, args, kwargs, ins)
         self._follow_params(ins, outs, sources)
         return out
 
@@ -248,10 +254,9 @@ class Run:
                ins: list[Tensor], outs: list[Tensor]) -> None:
         """Full run: fused outputs and heads (`flow_heads.learn`)."""
         if ins and id(ins[0]) in self.direct:
-            slice_dim = _SLICE_OPS[name] if name in _SLICE_OPS else None
-            dim = None if slice_dim is None else _arg(args, kwargs, slice_dim[0], "dim",
-                                                      slice_dim[1])
-            learn(self, name, args, ins[0], outs, dim)
+            pos, default = _SLICE_OPS.get(name, (None, None))
+            dim = None if pos is None else _arg(args, kwargs, pos, "dim", default)
+            flow_heads.learn(self, name, args, ins[0], outs, dim)
 
     def _check(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                ins: list[Tensor], outs: list[Tensor], full: list[tuple[int, ...]],
@@ -266,8 +271,9 @@ class Run:
                 raise Abort
             dims.append(diff[0] if diff else None)
         if all(d is None for d in dims):
-            self.fault(sources, f"{name} reduces over the sharded features (each rank would "
-                                f"hold a partial result)")
+            if not flow_heads.reduction_over_shard(self, name, args, kwargs, ins[0]):
+                self.fault(sources, f"{name} reduces over the sharded features (each rank "
+                                    f"would hold a partial result)")
             return
         if not self._splits_parts(name, args, kwargs, ins[0], outs):
             why = self._refusal(name, args, kwargs, ins, outs, full, dims)
@@ -295,7 +301,7 @@ class Run:
             return False
         if name == "__getitem__":
             return s.dim == x.dim() - 1 and len(args) > 1 and \
-                takes_a_part(s.fused, args[1], x, self.tp)
+                flow_heads.takes_a_part(s.fused, args[1], x, self.tp)
         return name in _SLICE_OPS and len(outs) == part_count(s.fused) and \
             self._slice_dim(name, args, kwargs, x, s)
 

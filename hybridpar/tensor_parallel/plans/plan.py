@@ -134,6 +134,7 @@ from hybridpar.tensor_parallel.plans.plan_styles import (
     STYLES,
 )
 from hybridpar.tensor_parallel.plans.strategy import apply_strategies
+from hybridpar.tensor_parallel.reduction import reduce_over_tp
 from hybridpar.tensor_parallel.state import register_full_shape
 from hybridpar.topology import default_tp_group
 
@@ -318,14 +319,18 @@ def apply_tp_plan(module: _M, plan: str | Mapping[str, str | Sequence[int]] | No
         return module
     ties: list[Tie] = []
     if isinstance(plan, Mapping):
-        notes, fused, changes, ties, partial, sliced = check_explicit(module, layers, styles,
-                                                                       tp, sample)
+        notes, fused, changes, ties, partial, sliced, reduced = check_explicit(
+            module, layers, styles, tp, sample)
     else:
-        styles, notes, fused, changes, partial, sliced = resolve_auto(module, layers, tp,
-                                                                      sample)
+        styles, notes, fused, changes, partial, sliced, reduced = resolve_auto(
+            module, layers, tp, sample)
     partial_lines = _mark_partial(module, styles, partial)
     _replace(module, layers, styles, fused, group, ties, changes)
     partial_lines += shard_per_head(module, sliced, group)
+    for name, columns in sorted(reduced.items()):   # a distributed norm
+        reduce_over_tp(module.get_submodule(name), group)
+        partial_lines.append(f"{name}: its means / sums over the features summed over tp (the "
+                             f"features of {', '.join(sorted(columns))} are sharded)")
     lines: dict[str, str] = {}
     extra: list[str] = []
     if prepared is not None:

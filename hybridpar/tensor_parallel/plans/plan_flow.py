@@ -35,13 +35,14 @@ from hybridpar.tensor_parallel.plans.flow import (
 from hybridpar.tensor_parallel.plans.layer_graph import Layers, is_elementwise
 from hybridpar.tensor_parallel.plans.plan_styles import indivisible
 
-__all__ = ["LOGITS_NOTE", "SAMPLE", "HeadChange", "Partial", "Sliced", "explicit_flow",
+__all__ = ["LOGITS_NOTE", "SAMPLE", "HeadChange", "Partial", "Reduced", "Sliced", "explicit_flow",
            "heads_error", "resolve_auto", "trace_model"]
 
 SAMPLE = tuple[tuple[Any, ...], dict[str, Any]]
 HeadChange = tuple[nn.Module, str, str, int, int]
 Partial = dict[str, set[str]]       # replicated parameter -> the columns whose shards it meets
 Sliced = dict[str, int]             # per-head parameter -> the dim each rank holds a slice of
+Reduced = dict[str, set[str]]       # module summing its reductions over tp -> the columns
 LOGITS_NOTE = "class-sharded logits (tagged -1): train with ParallelCrossEntropyLoss"
 
 
@@ -129,9 +130,9 @@ def _styles_of(layers: Layers, full: FullTrace, pairing: Pairing, tp: int,
 
 def resolve_auto(root: nn.Module, layers: Layers, tp: int, sample: SAMPLE | None
                  ) -> tuple[dict[str, str], dict[str, str], dict[str, Fused], list[HeadChange],
-                            Partial, Sliced]:
-    """Styles, notes, fused parts, head attribute changes, partial and per-head parameters by
-    the data flow of the forward."""
+                            Partial, Sliced, Reduced]:
+    """Styles, notes, fused parts, head attribute changes, partial and per-head parameters,
+    modules whose reductions are summed over tp, by the data flow of the forward."""
     try:
         full, names, sample = trace_model(root, layers, sample)
     except TraceFailed as e:
@@ -141,7 +142,7 @@ def resolve_auto(root: nn.Module, layers: Layers, tp: int, sample: SAMPLE | None
                     n not in by_order:
                 order_notes[n] = (f"not paired: the forward could not be followed ({e}), so "
                                   f"layers were paired by registration order")
-        return by_order, order_notes, {}, [], {}, {}
+        return by_order, order_notes, {}, [], {}, {}, {}
     notes: dict[str, str] = {}
     candidates, no_rows = _candidates(layers, full, names, tp, notes)
     heads_error(layers, full, list(candidates), tp)
@@ -150,7 +151,7 @@ def resolve_auto(root: nn.Module, layers: Layers, tp: int, sample: SAMPLE | None
     _embeddings_and_classifier(layers, tp, styles, notes, full.positional)
     fused = {c: p for c, p in pairing.columns.items() if part_count(p) > 1}
     return styles, notes, fused, head_attributes(root, pairing.columns, full, tp), \
-        pairing.partial, pairing.sliced
+        pairing.partial, pairing.sliced, pairing.reduced
 
 
 def _embeddings_and_classifier(layers: Layers, tp: int, styles: dict[str, str],
@@ -237,30 +238,30 @@ def _resolve_by_order(root: nn.Module, layers: Layers, tp: int
 
 def explicit_flow(module: nn.Module, layers: Layers, styles: Mapping[str, str], tp: int,
                   sample: SAMPLE | None
-                  ) -> tuple[dict[str, Fused], list[HeadChange], Partial, Sliced]:
+                  ) -> tuple[dict[str, Fused], list[HeadChange], Partial, Sliced, Reduced]:
     """A dict plan's column layers: fused parts, heads, partial and per-head parameters from
     the forward (best effort: nothing when it cannot be followed). A parameter used both on a
     column's shard and on a full activation is a ValueError."""
     columns = [n for n, st in styles.items() if st in ("column", "column_fused2") and
                is_linear_like(layers.by_name[n])]
     if not columns:
-        return {}, [], {}, {}
+        return {}, [], {}, {}, {}
     try:
         full, names, sample = trace_model(module, layers, sample)
     except TraceFailed:
-        return {}, [], {}, {}
+        return {}, [], {}, {}, {}
     fused: dict[str, Fused] = {n: full.fused[n] for n in columns if n in full.fused}
     fused.update({n: 2 for n in columns if styles[n] == "column_fused2"})
     heads_error(layers, full, columns, tp)
     parts = {n: fused.get(n, 1) for n in columns}
     try:
-        partial, mixed, sliced = partial_uses(module, names, sample, full, tp, parts)
+        partial, mixed, sliced, reduced = partial_uses(module, names, sample, full, tp, parts)
     except TraceFailed:
-        partial, mixed, sliced = {}, {}, {}
+        partial, mixed, sliced, reduced = {}, {}, {}, {}
     for p, cols in mixed.items():
         raise ValueError(
             f"tp_plan: the parameter '{p}' is used on the shards of {sorted(cols)} and on full "
             f"activations: on a tp rank its gradient would be part shard, part whole, and no "
             f"reduction makes it the one-device gradient; replicate those columns (and their "
             f"rows), or give the layers using '{p}' separate parameters")
-    return fused, head_attributes(module, parts, full, tp), partial, sliced
+    return fused, head_attributes(module, parts, full, tp), partial, sliced, reduced

@@ -16,6 +16,7 @@ from hybridpar.tensor_parallel.plans.plan_flow import (
     SAMPLE,
     HeadChange,
     Partial,
+    Reduced,
     Sliced,
     explicit_flow,
 )
@@ -79,12 +80,12 @@ def tie_note(name: str, style: str, why: str, styles: Mapping[str, str], layers:
 def check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str], tp: int,
                     sample: SAMPLE | None
                     ) -> tuple[dict[str, str], dict[str, Fused], list[HeadChange], list[Tie],
-                               Partial, Sliced]:
-    """A dict plan's notes, fused parts, head changes, ties, partial and per-head parameters;
-    ValueError before any change."""
+                               Partial, Sliced, Reduced]:
+    """A dict plan's notes, fused parts, head changes, ties, partial and per-head parameters,
+    modules summing their reductions over tp; ValueError before any change."""
     notes: dict[str, str] = {}
     ties: list[Tie] = []
-    fused, changes, partial, sliced = explicit_flow(module, layers, styles, tp, sample)
+    fused, changes, partial, sliced, reduced = explicit_flow(module, layers, styles, tp, sample)
     for name, style in styles.items():
         if style in REPLICATED:
             continue
@@ -103,7 +104,7 @@ def check_explicit(module: nn.Module, layers: Layers, styles: Mapping[str, str],
         elif part_count(fused.get(name, 1)) > 1 or style == "column_fused2":
             notes[name] = (f"fused in {part_count(fused.get(name, 2))} parts, each rank "
                            f"keeps its slice of every part")
-    return notes, fused, changes, ties, partial, sliced
+    return notes, fused, changes, ties, partial, sliced, reduced
 
 
 def pack_plan_problem(plan: Mapping[Any, Any], key: str = "tp_plan") -> str | None:
