@@ -218,8 +218,9 @@ def reduction_over_shard(run: Any, name: str, args: tuple[Any, ...],
 
 
 def note_reduction(run: Any, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                   ins: list[Tensor]) -> None:
-    """Simulated `run`, an op on no shard: a mean / sum over the last dim of a full tensor in
-    a module (`run.whole_reduced`: its reductions cannot all be summed over tp)."""
-    if run.stack and ins and _last_dim_reduction(name, args, kwargs, ins[0]):
+                   ins: list[Tensor], shards: list[Any]) -> None:
+    """Simulated `run`, an op on no shard (`shards` empty): a mean / sum over the last dim of
+    a full tensor in a module (`run.whole_reduced`: its reductions cannot all be summed over
+    tp)."""
+    if not shards and run.stack and ins and _last_dim_reduction(name, args, kwargs, ins[0]):
         run.whole_reduced.add(run.stack[-1])

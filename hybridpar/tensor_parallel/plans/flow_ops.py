@@ -220,8 +220,7 @@ class Run:
             raise TraceFailed(f"the forward is not the same twice (at {name})")
         if shards:
             self._check(name, args, kwargs, ins, outs, expected[1], shards, sources)
-        else:   # a reduction over full features, in a module
-            flow_heads.note_reduction(self, name, args, kwargs, ins)
+        flow_heads.note_reduction(self, name, args, kwargs, ins, shards)
         self._follow_params(ins, outs, sources)
         return out
 
