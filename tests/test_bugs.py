@@ -206,7 +206,7 @@ def test_qwen3_head_norms_on_sharded_heads_have_their_gradients_summed_over_tp()
     from hybridpar.tensor_parallel.plans.plan_flow import resolve_auto
 
     model = to_sequential(tiny("qwen3"))
-    *_, partial, _ = resolve_auto(model, Layers(model), 2, None)
+    *_, partial, _, _ = resolve_auto(model, Layers(model), 2, None)
     assert partial == {f"{b}.self_attn.{n}_norm.weight": {f"{b}.self_attn.{n}_proj"}
                        for b in (1, 2) for n in "qk"}
     assert HF_STYLES["replicated_with_grad_allreduce"] == "replicate_sum_grad"

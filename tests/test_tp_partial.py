@@ -54,14 +54,14 @@ def _model(seed: int = 0, also_on_input: bool = False) -> nn.Sequential:
 
 def test_auto_finds_a_replicated_parameter_used_on_a_shard():
     model = _model()
-    styles, _, _, _, partial, _ = resolve_auto(model, Layers(model), 2, SAMPLE)
+    styles, _, _, _, partial, _, _ = resolve_auto(model, Layers(model), 2, SAMPLE)
     assert styles["0.fc1"] == "column" and styles["0.fc2"] == "row"
     assert partial == {"0.scale": {"0.fc1"}}
 
 
 def test_auto_replicates_columns_whose_shard_meets_a_parameter_also_used_on_full_tensors():
     model = _model(also_on_input=True)
-    styles, notes, _, _, partial, _ = resolve_auto(model, Layers(model), 2, SAMPLE)
+    styles, notes, _, _, partial, _, _ = resolve_auto(model, Layers(model), 2, SAMPLE)
     assert styles.get("0.fc1") is None and styles.get("0.fc2") is None and partial == {}
     assert "'0.scale', which is also used on full activations" in notes["0.fc1"]
 
@@ -69,7 +69,7 @@ def test_auto_replicates_columns_whose_shard_meets_a_parameter_also_used_on_full
 def test_parameters_used_on_full_activations_only_are_not_partial():
     model = nn.Sequential(nn.Linear(WIDTH, HIDDEN, dtype=F64), nn.GELU(),
                           nn.Linear(HIDDEN, WIDTH, dtype=F64), nn.LayerNorm(WIDTH, dtype=F64))
-    styles, _, _, _, partial, _ = resolve_auto(model, Layers(model), 2, SAMPLE)
+    styles, _, _, _, partial, _, _ = resolve_auto(model, Layers(model), 2, SAMPLE)
     assert styles["0"] == "column" and styles["2"] == "row" and partial == {}
 
 

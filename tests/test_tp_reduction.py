@@ -72,7 +72,7 @@ def _worker(whole: bool):
         model(x)
     except ValueError as e:
         failed = str(e)
-    return {"out": float((out - out_ref).abs().max()),
+    return {"out": float((out - out_ref).detach().abs().max()),
             "input grad": float((x_tp.grad - x_ref.grad).abs().max()), "grads": grads,
             "decisions": plan_decisions(model), "failed": failed,
             "modes left": len(torch.overrides._get_current_function_mode_stack())}
