@@ -1,9 +1,10 @@
 """Any Hugging Face decoder: thirteen families no adapter was written for train as their own
 transformers model does, at pp 2, tp 2 and pp 2 x tp 2, under "auto" and their own HF plan
-(float64, 3 AdamW steps, every parameter to 1e-9, the replica check after every step), and
-five export from pp 2 x tp 2 into folders `from_pretrained` loads with the pipe's logits.
-The suite runs pp 2 and both plans over pp 2 x tp 2; the campaign adds tp 2 on one stage
-(tests/tiers.py).
+(float64, 3 AdamW steps, every parameter to 1e-9 but HF's float32 norms, below, the replica
+check after every step), and six export from pp 2 x tp 2 into folders `from_pretrained` loads
+with the pipe's logits. The suite runs pp 2 x tp 2 under "auto" (ZBV, 2 stages a rank), four
+exports (two under their own plans) and the float64-norm cases; the campaign adds pp 2, tp 2
+on one stage under both plans and pp 2 x tp 2 under their own plans (tests/tiers.py).
 
     family        what the generic path meets (`hf.structure`, `hf.glue`, tp)
     gemma         a scaled-embedding subclass (sqrt(D)), tied head: vocab-sharded with its scale

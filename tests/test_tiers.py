@@ -42,7 +42,7 @@ def test_a_node_id_is_the_campaigns_by_its_prefix():
 def test_a_star_in_an_entry_stands_for_any_text_and_brackets_are_literal():
     family = "tests/test_hf_families.py::test_a_family_trains_as_its_own_transformers_model"
     assert in_campaign(f"{family}[phi3-pp1tp2-gpipe-hf]")
-    assert not in_campaign(f"{family}[phi3-pp2tp2-1f1b-hf]")
+    assert not in_campaign(f"{family}[phi3-pp2tp2-zbv-auto]")
     assert not in_campaign(f"{family}[h]")
     layouts = "tests/test_hf_layouts.py::test_hugging_face_models_train_as_on_one_device"
     assert in_campaign(f"{layouts}[llama-pp2tp2-zbv-hf]")

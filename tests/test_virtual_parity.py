@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spawn_cases import spawn_by_world
+from spawn_cases import selected_ids, spawn_by_world
 from torch import nn
 
 import hybridpar
@@ -95,6 +95,7 @@ def _skip_cases(schedule):
 
 
 TIED = [("interleaved", (2, 1)), ("zbv", (2, 1)), ("zbv", (2, 2))]
+TIED_IDS = [f"{schedule}-pp{pp}tp{tp}" for schedule, (pp, tp) in TIED]
 
 
 def _case(kind, *args):
@@ -103,21 +104,32 @@ def _case(kind, *args):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """Every test's run, by name: one spawn per world size, the cases in turn."""
+def runs(request):
+    """The selected tests' runs (tests/tiers.py holds some for the campaign), by name: one
+    spawn per world size, the cases in turn."""
+    def wanted(test: str) -> set[str]:
+        return selected_ids(request, test)
+
     cases = {}
-    for schedule in VIRTUAL:
+    for schedule in wanted("test_mlp_over_checkpoint_modes_and_uneven_batches_matches_one_"
+                           "device"):
         cases[f"mlp {schedule}"] = (2, ("train", (2, 1, 1), _mlp_cases(schedule)))
+    for schedule in wanted("test_pp4_and_dp2_match_one_device"):
         cases[f"pp4 {schedule}"] = (4, ("train", (4, 1, 1), [
             ("mlp", {"layers": 8}, [1] * 8, {"chunks": 8, "schedule": schedule}, 8, "adamw")]))
         cases[f"dp2 {schedule}"] = (4, ("train", (2, 1, 2), [
             ("mlp", {}, [1, 1, 1, 1], {"chunks": 4, "schedule": schedule}, 8, "adamw")]))
+    for schedule in wanted("test_skips_between_chunks_and_deferred_batch_norm_match_one_device"):
         cases[f"skips {schedule}"] = (2, ("train", (2, 1, 1), _skip_cases(schedule)))
+    for schedule in wanted("test_dropout_masks_under_recompute_are_the_one_device_masks"):
         cases[f"dropout {schedule}"] = (1, ("dropout", schedule))
+    for schedule in wanted("test_tp_gpt_pp2_tp2_dp2_matches_one_device"):
         cases[f"gpt {schedule}"] = (8, ("gpt", (2, 2, 2), schedule, [1, 1, 2, 1]))
-    for schedule, layout in TIED:
-        cases[f"tied {schedule} {layout}"] = (layout[0] * layout[1],
-                                              ("tied", layout, schedule, [2, 2, 2, 1]))
+    tied = wanted("test_tied_embedding_and_head_match_one_device")
+    for (schedule, layout), name in zip(TIED, TIED_IDS):
+        if name in tied:
+            cases[f"tied {schedule} {layout}"] = (layout[0] * layout[1],
+                                                  ("tied", layout, schedule, [2, 2, 2, 1]))
     return spawn_by_world(_case, cases, timeout=600)
 
 
@@ -217,7 +229,7 @@ def _tied_worker(layout, schedule, balance):
             "stages": pipe.stages}
 
 
-@pytest.mark.parametrize("schedule,layout", TIED)
+@pytest.mark.parametrize("schedule,layout", TIED, ids=TIED_IDS)
 def test_tied_embedding_and_head_match_one_device(schedule, layout, runs):
     """Looped: the embedding (stage 0) on rank 0, the head (stage 3) on rank 1, their
     gradients summed over a group; V: both on rank 0, one Parameter there."""

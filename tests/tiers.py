@@ -44,6 +44,7 @@ _EXPORTS = "tests/test_hf_families.py::test_an_export_loads_with_from_pretrained
     "pipes_logits["
 _ZERO = "tests/test_zero.py::test_zero_1_and_2_train_with_the_losses_of_zero_0"
 _MASTER = "tests/test_master_weights.py::"
+_VIRTUAL = "tests/test_virtual_parity.py::"
 _PIPE_TP = "tests/test_pipe_tp.py::test_tensor_parallel_gpt_pipeline_matches_one_device"
 _RECOMPUTE = "tests/test_layer_checkpoint.py::test_layer_checkpointing_trains_as_one_device"
 _SP = "tests/test_sequence_parallel.py::test_sequence_parallel_gpt_trains_as_one_device"
@@ -149,6 +150,17 @@ CAMPAIGN: dict[str, str] = {
                                   "stages)",
     _LAYOUTS + "gpt2-pp4tp1-": "test_hf_layouts.py's gpt2-pp2tp1-1f1b, test_pipe_parity.py's "
                                "four stages",
+    _FAMILIES + "*-pp2tp2-1f1b-hf]": "test_hf_families.py's pp2tp2-zbv-auto of each family, "
+                                     "its exports under their own plans (granite, "
+                                     "granite_swa)",
+    _LAYOUTS + "*-pp2tp2-1f1b-auto]": "test_hf_layouts.py's pp2tp2-zbv-auto and -1f1b-hf",
+    _VIRTUAL + "test_tp_gpt_pp2_tp2_dp2_matches_one_device[interleaved]": "its [zbv]",
+    _VIRTUAL + "test_mlp_over_checkpoint_modes_and_uneven_batches_matches_one_device"
+               "[interleaved]": "its [zbv], its other interleaved cases",
+    "tests/test_torch_floor.py::test_a_session_whose_first_spawn_is_from_another_folder":
+        "tests/conftest.py's forkserver started from the checkout (every spawn of the suite)",
+    _MASTER + "test_a_bf16_zero_1_checkpoint_resumes": "test_zero.py's zero-1 and zero-2 "
+                                                       "resumes at other layouts",
     # tp 2 on one stage: the same plans over two stages (pp 2 x tp 2) stay
     _FAMILIES + "*-pp1tp2-gpipe-": "test_hf_families.py's pp2tp2-zbv-auto and pp2tp2-1f1b-hf of "
                                    "each family",
