@@ -119,6 +119,10 @@ def _patched(root: nn.Module, run: Run) -> Iterator[None]:
     modes = {m: m.training for m in root.modules()}
     patched = []
     hooks = []
+
+    def leave(*_: Any) -> None:   # a forward hook: returns None (the output stays)
+        run.stack.pop()
+
     for path, m in root.named_modules():
         name = run.names.get(id(m))
         if name is not None:
@@ -127,8 +131,7 @@ def _patched(root: nn.Module, run: Run) -> Iterator[None]:
         if next(m.children(), None) is None and path:
             run.leaves.add(path)
         hooks.append(m.register_forward_pre_hook(lambda _m, _a, _p=path: run.stack.append(_p)))
-        hooks.append(m.register_forward_hook(lambda *_: [run.stack.pop()] and None,
-                                             always_call=True))
+        hooks.append(m.register_forward_hook(leave, always_call=True))
     root.eval()
     try:
         yield
