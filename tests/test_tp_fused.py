@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import hybridpar
-from hybridpar.tensor_parallel.fused import fused_ranges, fused_sizes, part_sizes
+from hybridpar.tensor_parallel.fused import fused_ranges, fused_sizes, local_ranges, part_sizes
 from hybridpar.tensor_parallel.layers import ParallelLinear
 from hybridpar.tensor_parallel.state import gather_full, shard_ranges
 
@@ -26,6 +26,7 @@ def test_the_ranges_of_unequal_parts_are_each_parts_rth_slice():
     assert fused_ranges(SIZES, 2, 1) == [(4, 8), (10, 12), (14, 16)]
     assert fused_ranges((6, 6, 6), 3, 2) == [(4, 6), (10, 12), (16, 18)]   # equal parts
     assert part_sizes(3, 18) == (6, 6, 6) and part_sizes(SIZES, 16) == SIZES
+    assert local_ranges(SIZES, 2) == [(0, 4), (4, 6), (6, 8)]   # in a rank's shard
 
 
 # fused parts that ParallelLinear refuses at tp 2, and its message

@@ -24,7 +24,7 @@ from hybridpar.sharded.attrs import tensor_shard_dim
 from hybridpar.sharded.mappings import all_gather_along, group_rank, group_size
 
 __all__ = ["FUSED_ATTR", "Fused", "fused_gather_full", "fused_parts", "fused_ranges",
-           "fused_shard_of", "fused_sizes", "part_count", "part_sizes"]
+           "fused_shard_of", "fused_sizes", "local_ranges", "part_count", "part_sizes"]
 
 FUSED_ATTR = "_FUSED_PARTS"
 # how a layer's output is fused: k equal parts, or the full widths of its parts
@@ -76,6 +76,18 @@ def fused_ranges(sizes: Sequence[int], tp: int, rank: int) -> list[tuple[int, in
     return ranges
 
 
+def local_ranges(sizes: Sequence[int], tp: int) -> list[tuple[int, int]]:
+    """Where each part (full widths `sizes`) lies in a rank's shard ``[q_r | k_r | v_r]``:
+
+        sizes (4, 2, 2), tp=2       shard [ q_r q_r | k_r | v_r ]      [0, 2) [2, 3) [3, 4)
+    """
+    ranges, start = [], 0
+    for n in sizes:
+        ranges.append((start, start + n // tp))
+        start += n // tp
+    return ranges
+
+
 def fused_shard_of(full: Tensor, param: Tensor, group: ProcessGroup | None) -> Tensor:
     """This rank's slice of every part of `full`, concatenated (a new, detached tensor)."""
     dim = tensor_shard_dim(param)
@@ -90,6 +102,6 @@ def fused_gather_full(tensor: Tensor, param: Tensor, group: ProcessGroup | None)
     assert dim is not None
     with torch.no_grad():
         ranks = all_gather_along(tensor.detach(), dim, group).chunk(tp, dim)   # rank order
-        steps = [n // tp for n in sizes]
+        steps = [b - a for a, b in local_ranges(sizes, tp)]
         pieces = [r.split(steps, dim) for r in ranks]                       # [rank][part]
         return torch.cat([pieces[r][p] for p in range(len(sizes)) for r in range(tp)], dim)

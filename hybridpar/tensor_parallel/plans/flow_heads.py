@@ -48,11 +48,10 @@ from typing import Any
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from hybridpar.tensor_parallel.fused import Fused, part_count, part_sizes
+from hybridpar.tensor_parallel.fused import Fused, local_ranges, part_count, part_sizes
 
 __all__ = ["cut_per_head", "finish", "fused_of_cut", "last_dim_slice", "learn",
-           "local_part_ranges", "note_reduction", "reduction_over_shard", "takes_a_part",
-           "tiled_parts"]
+           "note_reduction", "reduction_over_shard", "takes_a_part", "tiled_parts"]
 
 
 # fused parts ----------------------------------------------------------------------------------
@@ -88,20 +87,11 @@ def tiled_parts(slices: Mapping[tuple[int, int], object], total: int) -> Fused |
     return fused_of_cut([b - a for a, b in ranges], total)
 
 
-def local_part_ranges(fused: Fused, local: int, tp: int) -> list[tuple[int, int]]:
-    """Where each part lies in a rank's shard of `local` features ([q_r | k_r | v_r])."""
-    ranges, start = [], 0
-    for n in part_sizes(fused, local * tp):
-        ranges.append((start, start + n // tp))
-        start += n // tp
-    return ranges
-
-
 def takes_a_part(fused: Fused, index: Any, x: Tensor, tp: int) -> bool:
     """Whether ``x[index]`` on a fused shard `x` (its last dim) takes exactly one part."""
     rng = last_dim_slice(index, x)
     return part_count(fused) > 1 and rng is not None and \
-        rng in local_part_ranges(fused, int(x.shape[-1]), tp)
+        rng in local_ranges(part_sizes(fused, int(x.shape[-1]) * tp), tp)
 
 
 def learn(run: Any, name: str, args: tuple[Any, ...], x: Tensor, outs: list[Tensor],

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from hybridpar.pipeline.parameters.partition import layer_spans
 from hybridpar.sharded.attrs import get_parallel_dim, tensor_shard_dim
 from hybridpar.sharded.mappings import group_rank, group_size, shard_range
-from hybridpar.tensor_parallel.fused import fused_parts, fused_ranges, fused_sizes
+from hybridpar.tensor_parallel.fused import fused_parts, fused_ranges, fused_sizes, local_ranges
 from hybridpar.tensor_parallel.state import full_shape
 
 __all__ = ["Entry", "ShardChunk", "ShardLoadPlanner", "ShardSavePlanner", "check_unique",
@@ -128,10 +128,10 @@ def _entry(tensor: Tensor, param: Tensor | None, group: Any) -> Tensor | ShardCh
         return tensor
     size = full_shape(param, group)
     if fused_parts(param) > 1:   # q | k | v: this rank's slice of each part, one block each
-        blocks, local = [], 0
-        for start, stop in fused_ranges(fused_sizes(param), group_size(group), group_rank(group)):
-            blocks.append((tensor.narrow(dim, local, stop - start), _at(tensor.dim(), dim, start)))
-            local += stop - start
+        sizes, tp = fused_sizes(param), group_size(group)
+        blocks = [(tensor.narrow(dim, a, b - a), _at(tensor.dim(), dim, start))
+                  for (a, b), (start, _) in zip(local_ranges(sizes, tp),
+                                                fused_ranges(sizes, tp, group_rank(group)))]
         return ShardChunk(tensor, size, blocks[0][1], blocks=blocks)
     start, _ = shard_range(size[dim], group_size(group), group_rank(group))
     return ShardChunk(tensor, size, _at(tensor.dim(), dim, start))
