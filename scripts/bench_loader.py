@@ -65,8 +65,9 @@ _CHUNK = 1 << 24                                           # tokens generated at
 
 def make_corpus(folder: Path, *, mbytes: float, shard_tokens: int, seed: int = 0) -> Path:
     """A token folder of about `mbytes` MB of uint16 ids under `folder`; its path."""
-    from hybridpar.data.shards import FORMAT, VERSION, ShardWriter, staged_folder, write_meta
+    from hybridpar.data.shards import FORMAT, VERSION, ShardWriter, write_meta
     from hybridpar.data.tokenizer import load_tokenizer
+    from hybridpar.io.staged import staged_folder
 
     spec = load_tokenizer("bytes")                  # vocab 256, EOS 0, uint16 shards
     rng = np.random.default_rng(seed)

@@ -266,7 +266,7 @@ def test_a_failure_mid_write_leaves_nothing_behind(tmp_path, monkeypatch):
     real = ShardWriter.write
     calls = []
 
-    def failing(self, ids, lengths):
+    def failing(self, ids, lengths, mask=None):
         calls.append(1)
         if len(calls) == 3:
             raise OSError("disk full (simulated)")

@@ -21,8 +21,8 @@ import pytest
 from test_tokenize import write_jsonl
 
 from hybridpar.data import CorpusError, open_tokens, tokenize_corpus
-from hybridpar.data import shards as shards_module
 from hybridpar.data.shards import ShardWriter
+from hybridpar.io import staged as staging
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [f"document {i} " * 20 for i in range(200)]
@@ -32,10 +32,10 @@ def _appear_during_first_write(monkeypatch, out: Path, source: Path) -> None:
     """While the run tokenizes (its first shard write), `source` is copied to `out`."""
     real = ShardWriter.write
 
-    def write(self, ids, lengths):
+    def write(self, ids, lengths, mask=None):
         if not out.exists():
             shutil.copytree(source, out)
-        real(self, ids, lengths)
+        real(self, ids, lengths, mask)
 
     monkeypatch.setattr(ShardWriter, "write", write)
 
@@ -68,8 +68,8 @@ def test_overwrite_replaces_a_folder_that_appeared_in_one_step_and_says_so(
     tokenize_corpus([tmp_path / "a.jsonl"], tmp_path / "other", val_fraction=0.5)
     _appear_during_first_write(monkeypatch, tmp_path / "out", tmp_path / "other")
     swaps = []
-    real = shards_module._exchange
-    monkeypatch.setattr(shards_module, "_exchange", lambda a, b: swaps.append(1) or real(a, b))
+    real = staging._exchange
+    monkeypatch.setattr(staging, "_exchange", lambda a, b: swaps.append(1) or real(a, b))
     done = tokenize_corpus([tmp_path / "a.jsonl"], tmp_path / "out", val_fraction=0.1,
                            overwrite=True)
     assert not done.up_to_date and done.notes == (
@@ -82,7 +82,7 @@ def test_overwrite_replaces_a_folder_that_appeared_in_one_step_and_says_so(
 def test_overwrite_without_an_atomic_exchange_still_replaces(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "a.jsonl", DOCS)
     tokenize_corpus([tmp_path / "a.jsonl"], tmp_path / "out", val_fraction=0.5)
-    monkeypatch.setattr(shards_module, "_exchange", lambda a, b: False)   # e.g. NFS
+    monkeypatch.setattr(staging, "_exchange", lambda a, b: False)   # e.g. NFS
     done = tokenize_corpus([tmp_path / "a.jsonl"], tmp_path / "out", val_fraction=0.1,
                            overwrite=True)
     assert done.notes and open_tokens(tmp_path / "out", verify=True).meta == done.meta

@@ -192,7 +192,7 @@ def test_a_corrupt_meta_json_is_an_error_naming_it(folder):
     (lambda m: m["splits"]["val"].update(tokens=1), r"splits.val.tokens = 1 is not the sum"),
     (lambda m: m["splits"]["train"]["shards"][0].update(tokens=0), r"shards\[0\].tokens is 0"),
     (lambda m: m.update(format="other"), r"corrupt: its format is not 'hybridpar-tokens'"),
-    (lambda m: m.update(version=99), r"version 99, this hybridpar reads version 1"),
+    (lambda m: m.update(version=99), r"version 99, this hybridpar reads versions 1 and 2"),
 ])
 def test_a_meta_json_with_a_bad_field_is_an_error(folder, change, match):
     edit_meta(folder, change)

@@ -110,20 +110,24 @@ CAMPAIGN: dict[str, str] = {
         "test_check.py's pp2 x tp2 dry runs",
     "tests/test_check.py::test_virtual_stages_dry_run_every_stage": "test_nccl_order_plans.py "
                                                                     "(every schedule's replay)",
-    "tests/test_compile.py::test_pipe_pp2_compiled": "test_compile.py's compiled GPT",
-    "tests/test_compile.py::test_tp2_compiled": "test_compile.py's compiled GPT",
+    "tests/test_compile.py::test_pipe_pp2_compiled": "test_compile.py's compiled blocks",
+    "tests/test_compile.py::test_tp2_compiled": "test_compile.py's compiled blocks",
+    "tests/test_compile.py::test_compiled_gpt_matches_eager": "test_compile.py's compiled "
+                                                              "blocks (deferred weight "
+                                                              "gradients, a dynamic batch)",
     _CHECK_HF + "test_the_cli_checks": "test_check.py",
     _CHECK_HF + "test_the_hf_plan": "test_check.py",
     _CHECK_HF + "test_a_pretrained_llama": "test_check.py",
     _CHECK_HF + "test_gpt2_with": "test_check.py",
     _CHECK_HF + "test_at_dp2": "test_check.py",
     _CHECK_HF + "test_any_decoder": "test_hf_probe.py",
-    _ZERO + "[zbv pp2 x dp2-1]": "its tp2 x dp2-1, test_zero_parity.py's zbv",
-    _ZERO + "[pp2 x dp2-1]": "its tp2 x dp2-1, test_zero_parity.py's pp2 x dp2",
+    _ZERO: "test_zero_parity.py's zero 1 and 2 at pp2 x dp2, tp2 x dp2, pp2 x tp2 x dp2 and zbv "
+           "(every parameter in float64, not only the losses)",
+    "tests/test_zero.py::test_a_zero_1_checkpoint_resumes_at_another": "test_zero.py's zero-2 "
+                                                                       "resume at dp 1, zero 0",
     _MASTER + "test_bf16_layouts_train_as_one_rank[pp2 x tp2 x dp2 zero1]": "its pp2 x dp2 and "
                                                                            "tp2 x dp2 at zero 1",
     _MASTER + "test_fp32_zero_1_at_pp2_x_tp2_x_dp2": "test_zero_parity.py",
-    _ZERO + "[tied gpt2 pp2 x dp2-2]": "its tied gpt2 pp2 x dp2-1 and tp2 x dp2-2",
     _PIPE_TP + "[pp2tp2dp2-": "its pp 2 x tp 2 layouts, test_virtual_parity.py's pp2 x tp2 x "
                               "dp2",
     _RECOMPUTE + "[pp2tp2dp1-zb-h1-layers]": "its gpipe, 1f1b and zbv layers and zb-h1 "
@@ -138,8 +142,8 @@ CAMPAIGN: dict[str, str] = {
     _CHANGING + "[gpt-pp2tp1-1f1b]": "its five other layouts",
     _CHANGING + "[skipnet-pp3tp1-zb-h1]": "its five other layouts (skipnet pp3 1f1b)",
     _CHANGING + "[gpt-pp2tp2-zb-h1]": "its five other layouts",
-    "tests/test_train_run.py::test_resume_under_virtual_stages_matches_the_uninterrupted_run"
-    "[interleaved]": "its [zbv]",
+    "tests/test_train_run.py::test_resume_under_virtual_stages_matches_the_uninterrupted_run":
+        "test_train_run.py's resumes under other layouts, with dropout and after a crash",
     "tests/test_tokenize_concurrent.py::test_two_real_tokenize_processes_into_one_folder":
         "test_tokenize_concurrent.py's guards in-process",
     "tests/test_export_disk_full.py::test_a_file_size_limit_is_cannot_write_out_and_exit_2"
@@ -159,8 +163,8 @@ CAMPAIGN: dict[str, str] = {
                "[interleaved]": "its [zbv], its other interleaved cases",
     "tests/test_torch_floor.py::test_a_session_whose_first_spawn_is_from_another_folder":
         "tests/conftest.py's forkserver started from the checkout (every spawn of the suite)",
-    _MASTER + "test_a_bf16_zero_1_checkpoint_resumes": "test_zero.py's zero-1 and zero-2 "
-                                                       "resumes at other layouts",
+    _MASTER + "test_a_bf16_zero_1_checkpoint_resumes": "test_zero.py's zero-2 resume at "
+                                                       "another layout",
     # tp 2 on one stage: the same plans over two stages (pp 2 x tp 2) stay
     _FAMILIES + "*-pp1tp2-gpipe-": "test_hf_families.py's pp2tp2-zbv-auto and pp2tp2-1f1b-hf of "
                                    "each family",

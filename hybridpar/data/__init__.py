@@ -1,4 +1,5 @@
-"""Corpora as token folders: `hybridpar tokenize` writes them, `open_tokens` reads them."""
+"""Corpora and conversations as token folders: `hybridpar tokenize` writes them (text, or
+conversations rendered with a chat template and a loss mask), `open_tokens` reads them."""
 
 from hybridpar.data.shards import TokenFolder, TokenFolderError, open_tokens
 from hybridpar.data.sources import CorpusError

@@ -13,6 +13,7 @@ __all__ = ["add_parser", "config_tokenizer", "run"]
 
 def add_parser(commands: Any) -> None:
     """Add the `tokenize` command to the `hybridpar` subparsers."""
+    from hybridpar.data.chat import MASKS, NO_ASSISTANT
     from hybridpar.data.sources import ERRORS, FORMATS
     from hybridpar.data.tokenize import DEFAULT_SHARD_TOKENS
     from hybridpar.data.tokenizer import BOS_RULES
@@ -66,6 +67,25 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an --out folder that holds other tokens")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    chat = p.add_argument_group(
+        "conversations", "records of messages (or prompt / completion pairs) rendered with "
+        "the model's chat template, stored with a loss mask (docs/data.md#conversations)")
+    chat.add_argument("--chat", action="store_true",
+                      help="the inputs are conversations (jsonl, parquet, Arrow)")
+    chat.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a Jinja chat template; default: the tokenizer folder's own")
+    chat.add_argument("--loss-mask", choices=MASKS, default="assistant",
+                      help="the tokens the loss counts: every assistant turn (the default), "
+                      "the last one, or all tokens")
+    chat.add_argument("--no-assistant", choices=NO_ASSISTANT, default="skip",
+                      help="a conversation with no counted token: skip it, counted (the "
+                      "default), or stop with an error")
+    chat.add_argument("--messages-field", default="messages", metavar="NAME",
+                      help="the field of a record's list of {role, content} (default messages)")
+    chat.add_argument("--prompt-field", default="prompt", metavar="NAME",
+                      help="without a messages field: the user's text (default prompt)")
+    chat.add_argument("--completion-field", default="completion", metavar="NAME",
+                      help="and the assistant's (default completion)")
 
 
 def _unescape(text: str | None) -> str | None:
@@ -99,6 +119,7 @@ def config_tokenizer(config: str) -> tuple[str | None, int | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Tokenize as `args` say; print what was written, or that it was up to date."""
+    from hybridpar.data.conversations import ChatFields
     from hybridpar.data.match import pretrained_mismatch
     from hybridpar.data.tokenize import tokenize_corpus
     from hybridpar.data.tokenizer import bos_note, load_tokenizer
@@ -114,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = tokenizer or "bytes"
     eos = _unescape(args.eos)
     if vocab is not None or pretrained is not None:
-        spec = load_tokenizer(tokenizer, eos=eos, bos=args.bos)
+        spec = load_tokenizer(tokenizer, eos=eos, bos=args.bos if not args.chat else "no")
         if vocab is not None and spec.vocab_size > vocab:
             raise ValueError(f"tokenizer {tokenizer!r} has {spec.vocab_size} ids, but the "
                              f"model of {args.config} has a vocabulary of {vocab}; use the "
@@ -128,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
                            separator=_unescape(args.separator), errors=args.errors,
                            val_fraction=args.val_fraction, seed=args.seed,
                            workers=args.workers, shard_tokens=args.shard_tokens,
-                           overwrite=args.overwrite, progress=not args.quiet)
+                           overwrite=args.overwrite, progress=not args.quiet,
+                           conversations=ChatFields(args.messages_field, args.prompt_field,
+                                                    args.completion_field) if args.chat else None,
+                           chat_template=args.chat_template, loss_mask=args.loss_mask,
+                           no_assistant=args.no_assistant)
     meta = done.meta
     for note in done.notes:   # a folder replaced, or one another process wrote meanwhile
         print(note)
@@ -142,7 +167,14 @@ def run(args: argparse.Namespace) -> int:
           f"shard(s), val {val['tokens']:,} in {len(val['shards'])}), EOS id "
           f"{meta['tokenizer']['eos_id']}, {meta['tokens'] / max(done.seconds, 1e-9):,.0f} "
           "tokens/s")
-    print(bos_note(meta["tokenizer"]))
+    chat = meta.get("chat")
+    if chat is None:
+        print(bos_note(meta["tokenizer"]))
+    else:
+        print(f"conversations: the loss counts {chat['counted']:,} of the {meta['tokens']:,} "
+              f"tokens (--loss-mask {chat['mask']}; template: {chat['template_from']})"
+              + (f"; {chat['dropped_without_assistant']:,} conversation(s) without an "
+                 "assistant token skipped" if chat["dropped_without_assistant"] else ""))
     errors = meta["errors"]
     if errors["replaced_documents"] or errors["skipped_documents"]:
         print(f"not UTF-8: {errors['replaced_documents']} document(s) with U+FFFD, "

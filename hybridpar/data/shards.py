@@ -7,23 +7,20 @@
       train-00000.idx    uint64: the end offset in the .bin of each of its documents
       train-00001.bin ...
       val-00000.bin  val-00000.idx
+      train-00000.mask   conversations only (version 2): uint8, 1 where the loss counts the token
 
 Every document ends with the EOS id and lies in one shard; a shard holds whole documents
 and is closed once it reaches `shard_tokens`. The folder is built as a hidden sibling
-(``.OUT.PID.tmp``), every file fsynced, then renamed to OUT in one step; a killed run leaves
-only that hidden folder (removed by the next run), never an OUT that looks complete.
+(`staging.staged_folder`), every file fsynced, then renamed to OUT in one step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
 import hashlib
 import json
 import os
-import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -31,12 +28,12 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 
 from hybridpar.data.tokenizer import Encoder, TokenizerSpec
-from hybridpar.io.files import fsync_dir
 
-__all__ = ["FORMAT", "SPLITS", "VERSION", "FolderAppeared", "Shard", "ShardWriter", "TokenFolder",
-           "TokenFolderError", "open_tokens", "staged_folder", "write_meta"]
+__all__ = ["FORMAT", "MASKED_VERSION", "SPLITS", "VERSION", "Shard", "ShardWriter", "TokenFolder",
+           "TokenFolderError", "open_tokens", "write_meta"]
 
 FORMAT, VERSION = "hybridpar-tokens", 1
+MASKED_VERSION = 2          # a folder with loss masks: a reader of version 1 must refuse it
 SPLITS = ("train", "val")
 _DTYPES = ("uint16", "uint32")
 
@@ -48,36 +45,49 @@ class TokenFolderError(ValueError):
 class ShardWriter:
     """One split's shards: whole documents appended, a new file once `shard_tokens` are in."""
 
-    def __init__(self, folder: Path, split: str, *, dtype: str, shard_tokens: int) -> None:
+    def __init__(self, folder: Path, split: str, *, dtype: str, shard_tokens: int,
+                 masks: bool = False) -> None:
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
         self.folder, self.split, self.dtype = folder, split, np.dtype(dtype)
-        self.shard_tokens = shard_tokens
+        self.shard_tokens, self.masks = shard_tokens, masks
         self.shards: list[dict[str, Any]] = []
         self._bin: IO[bytes] | None = None
         self._idx: IO[bytes] | None = None
-        self._hash = hashlib.sha256()
-        self._tokens = self._documents = self._max = 0
+        self._mask: IO[bytes] | None = None
+        self._hash, self._mask_hash = hashlib.sha256(), hashlib.sha256()
+        self._tokens = self._documents = self._max = self._counted = 0
 
     def _open(self) -> None:
         stem = f"{self.split}-{len(self.shards):05d}"
         self._bin = open(self.folder / f"{stem}.bin", "wb")
         self._idx = open(self.folder / f"{stem}.idx", "wb")
-        self._hash, self._tokens, self._documents, self._max = hashlib.sha256(), 0, 0, 0
+        self._mask = open(self.folder / f"{stem}.mask", "wb") if self.masks else None
+        self._hash, self._mask_hash = hashlib.sha256(), hashlib.sha256()
+        self._tokens = self._documents = self._max = self._counted = 0
 
     def _close(self) -> None:
         assert self._bin is not None and self._idx is not None
-        for f in (self._bin, self._idx):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        self.shards.append({"file": Path(self._bin.name).name, "index": Path(self._idx.name).name,
-                            "tokens": self._tokens, "documents": self._documents,
-                            "sha256": self._hash.hexdigest(), "max_id": self._max})
-        self._bin = self._idx = None
+        for f in (self._bin, self._idx, self._mask):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+        record = {"file": Path(self._bin.name).name, "index": Path(self._idx.name).name,
+                  "tokens": self._tokens, "documents": self._documents,
+                  "sha256": self._hash.hexdigest(), "max_id": self._max}
+        if self._mask is not None:
+            record.update(mask=Path(self._mask.name).name, counted=self._counted,
+                          mask_sha256=self._mask_hash.hexdigest())
+        self.shards.append(record)
+        self._bin = self._idx = self._mask = None
 
-    def write(self, ids: np.ndarray, lengths: np.ndarray) -> None:
-        """Append documents: `ids` ``(sum(lengths),)`` of the dtype, `lengths` ``(docs,)``."""
+    def write(self, ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None
+              ) -> None:
+        """Append documents: `ids` ``(sum(lengths),)`` of the dtype, `lengths` ``(docs,)``,
+        and for a writer of masks their uint8 loss mask, shaped as `ids`."""
+        if self.masks != (mask is not None):
+            raise ValueError("a writer of masks takes a mask with every write, and only then")
         while len(lengths):
             if self._bin is None:
                 self._open()
@@ -93,6 +103,12 @@ class ShardWriter:
             self._bin.write(chunk)
             self._hash.update(chunk)
             self._idx.write(ends[:k].tobytes())
+            if mask is not None and self._mask is not None:
+                bits = np.ascontiguousarray(mask[:n], dtype=np.uint8)
+                self._mask.write(bits.data)
+                self._mask_hash.update(bits.data)
+                self._counted += int(bits.sum(dtype=np.int64))
+                mask = mask[n:]
             self._tokens, self._documents = self._tokens + n, self._documents + k
             ids, lengths = ids[n:], lengths[k:]
             if self._tokens >= self.shard_tokens:
@@ -107,97 +123,10 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Close the open files (their folder is about to be removed)."""
-        for f in (self._bin, self._idx):
+        for f in (self._bin, self._idx, self._mask):
             if f is not None:
                 f.close()
-        self._bin = self._idx = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class FolderAppeared(FileExistsError):
-    """The target of `staged_folder` was filled by someone else while this one was staged."""
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two folders in one step (Linux renameat2 RENAME_EXCHANGE); False where the system
-    or the file system cannot (then nothing moved)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        rename = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, exchange = -100, 2
-    if rename(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EXDEV):
-        return False
-    raise OSError(code, f"cannot swap {a} and {b}: {os.strerror(code)}")
-
-
-def _swap_in(tmp: Path, out: Path, *, replace: bool) -> bool:
-    """Rename `tmp` to `out`; True when a non-empty `out` was replaced (only with `replace`).
-
-    Without `replace`, a non-empty `out` (one that appeared since the caller looked) raises
-    `FolderAppeared`: rename(2) refuses to put a folder onto a non-empty one, so there is no
-    window between a check and the rename. With it, the two folders are exchanged in one
-    step where the system can (a reader sees the old folder or the new, never none), else
-    the old is moved aside first; `tmp` then holds the old folder, for the caller to remove.
-    """
-    try:
-        os.replace(tmp, out)               # onto nothing, or an empty folder
-        return False
-    except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise
-    if not replace or not out.is_dir():
-        raise FolderAppeared(f"{out} appeared while tokenizing (another hybridpar tokenize "
-                             "writing the same folder?); not replacing it")
-    if not _exchange(tmp, out):
-        old = out.with_name(f".{out.name}.{os.getpid()}.old")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        os.replace(old, tmp)
-    return True
-
-
-@contextlib.contextmanager
-def staged_folder(out: Path, *, replace: bool = False,
-                  replaced: Callable[[], None] | None = None) -> Iterator[Path]:
-    """A fresh hidden sibling of `out` to fill; renamed to `out` when the block ends cleanly.
-
-    Removed instead when the block raises. Leftovers of killed runs (``.OUT.PID.tmp`` whose
-    process is gone) are removed first. A non-empty `out` at the end (there before, or one
-    that appeared meanwhile) is replaced only with `replace` (atomically where the system
-    can: `_swap_in`), and `replaced` is called; without it, `FolderAppeared` is raised.
-    """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.*.tmp"):
-        pid = stale.name[len(out.name) + 2:-len(".tmp")]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        fsync_dir(tmp)
-        if _swap_in(tmp, out, replace=replace) and replaced is not None:
-            replaced()
-        fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)   # what failed, or the folder replaced
+        self._bin = self._idx = self._mask = None
 
 
 def write_meta(folder: Path, meta: Mapping[str, Any]) -> None:
@@ -215,6 +144,7 @@ class Shard(NamedTuple):
     tokens: np.ndarray      # (n,) uint16 | uint32, np.memmap
     ends: np.ndarray        # (documents,) uint64, np.memmap
     sha256: str
+    mask: np.ndarray | None = None   # (n,) uint8, 1 where the loss counts: conversations only
 
 
 @dataclass(frozen=True)
@@ -228,6 +158,11 @@ class TokenFolder:
     @property
     def dtype(self) -> str:
         return str(self.meta["dtype"])
+
+    @property
+    def masked(self) -> bool:
+        """Whether the folder holds loss masks (conversations): `Shard.mask` is set."""
+        return int(self.meta["version"]) == MASKED_VERSION
 
     @property
     def vocab_size(self) -> int:
@@ -279,9 +214,13 @@ def _need(table: Any, key: str, kind: type | tuple[type, ...], folder: Path, at:
 def _check_meta(folder: Path, meta: Any) -> None:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _corrupt(folder, f"its format is not {FORMAT!r}")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in (VERSION, MASKED_VERSION):
         raise TokenFolderError(f"{folder}: token folder version {meta.get('version')!r}, this "
-                               f"hybridpar reads version {VERSION}; tokenize the corpus again")
+                               f"hybridpar reads versions {VERSION} and {MASKED_VERSION}; "
+                               "tokenize the corpus again")
+    masked = meta["version"] == MASKED_VERSION
+    if masked:
+        _need(meta, "chat", dict, folder, "")
     tok = _need(meta, "tokenizer", dict, folder, "")
     for key in ("vocab_size", "eos_id"):
         _need(tok, key, int, folder, "tokenizer.")
@@ -304,6 +243,12 @@ def _check_meta(folder: Path, meta: Any) -> None:
                     raise _corrupt(folder, f"{at}shards[{i}].{key} is {shard[key]}")
             if "max_id" in shard and _need(shard, "max_id", int, folder, f"{at}shards[{i}].") < 0:
                 raise _corrupt(folder, f"{at}shards[{i}].max_id is {shard['max_id']}")
+            if masked:
+                for key in ("mask", "mask_sha256"):
+                    _need(shard, key, str, folder, f"{at}shards[{i}].")
+                if not 0 <= _need(shard, "counted", int, folder, f"{at}shards[{i}]."
+                                  ) <= shard["tokens"]:
+                    raise _corrupt(folder, f"{at}shards[{i}].counted is {shard['counted']}")
         for key in ("tokens", "documents"):
             total = _need(record, key, int, folder, at)
             if total != sum(s[key] for s in shards):
@@ -313,9 +258,13 @@ def _check_meta(folder: Path, meta: Any) -> None:
 def _open_shard(folder: Path, shard: Mapping[str, Any], dtype: np.dtype, verify: bool,
                 vocab_size: int, mmap: bool = True) -> Shard | None:
     path, index = folder / shard["file"], folder / shard["index"]
+    masks = folder / shard["mask"] if "mask" in shard else None
     fix = "the file was truncated or changed; tokenize the corpus again (--overwrite)"
-    for file, n, item, what in ((path, shard["tokens"], dtype.itemsize, f"tokens of {dtype}"),
-                                (index, shard["documents"], 8, "document ends of uint64")):
+    files = [(path, shard["tokens"], dtype.itemsize, f"tokens of {dtype}"),
+             (index, shard["documents"], 8, "document ends of uint64")]
+    if masks is not None:
+        files.append((masks, shard["tokens"], 1, "loss-mask bytes, one per token"))
+    for file, n, item, what in files:
         if not file.is_file():
             raise TokenFolderError(f"{file} is missing, and meta.json lists it; tokenize the "
                                    "corpus again (--overwrite)")
@@ -338,7 +287,16 @@ def _open_shard(folder: Path, shard: Mapping[str, Any], dtype: np.dtype, verify:
         if top >= vocab_size:
             raise TokenFolderError(f"{path} holds token id {top}, past the tokenizer's "
                                    f"{vocab_size} ids; {fix}")
-    return Shard(path, tokens, ends, shard["sha256"])
+    mask = None if masks is None else np.memmap(masks, dtype=np.uint8, mode="r")
+    if verify and mask is not None:
+        bits = np.ascontiguousarray(mask)
+        if hashlib.sha256(bits.data).hexdigest() != shard["mask_sha256"]:
+            raise TokenFolderError(f"{masks}: its contents do not match meta.json's "
+                                   f"mask_sha256; {fix}")
+        if int(bits.max()) > 1 or int(bits.sum(dtype=np.int64)) != shard["counted"]:
+            raise TokenFolderError(f"{masks} is not a mask of 0 / 1 with the {shard['counted']} "
+                                   f"counted tokens meta.json says; {fix}")
+    return Shard(path, tokens, ends, shard["sha256"], mask)
 
 
 def open_tokens(folder: str | os.PathLike[str], *, verify: bool = False,

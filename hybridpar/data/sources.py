@@ -3,7 +3,7 @@
     input                     documents
     a.txt                     the whole file is one document, or one per `separator` part
     a.jsonl                   one per line: the line's `field` (a JSON string)
-    a.parquet                 one per row: the column `field`
+    a.parquet  a.arrow        one per row: the column `field` (arrow: `datasets`' save_to_disk)
     a.txt.gz  a.jsonl.zst     the same, decompressed on the fly (zstd: the `data` extra)
     dir/                      every file of a known suffix under it, sorted by path
     "dir/**/*.jsonl"          every file the glob matches (quote it), sorted by path
@@ -15,6 +15,7 @@ the document (both counted in `Counts`). Empty documents are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import hashlib
@@ -27,13 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["ERRORS", "FORMATS", "CorpusError", "Counts", "Source", "find_sources", "fingerprint",
-           "read_documents"]
+from hybridpar.data.tables import TableError, read_batches
 
-FORMATS = ("txt", "jsonl", "parquet")
+__all__ = ["ERRORS", "FORMATS", "CorpusError", "Counts", "Source", "find_sources", "fingerprint",
+           "json_lines", "open_stream", "read_documents", "text_decoder"]
+
+FORMATS = ("txt", "jsonl", "parquet", "arrow")
+_TABLES = ("parquet", "arrow")      # columnar: read by `tables`
 ERRORS = ("strict", "replace", "skip")
 _SUFFIXES = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl",
-             ".parquet": "parquet"}
+             ".parquet": "parquet", ".arrow": "arrow"}
 _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _CHUNK = 1 << 20
 _NL = b"\n"
@@ -77,9 +81,9 @@ def _kind(path: Path, fmt: str) -> tuple[str, str] | None:
 
 def _source(path: Path, kind: tuple[str, str]) -> Source:
     stat = path.stat()
-    if kind[0] == "parquet" and kind[1]:
-        raise CorpusError(f"{path}: a compressed parquet file cannot be read as a stream; "
-                          "decompress it (parquet compresses its columns itself)")
+    if kind[0] in _TABLES and kind[1]:
+        raise CorpusError(f"{path}: a compressed {kind[0]} file cannot be read as a stream; "
+                          f"decompress it ({kind[0]} compresses its columns itself)")
     return Source(path.resolve(), kind[0], kind[1], stat.st_size, stat.st_mtime_ns)
 
 
@@ -114,7 +118,7 @@ def find_sources(inputs: Sequence[str | os.PathLike[str]], *, format: str = "aut
         raise CorpusError(f"unknown format {format!r}; choose auto or one of {', '.join(FORMATS)}")
     if not inputs:
         raise CorpusError("no inputs: give the corpus files, folders or globs to tokenize")
-    known = ".txt, .jsonl, .parquet (also .text, .ndjson; text ones also .gz or .zst)"
+    known = ".txt, .jsonl, .parquet, .arrow (also .text, .ndjson; text ones also .gz or .zst)"
     out: dict[Path, Source] = {}
     for given in inputs:
         text = os.fspath(given)
@@ -123,7 +127,7 @@ def find_sources(inputs: Sequence[str | os.PathLike[str]], *, format: str = "aut
             kind = _kind(path, format)
             if kind is None:
                 raise CorpusError(f"{text}: cannot tell its format from the name; rename it to "
-                                  f"one of {known}, or pass --format txt|jsonl|parquet")
+                                  f"one of {known}, or pass --format txt|jsonl|parquet|arrow")
             candidates = [(path, kind)]
         elif path.is_dir() or glob.has_magic(text):
             if path.is_dir():   # hidden: a name under the folder that starts with "."
@@ -171,7 +175,7 @@ def fingerprint(sources: Sequence[Source]) -> dict[str, Any]:
     return {"sha256": digest, "files": files, "bytes": sum(s.size for s in sources)}
 
 
-def _open(source: Source) -> Any:
+def _decompressed(source: Source) -> Any:
     """The file's decompressed bytes as a binary stream."""
     if source.compression == "gzip":
         return gzip.open(source.path, "rb")
@@ -185,7 +189,24 @@ def _open(source: Source) -> Any:
     return open(source.path, "rb")
 
 
-def _decoder(source: Source, errors: str, counts: Counts
+@contextlib.contextmanager
+def open_stream(source: Source) -> Iterator[io.BufferedIOBase]:
+    """The file's decompressed bytes as a buffered stream; a gzip or zstd stream found
+    damaged while the block reads it raises `CorpusError`."""
+    try:
+        with _decompressed(source) as raw:
+            yield raw if isinstance(raw, io.BufferedIOBase) else io.BufferedReader(raw)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise CorpusError(f"{source.path}: the {source.compression} stream is damaged ({e}); "
+                          "compress the file again") from None
+    except Exception as e:
+        if type(e).__name__ != "ZstdError":
+            raise
+        raise CorpusError(f"{source.path}: the zstd stream is damaged ({e}); compress the "
+                          "file again") from None
+
+
+def text_decoder(source: Source, errors: str, counts: Counts
              ) -> Callable[[bytes, Callable[[int], str]], str | None]:
     """``decode(raw, where)``: the text of `raw` under the policy; None when it is skipped."""
     fix = ("fix the file, or pass --errors replace (U+FFFD for bad bytes) or --errors skip "
@@ -264,8 +285,10 @@ def _txt(source: Source, stream: io.BufferedIOBase, decode: Any, separator: str 
             yield text
 
 
-def _jsonl(source: Source, stream: io.BufferedIOBase, decode: Any, field: str, errors: str,
-           counts: Counts) -> Iterator[str]:
+def json_lines(source: Source, stream: io.BufferedIOBase, decode: Any
+               ) -> Iterator[tuple[str, Any, str]]:
+    """(where, object, line) of each non-blank line of a .jsonl stream; a line that is not
+    UTF-8 follows `decode`'s policy, one that is not JSON raises `CorpusError`."""
     name = str(source.path)
     for lineno, raw in enumerate(stream, 1):
         if not raw.strip():
@@ -279,6 +302,13 @@ def _jsonl(source: Source, stream: io.BufferedIOBase, decode: Any, field: str, e
         except json.JSONDecodeError as e:
             raise CorpusError(f"{where}: not a JSON object ({e.msg}, column {e.colno}); each "
                               "line of a .jsonl file is one object") from None
+        yield where, obj, line
+
+
+def _jsonl(source: Source, stream: io.BufferedIOBase, decode: Any, field: str, errors: str,
+           counts: Counts) -> Iterator[str]:
+    name = str(source.path)
+    for where, obj, line in json_lines(source, stream, decode):
         if not isinstance(obj, dict) or field not in obj:
             keys = ", ".join(repr(k) for k in list(obj)[:8]) if isinstance(obj, dict) else ""
             have = f"its fields: {keys}" if keys else f"it is a {type(obj).__name__}"
@@ -298,40 +328,31 @@ def _jsonl(source: Source, stream: io.BufferedIOBase, decode: Any, field: str, e
         yield text
 
 
-def _parquet(source: Source, decode: Any, field: str, counts: Counts) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise CorpusError(f"{source.path}: reading .parquet needs the pyarrow package; "
-                          "pip install 'hybridpar[data]'") from None
-    import pyarrow as pa
-
+def _table(source: Source, decode: Any, field: str, counts: Counts) -> Iterator[str]:
+    """The documents of a parquet or Arrow file: one per row of the column `field`."""
     name = str(source.path)
-    try:
-        file = pq.ParquetFile(name)
-    except (pa.ArrowException, OSError) as e:
-        raise CorpusError(f"{name}: not a readable parquet file ({e})") from None
-    columns = file.schema_arrow.names
-    if field not in columns:
-        raise CorpusError(f"{name}: no column {field!r} (its columns: "
-                          f"{', '.join(map(repr, columns[:8]))}); name the text column with "
-                          "--field")
     row = 0
-    for batch in file.iter_batches(columns=[field], batch_size=4096):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            if isinstance(value, bytes):
-                value = decode(value, lambda _offset, row=row: f"{name}: row {row}")
-                if value is None:
+    try:
+        batches = read_batches(source.path, source.format, [field],
+                               hint="name the text column with --field")
+        for batch in batches:
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if isinstance(value, bytes):
+                    value = decode(value, lambda _offset, row=row: f"{name}: row {row}")
+                    if value is None:
+                        continue
+                if not isinstance(value, str):
+                    what = "null" if value is None else f"a {type(value).__name__}"
+                    raise CorpusError(f"{name}: row {row}: column {field!r} is {what}, not "
+                                      "text; drop such rows, or name the text column with "
+                                      "--field")
+                if not value:
+                    counts.empty += 1
                     continue
-            if not isinstance(value, str):
-                what = "null" if value is None else f"a {type(value).__name__}"
-                raise CorpusError(f"{name}: row {row}: column {field!r} is {what}, not text; "
-                                  "drop such rows, or name the text column with --field")
-            if not value:
-                counts.empty += 1
-                continue
-            yield value
+                yield value
+    except TableError as e:
+        raise CorpusError(str(e)) from None
 
 
 def read_documents(source: Source, *, field: str = "text", separator: str | None = None,
@@ -343,22 +364,12 @@ def read_documents(source: Source, *, field: str = "text", separator: str | None
         raise CorpusError("the separator is empty; give the text between documents, e.g. "
                           "'\\n\\n', or leave it out for a document per file")
     counts = Counts() if counts is None else counts
-    decode = _decoder(source, errors, counts)
-    if source.format == "parquet":
-        yield from _parquet(source, decode, field, counts)
+    decode = text_decoder(source, errors, counts)
+    if source.format in _TABLES:
+        yield from _table(source, decode, field, counts)
         return
-    try:
-        with _open(source) as raw:
-            stream = raw if isinstance(raw, io.BufferedIOBase) else io.BufferedReader(raw)
-            if source.format == "jsonl":
-                yield from _jsonl(source, stream, decode, field, errors, counts)
-            else:
-                yield from _txt(source, stream, decode, separator, counts)
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise CorpusError(f"{source.path}: the {source.compression} stream is damaged ({e}); "
-                          "compress the file again") from None
-    except Exception as e:
-        if type(e).__name__ != "ZstdError":
-            raise
-        raise CorpusError(f"{source.path}: the zstd stream is damaged ({e}); compress the "
-                          "file again") from None
+    with open_stream(source) as stream:
+        if source.format == "jsonl":
+            yield from _jsonl(source, stream, decode, field, errors, counts)
+        else:
+            yield from _txt(source, stream, decode, separator, counts)

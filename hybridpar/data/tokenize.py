@@ -30,15 +30,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hybridpar.data.chat import ChatEncoder, ChatSpec, load_chat
+from hybridpar.data.conversations import ChatFields, Conversation, read_conversations
 from hybridpar.data.shards import (
     FORMAT,
+    MASKED_VERSION,
     SPLITS,
     VERSION,
-    FolderAppeared,
     ShardWriter,
     TokenFolderError,
     open_tokens,
-    staged_folder,
     write_meta,
 )
 from hybridpar.data.sources import (
@@ -52,6 +53,7 @@ from hybridpar.data.sources import (
 )
 from hybridpar.data.split import ValSplit
 from hybridpar.data.tokenizer import Encoder, TokenizerSpec, load_tokenizer
+from hybridpar.io.staged import FolderAppeared, staged_folder
 from hybridpar.process.lifetime import die_with_parent
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "Tokenized", "default_workers", "tokenize_corpus"]
@@ -80,13 +82,23 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def _batches(documents: Iterable[str], *, batch_bytes: int) -> Iterator[list[str]]:
+Document = str | Conversation
+# what an encoder gives for a batch: ids, lengths, the loss mask (None: text) and the
+# documents it dropped (conversations with no counted token)
+Encoded = tuple[np.ndarray, np.ndarray, np.ndarray | None, int]
+
+
+def _size(doc: Document) -> int:
+    return len(doc) if isinstance(doc, str) else sum(len(m["content"]) for m in doc.messages)
+
+
+def _batches(documents: Iterable[Document], *, batch_bytes: int) -> Iterator[list[Document]]:
     """Documents grouped into lists of about `batch_bytes` characters."""
-    batch: list[str] = []
+    batch: list[Document] = []
     size = 0
     for doc in documents:
         batch.append(doc)
-        size += len(doc)
+        size += _size(doc)
         if size >= batch_bytes or len(batch) >= _BATCH_DOCS:
             yield batch
             batch, size = [], 0
@@ -94,45 +106,57 @@ def _batches(documents: Iterable[str], *, batch_bytes: int) -> Iterator[list[str
         yield batch
 
 
-_ENCODER: Encoder | None = None
+class _Encoders:
+    """Text (`Encoder`) or conversations (`ChatEncoder`) to `Encoded`."""
+
+    def __init__(self, spec: TokenizerSpec, chat: ChatSpec | None) -> None:
+        self.text = Encoder(spec) if chat is None else None
+        self.chat = ChatEncoder(spec, chat) if chat is not None else None
+
+    def __call__(self, batch: list[Any]) -> Encoded:
+        if self.chat is not None:
+            return self.chat.encode(batch)
+        assert self.text is not None
+        return (*self.text.encode(batch), None, 0)
 
 
-def _init_worker(spec: TokenizerSpec, parent: int) -> None:
+_ENCODER: _Encoders | None = None
+
+
+def _init_worker(spec: TokenizerSpec, chat: ChatSpec | None, parent: int) -> None:
     global _ENCODER
     die_with_parent(parent)      # a killed tokenize leaves no idle workers behind
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one thread a worker
-    _ENCODER = Encoder(spec)
+    _ENCODER = _Encoders(spec, chat)
 
 
-def _encode(batch: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode(batch: list[Any]) -> Encoded:
     assert _ENCODER is not None
-    return _ENCODER.encode(batch)
+    return _ENCODER(batch)
 
 
-def _encoded(batches: Iterator[list[str]], spec: TokenizerSpec, workers: int
-             ) -> Generator[tuple[int, np.ndarray, np.ndarray], None, None]:
-    """(documents, ids, lengths) of each batch, in order: here, or on `workers` processes."""
+def _encoded(batches: Iterator[list[Any]], spec: TokenizerSpec, chat: ChatSpec | None,
+             workers: int) -> Generator[Encoded, None, None]:
+    """Each batch encoded, in order: here, or on `workers` processes."""
     if workers <= 1:
-        encoder = Encoder(spec)
+        encoder = _Encoders(spec, chat)
         for batch in batches:
-            yield len(batch), *encoder.encode(batch)
+            yield encoder(batch)
         return
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     # a worker that dies (killed, out of memory) fails its batch with BrokenProcessPool,
     # where multiprocessing.Pool would wait for it forever
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                               initargs=(spec, os.getpid()))
+                               initargs=(spec, chat, os.getpid()))
     try:
-        pending: collections.deque[tuple[int, Future[Any]]] = collections.deque()
+        pending: collections.deque[Future[Encoded]] = collections.deque()
         for batch in batches:
-            pending.append((len(batch), pool.submit(_encode, batch)))
+            pending.append(pool.submit(_encode, batch))
             if len(pending) >= 2 * workers:
-                n, result = pending.popleft()
-                yield n, *result.result()
+                yield pending.popleft().result()
         while pending:
-            n, result = pending.popleft()
-            yield n, *result.result()
+            yield pending.popleft().result()
     except BrokenProcessPool:
         raise ChildProcessError(f"a tokenize worker process died (killed, or out of memory?); "
                                 f"nothing was written: run again, with fewer than {workers} "
@@ -141,13 +165,15 @@ def _encoded(batches: Iterator[list[str]], spec: TokenizerSpec, workers: int
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _request(sources: Sequence[Source], spec: TokenizerSpec, options: dict[str, Any]
-             ) -> dict[str, Any]:
+def _request(sources: Sequence[Source], spec: TokenizerSpec, options: dict[str, Any],
+             chat: dict[str, Any] | None) -> dict[str, Any]:
     """Everything that decides the tokens: the version, the sources' and tokenizer's hashes,
-    the EOS and the options."""
+    the EOS, the chat template and mask rule, and the options."""
     bos = {"bos": list(spec.bos)} if spec.bos else {}   # absent: the requests made before it
-    return {"version": VERSION, "sources": fingerprint(sources)["sha256"],
-            "tokenizer": spec.sha256, "eos_id": spec.eos_id, **bos, **options}
+    talk = {"chat": chat} if chat is not None else {}
+    return {"version": VERSION if chat is None else MASKED_VERSION,
+            "sources": fingerprint(sources)["sha256"], "tokenizer": spec.sha256,
+            "eos_id": spec.eos_id, **bos, **talk, **options}
 
 
 def _digest(value: Any) -> str:
@@ -190,13 +216,19 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.Path
                     errors: str = "strict", val_fraction: float = 0.05, seed: int = 0,
                     workers: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                     overwrite: bool = False, progress: bool = False,
+                    conversations: ChatFields | None = None,
+                    chat_template: str | os.PathLike[str] | None = None,
+                    loss_mask: str = "assistant", no_assistant: str = "skip",
                     batch_bytes: int = _BATCH_BYTES) -> Tokenized:
     """Tokenize the documents of `inputs` into the token folder `out` (see `shards`).
 
     `tokenizer`, `eos` and `bos`: `load_tokenizer`; `format`, `field`, `separator`,
     `errors`: how the files are read (`sources`); `val_fraction`, `seed`: the split
     (`ValSplit`). A no-op when `out` already holds the same request; `overwrite` replaces an
-    `out` of another one.
+    `out` of another one. With `conversations` (the records' field names), the inputs are
+    conversations, rendered with the chat template and stored with a loss mask
+    (`chat.load_chat`: `chat_template`, `loss_mask`, `no_assistant`); the template decides
+    the BOS.
     Errors in the inputs raise `CorpusError` naming the file and line; `out` is then untouched.
     """
     start = time.perf_counter()
@@ -209,12 +241,19 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.Path
     if separator == "":
         raise CorpusError("the separator is empty; give the text between documents, e.g. "
                           "'\\n\\n', or leave it out for a document per file")
+    if conversations is not None and bos != "auto":
+        raise CorpusError("--bos with conversations: the chat template decides what a "
+                          "conversation starts with; leave out --bos")
     split = ValSplit(val_fraction, seed=seed)
     sources = find_sources(inputs, format=format)
-    spec = load_tokenizer(tokenizer, eos=eos, bos=bos)
+    spec = load_tokenizer(tokenizer, eos=eos, bos=bos if conversations is None else "no")
+    chat = None if conversations is None else load_chat(
+        tokenizer, template=chat_template, mask=loss_mask, no_assistant=no_assistant)
     options = {"format": format, "field": field, "separator": separator, "errors": errors,
                "val_fraction": float(val_fraction), "seed": seed, "shard_tokens": shard_tokens}
-    request, prints = _request(sources, spec, options), fingerprint(sources)
+    talk = None if chat is None or conversations is None else {
+        **chat.record(), "fields": conversations.record()}
+    request, prints = _request(sources, spec, options, talk), fingerprint(sources)
     target = Path(out)
     done = _up_to_date(target, request, overwrite)
     if done is not None:
@@ -224,9 +263,14 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.Path
 
     notes: list[str] = []
     counts = Counts()
-    documents = (doc for source in sources for doc in read_documents(
-        source, field=field, separator=separator, errors=errors, counts=counts))
-    batches = _encoded(_batches(documents, batch_bytes=batch_bytes), spec, workers)
+    documents: Iterator[Document]
+    if conversations is None:
+        documents = (doc for source in sources for doc in read_documents(
+            source, field=field, separator=separator, errors=errors, counts=counts))
+    else:
+        documents = (c for source in sources for c in read_conversations(
+            source, fields=conversations, errors=errors, counts=counts))
+    batches = _encoded(_batches(documents, batch_bytes=batch_bytes), spec, chat, workers)
     # another process may fill OUT meanwhile (two tokenize runs into one folder): without
     # --overwrite that is an error (or nothing to do, if it holds these very tokens); with
     # it, OUT is replaced in one step and the output says so
@@ -234,8 +278,13 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.Path
     try:
         with staged_folder(target, replace=overwrite, replaced=lambda: notes.append(replaced)
                            ) as tmp, contextlib.closing(batches):
-            records = _write(tmp, batches, spec=spec, split=split, shard_tokens=shard_tokens,
-                             progress=progress, start=start)
+            records, dropped = _write(tmp, batches, spec=spec, split=split,
+                                      shard_tokens=shard_tokens, masks=chat is not None,
+                                      progress=progress, start=start)
+            if sum(r["documents"] for r in records.values()) == 0 and dropped:
+                raise CorpusError(f"no conversation has an assistant token to learn from "
+                                  f"({dropped} read, --loss-mask {loss_mask}); give "
+                                  "conversations with assistant turns, or --loss-mask all")
             if sum(r["documents"] for r in records.values()) == 0:
                 raise CorpusError(f"the corpus has no documents: {len(sources)} file(s) read, "
                                   f"{counts.empty} empty, {counts.skipped} skipped as not "
@@ -244,6 +293,10 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike[str]], out: str | os.Path
             if spec.kind == "tokenizers":
                 (tmp / "tokenizer.json").write_text(spec.json, encoding="utf-8")
             meta = _meta(spec, records, request, prints, counts)
+            if talk is not None and chat is not None:
+                meta["chat"] = {**talk, "template_from": chat.source,
+                                "dropped_without_assistant": dropped, "counted":
+                                sum(r["counted"] for r in records.values())}
             write_meta(tmp, meta)
     except FolderAppeared:
         theirs = _appeared(target, request)
@@ -269,23 +322,27 @@ def _appeared(out: Path, request: dict[str, Any]) -> dict[str, Any]:
                       "another folder, or --overwrite to replace it") from None
 
 
-def _write(folder: Path, batches: Iterator[tuple[int, np.ndarray, np.ndarray]], *,
-           spec: TokenizerSpec, split: ValSplit, shard_tokens: int, progress: bool,
-           start: float) -> dict[str, dict[str, Any]]:
-    """Each encoded batch into the shards of its documents' splits; the splits' records."""
-    writers = {s: ShardWriter(folder, s, dtype=spec.dtype, shard_tokens=shard_tokens)
-               for s in SPLITS}
+def _write(folder: Path, batches: Iterator[Encoded], *, spec: TokenizerSpec, split: ValSplit,
+           shard_tokens: int, masks: bool, progress: bool, start: float
+           ) -> tuple[dict[str, dict[str, Any]], int]:
+    """Each encoded batch into the shards of its documents' splits; (the splits' records,
+    the documents the encoders dropped)."""
+    writers = {s: ShardWriter(folder, s, dtype=spec.dtype, shard_tokens=shard_tokens,
+                              masks=masks) for s in SPLITS}
     bar: Any = None
-    total = 0
+    total = dropped = 0
     try:
-        for n, ids, lengths in batches:
+        for ids, lengths, loss, lost in batches:
+            n = len(lengths)
+            dropped += lost
             val = split.take(n)                                               # (n,) bool
             if not val.any():
-                writers["train"].write(ids, lengths)
+                writers["train"].write(ids, lengths, loss)
             else:
-                mask = np.repeat(val, lengths)                                # (tokens,)
-                writers["train"].write(ids[~mask], lengths[~val])
-                writers["val"].write(ids[mask], lengths[val])
+                where = np.repeat(val, lengths)                               # (tokens,)
+                for name, rows, docs in (("train", ~where, ~val), ("val", where, val)):
+                    writers[name].write(ids[rows], lengths[docs],
+                                        None if loss is None else loss[rows])
             total += len(ids)
             if progress and bar is None:   # after the workers' fork: tqdm starts a thread
                 from tqdm import tqdm
@@ -295,7 +352,10 @@ def _write(folder: Path, batches: Iterator[tuple[int, np.ndarray, np.ndarray]], 
                 bar.update(n)
                 rate = total / max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"{total:,} tokens, {rate:,.0f} tokens/s", refresh=False)
-        return {s: w.close() for s, w in writers.items()}
+        records = {s: w.close() for s, w in writers.items()}
+        for record in records.values() if masks else ():
+            record["counted"] = sum(x["counted"] for x in record["shards"])
+        return records, dropped
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -309,10 +369,11 @@ def _meta(spec: TokenizerSpec, records: dict[str, dict[str, Any]], request: dict
           prints: dict[str, Any], counts: Counts) -> dict[str, Any]:
     """meta.json of a finished folder (docs/data.md lists the fields)."""
     what = {"tokenizer": spec.sha256, "eos_id": spec.eos_id, "dtype": spec.dtype,
-            "shards": {s: [(x["sha256"], x["tokens"], x["documents"]) for x in r["shards"]]
-                       for s, r in records.items()}}
+            "shards": {s: [(x["sha256"], x["tokens"], x["documents"])
+                           + ((x["mask_sha256"],) if "mask_sha256" in x else ())
+                           for x in r["shards"]] for s, r in records.items()}}
     return {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT, "version": request["version"],
         "tokenizer": spec.record(), "dtype": spec.dtype,
         "documents": sum(r["documents"] for r in records.values()),
         "tokens": sum(r["tokens"] for r in records.values()),

@@ -5,7 +5,7 @@ at token j * T (T = seq_len) and holds T + 1 tokens (x = its first T, y = its la
 j < (n - 1) // T; the tail of a shard too short for a window is not trained on. Windows do
 not cross shards, and may cross documents (each ends with the EOS id, as in GPT-2 training).
 The windows are numbered over the shards in order; epoch e visits them in the order
-``randperm(windows, generator seeded with seed + e)``, a global batch is the next
+``randperm(windows, generator seeded with seed + e)`` (`WindowOrder`), a global batch is the next
 `batch_size` of that endless stream, and replica r of dp keeps rows [r * B / dp, (r+1) * B / dp).
 
     shards of 9 and 7 tokens, T = 4:   shard 0 | w0 = t[0:5]  w1 = t[4:9]
@@ -34,15 +34,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hybridpar.data.order import WindowOrder
-from hybridpar.data.shards import SPLITS, Shard, TokenFolder, open_tokens
+from hybridpar.data.shards import SPLITS, Shard, TokenFolder, TokenFolderError, open_tokens
 
-__all__ = ["TokenWindows", "check_folder", "document_positions", "no_val_window"]
+__all__ = ["TokenWindows", "WindowOrder", "check_folder", "document_positions",
+           "no_val_window"]
 
 
 def check_folder(path: str | os.PathLike[str]) -> TokenFolder:
-    """The folder's meta.json and file sizes checked, nothing mapped (``splits`` is empty)."""
-    return open_tokens(path, mmap=False)
+    """The folder's meta.json and file sizes checked, nothing mapped (``splits`` is empty).
+
+    A folder of conversations (loss masks) is refused: windows take every token as a label,
+    so training on it would count the prompts too.
+    """
+    folder = open_tokens(path, mmap=False)
+    if folder.masked:
+        raise TokenFolderError(f"{folder.path} holds conversations with a loss mask "
+                               f"(hybridpar tokenize --chat, --loss-mask "
+                               f"{folder.meta['chat']['mask']}), and training on a loss mask "
+                               "is not built yet: every token would count; tokenize text "
+                               "documents (without --chat) to train on all of them")
+    return folder
 
 
 def no_val_window(folder: TokenFolder, seq_len: int) -> str | None:
@@ -71,6 +82,40 @@ def document_positions(ends: np.ndarray, start: int, length: int) -> np.ndarray:
     ended = np.searchsorted(ends, tokens, side="right")    # documents ended by each token
     begins = np.where(ended > 0, ends[np.maximum(ended - 1, 0)], 0).astype(np.int64)
     return tokens.astype(np.int64) - np.maximum(begins, start)              # (length,)
+
+
+class WindowOrder:
+    """Epoch e visits window ids ``randperm(windows, generator seeded with seed + e)``; the
+    stream runs on into the next epoch. A subclass sets ``windows`` and ``seed`` and calls
+    `start_order`; (``epoch``, ``index`` into its order) is the position it saves."""
+
+    windows: int
+    seed: int
+    epoch: int
+    index: int
+
+    def start_order(self) -> None:
+        """Position 0 of epoch 0."""
+        self.epoch, self.index = 0, 0
+        self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
+
+    def order(self, epoch: int) -> Tensor:
+        """The window ids of `epoch` in visiting order: ``(windows,)``."""
+        if epoch != self._order_epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._order, self._order_epoch = torch.randperm(self.windows, generator=g), epoch
+        return self._order
+
+    def _take(self, count: int) -> Tensor:
+        """The next `count` window ids of the stream, advancing the position."""
+        parts = []
+        while count:
+            n = min(count, self.windows - self.index)
+            parts.append(self.order(self.epoch)[self.index:self.index + n])
+            self.index, count = self.index + n, count - n
+            if self.index == self.windows:
+                self.epoch, self.index = self.epoch + 1, 0
+        return torch.cat(parts)
 
 
 class TokenWindows(WindowOrder):

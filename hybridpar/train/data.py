@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 
 from hybridpar.data.ids import check_ids, model_vocab
-from hybridpar.data.order import WindowOrder
 from hybridpar.data.shards import TokenFolder, TokenFolderError
-from hybridpar.data.windows import TokenWindows, check_folder, no_val_window
+from hybridpar.data.windows import TokenWindows, WindowOrder, check_folder, no_val_window
 from hybridpar.models import example_batch
 from hybridpar.train.configs.config import Config
 
