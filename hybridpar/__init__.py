@@ -6,7 +6,7 @@ from hybridpar import nn
 from hybridpar.balance import balance_by_params, balance_by_size, balance_by_time, balance_uniform
 from hybridpar.comm.p2p import comm_stats, reset_comm_stats
 from hybridpar.launch import SpawnError, SpawnTimeout, spawn
-from hybridpar.pipe import HybridPipe
+from hybridpar.pipe import HybridPipe, TokenMean
 from hybridpar.pipeline.runtime.executor import PipelineError, current_microbatch
 from hybridpar.sharded.attrs import (
     get_parallel_dim,
@@ -31,6 +31,7 @@ __all__ = [
     "PipelineError",
     "SpawnError",
     "SpawnTimeout",
+    "TokenMean",
     "Topology",
     "__version__",
     "balance_by_params",

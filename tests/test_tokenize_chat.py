@@ -272,14 +272,3 @@ def test_a_mask_that_does_not_match_its_ids_is_refused(bpe, tmp_path):
     with pytest.raises(TokenFolderError, match=r"\.mask holds .* loss-mask bytes, one per "
                                                "token"):
         open_tokens(done.folder)
-
-
-def test_training_refuses_a_masked_folder_until_masked_labels_land(bpe, tmp_path):
-    from hybridpar.data.windows import check_folder
-
-    folder = model_folder(bpe, tmp_path, "chatml")
-    done = tokenize([write_jsonl(tmp_path / "c.jsonl", [{"messages": TALKS[1]}])],
-                    tmp_path / "out", folder)
-    with pytest.raises(TokenFolderError, match=r"holds conversations with a loss mask .*"
-                                               "training on a loss mask is not built yet"):
-        check_folder(done.folder)

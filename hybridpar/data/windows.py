@@ -34,26 +34,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hybridpar.data.shards import SPLITS, Shard, TokenFolder, TokenFolderError, open_tokens
+from hybridpar.data.shards import SPLITS, Shard, TokenFolder, open_tokens
 
-__all__ = ["TokenWindows", "WindowOrder", "check_folder", "document_positions",
+__all__ = ["IGNORE_INDEX", "TokenWindows", "WindowOrder", "check_folder", "document_positions",
            "no_val_window"]
+
+IGNORE_INDEX = -100     # a target the loss does not count (the losses' ignore_index)
 
 
 def check_folder(path: str | os.PathLike[str]) -> TokenFolder:
-    """The folder's meta.json and file sizes checked, nothing mapped (``splits`` is empty).
-
-    A folder of conversations (loss masks) is refused: windows take every token as a label,
-    so training on it would count the prompts too.
-    """
-    folder = open_tokens(path, mmap=False)
-    if folder.masked:
-        raise TokenFolderError(f"{folder.path} holds conversations with a loss mask "
-                               f"(hybridpar tokenize --chat, --loss-mask "
-                               f"{folder.meta['chat']['mask']}), and training on a loss mask "
-                               "is not built yet: every token would count; tokenize text "
-                               "documents (without --chat) to train on all of them")
-    return folder
+    """The folder's meta.json and file sizes checked, nothing mapped (``splits`` is empty)."""
+    return open_tokens(path, mmap=False)
 
 
 def no_val_window(folder: TokenFolder, seq_len: int) -> str | None:
@@ -181,6 +172,13 @@ class TokenWindows(WindowOrder):
         shard, start = self._place(i)
         return np.asarray(shard.tokens[start:start + self.seq_len + 1])
 
+    def counted(self, i: int) -> np.ndarray:
+        """The loss mask of window `i`'s targets (a folder of conversations): ``(seq_len,)``
+        bool, True where the loss counts the target token."""
+        shard, start = self._place(i)
+        assert shard.mask is not None
+        return np.asarray(shard.mask[start + 1:start + self.seq_len + 1]) != 0
+
     def positions(self, i: int) -> np.ndarray:
         """The document positions of window `i`'s inputs: ``(seq_len,)`` int64."""
         shard, start = self._place(i)
@@ -189,7 +187,8 @@ class TokenWindows(WindowOrder):
     def next_batch(self) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor]:
         """This replica's (x, y), each ``(batch_size / dp, seq_len)`` int64; y is x shifted.
 
-        With `pack`, x is (ids, positions), both of that shape. On a rank that reads neither,
+        A folder of conversations has `IGNORE_INDEX` in y where its loss mask is 0. With
+        `pack`, x is (ids, positions), both of that shape. On a rank that reads neither,
         zeros of the shapes (the pipe needs the shapes only); positions only where x is read.
         """
         ids = self._take(self.global_batch)                              # (B,)
@@ -201,6 +200,9 @@ class TokenWindows(WindowOrder):
         rows = np.stack([self.window(i) for i in mine])
         chunk = torch.from_numpy(rows.astype(np.int64))                  # (B / dp, T + 1)
         x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()     # (B / dp, T) twice
+        if self.targets and self.folder.masked:
+            counted = torch.from_numpy(np.stack([self.counted(i) for i in mine]))
+            y = y.masked_fill(~counted, IGNORE_INDEX)                    # (B / dp, T)
         if not self.pack:
             return x, y
         positions = torch.from_numpy(np.stack([self.positions(i) for i in mine])) \

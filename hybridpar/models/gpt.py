@@ -129,8 +129,10 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
     return keyed(torch.initial_seed(), nn.Sequential(*layers))
 
 
-def gpt_loss(logits: Tensor, targets: Tensor, *, group: ProcessGroup | None = None) -> Tensor:
-    """Mean cross-entropy of logits (B, T, V) or (B, T, V / tp) tagged -1 and targets (B, T).
+def gpt_loss(logits: Tensor, targets: Tensor, *, group: ProcessGroup | None = None,
+             reduction: str = "mean") -> Tensor:
+    """Mean (or with ``reduction="sum"``, summed) cross-entropy of logits (B, T, V) or
+    (B, T, V / tp) tagged -1 and targets (B, T); targets of -100 are not counted.
 
     Sharded logits are never gathered (`ParallelCrossEntropyLoss`; `group` defaults to the
     tp group of `hybridpar.init`). Usable as ``HybridPipe(..., loss_fn=gpt_loss)``.
@@ -139,5 +141,6 @@ def gpt_loss(logits: Tensor, targets: Tensor, *, group: ProcessGroup | None = No
     flat = logits.reshape(-1, logits.shape[-1])                 # (B * T, V / tp)
     if tag is not None:
         register_parallel_dim(flat, tag)                        # reshape drops the tag
-    return ParallelCrossEntropyLoss(group=group)(flat, targets.reshape(-1))   # (B * T,) ids
+    return ParallelCrossEntropyLoss(group=group, reduction=reduction)(
+        flat, targets.reshape(-1))                              # (B * T,) ids
 

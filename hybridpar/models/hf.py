@@ -41,9 +41,10 @@ Built = tuple[nn.Sequential, Callable[[Tensor, Tensor], Tensor]]
 log = logging.getLogger(__name__)
 
 
-def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross-entropy of logits (B, T, V), class-sharded or not, against the next ids."""
-    return gpt_loss(logits, targets)
+def next_token_loss(logits: Tensor, targets: Tensor, *, reduction: str = "mean") -> Tensor:
+    """Mean (or summed) cross-entropy of logits (B, T, V), class-sharded or not, against the
+    next ids; targets of -100 are not counted."""
+    return gpt_loss(logits, targets, reduction=reduction)
 
 
 def _transformers() -> Any:

@@ -10,10 +10,13 @@ stages, one class in three modules by job:
                  ZeRO-2's owners, the replica check
     build        a model made ready for its stages: the tp plan applied, routes, timeouts
     consolidate  the full state dict gathered from tp shards and stages, and loaded back
+    token_mean   `TokenMean`: a loss_fn whose step loss is the mean over every counted token
+                 of the global batch (labels ignored by a loss mask or padding)
 
 The assembly: imports the pipeline's rooms, tensor parallelism and the leaves.
 """
 
 from hybridpar.pipe.hybrid import HybridPipe
+from hybridpar.pipe.token_mean import TokenMean
 
-__all__ = ["HybridPipe"]
+__all__ = ["HybridPipe", "TokenMean"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from hybridpar.optim import pipe_optimizer
 from hybridpar.pipe import HybridPipe
+from hybridpar.pipe.token_mean import TokenMean
 from hybridpar.precision import PARAM_DTYPES, check_dtype_runs
 from hybridpar.tensor_parallel.random import model_parallel_manual_seed
 from hybridpar.topology import Topology, current_topology, init
@@ -24,7 +26,7 @@ from hybridpar.train.configs.optimizer import optimizer_class as configured_opti
 from hybridpar.train.configs.optimizer import optimizer_options
 
 __all__ = ["HOST_MEMORY_BUDGET", "build_optimizer", "build_pipe", "cap_host_memory", "loss_rank",
-           "topology_for"]
+           "token_mean_loss", "topology_for"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,23 @@ def cap_host_memory() -> int | None:
     log.info("%s=%s: address space capped at %.0f MiB (%.0f MiB now)", HOST_MEMORY_BUDGET,
              text, cap / 2**20, size / 2**20)
     return cap
+
+
+def token_mean_loss(loss: Any) -> TokenMean:
+    """The model's loss as the token mean of each global batch (a folder of conversations:
+    `hybridpar.pipe.token_mean`); the loss must take ``reduction="sum"``, as `gpt_loss` and
+    `next_token_loss` do: a ValueError otherwise, on every rank."""
+    try:
+        takes = "reduction" in inspect.signature(loss).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        raise ValueError(f"data.path holds conversations with a loss mask, and the model's "
+                         f"loss {getattr(loss, '__name__', loss)!r} takes no reduction: "
+                         "training on a loss mask sums each micro-batch's token losses "
+                         "(reduction='sum') and divides by the batch's counted tokens; give "
+                         "the loss a reduction keyword, as hybridpar.models.gpt_loss has")
+    return TokenMean(functools.partial(loss, reduction="sum"))
 
 
 def loss_rank(topo: Topology) -> int:

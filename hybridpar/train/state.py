@@ -4,6 +4,7 @@ resume from one saved under this or any other layout, and the start from a plain
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from hybridpar.tensor_parallel.random import (
     set_rng_state_all,
 )
 from hybridpar.topology import Topology
-from hybridpar.train.build import build_optimizer, build_pipe, loss_rank
+from hybridpar.train.build import build_optimizer, build_pipe, loss_rank, token_mean_loss
 from hybridpar.train.checkpoints.checkpoint import (
     CheckpointError,
     allocate_like,
@@ -74,9 +75,23 @@ class RunState:
             sample = make_batches(config, split="train", dp_rank=topo.dp_rank,
                                   dp=topo.dp).next_batch()[0]
         self.pipe = build_pipe(config, topo, sample=sample)
+        # a folder of conversations: the loss is the token mean of each global batch
+        self.token_mean = token_mean_loss(self.pipe.loss_fn) \
+            if isinstance(self.batches, TokenWindows) and self.batches.folder.masked else None
+        if self.token_mean is not None:
+            self.pipe.loss_fn = self.token_mean
         self.optimizer = build_optimizer(self.pipe, config)
         self.step = 0
         self.layers = self.pipe.layers
+
+    def counting(self, targets: Tensor) -> contextlib.AbstractContextManager[Any]:
+        """The block of a step on `targets`: with a loss mask, its micro-batch losses add up
+        to the token mean of the global batch (`TokenMean.over`: the dp group's counts summed
+        on the ranks that compute the loss); else nothing."""
+        if self.token_mean is None:
+            return contextlib.nullcontext()
+        group = self.topo.dp_group if self.reads["targets"] and self.topo.dp > 1 else None
+        return self.token_mean.over(targets, group=group, device=self.pipe.device)
 
     # checkpoint state ---------------------------------------------------------------------
     def _tp_group(self) -> Any:

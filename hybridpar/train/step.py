@@ -63,7 +63,7 @@ def train_step(run: RunState, autocast: Any, trace: TraceRequest | None) -> dict
     x, y = pinned(run.pipe.device, x, y)   # on a GPU: the pipe's copies overlap compute
     run.optimizer.zero_grad(set_to_none=True)
     reset_comm_stats()
-    with traced_step(run.pipe, trace, step=step, last=cfg.steps), autocast:
+    with traced_step(run.pipe, trace, step=step, last=cfg.steps), autocast, run.counting(y):
         loss = run.pipe.train_step(x, y).detach()
     record: dict[str, Any] = {"step": step, "loss": loss, "lr": lr}
     every = run.config.parallel.check_replicas
@@ -144,14 +144,16 @@ def check_skipped(records: list[dict[str, Any]], *, limit: int, before: int) -> 
 
 
 def validation_loss(run: RunState) -> float:
-    """Mean loss over the first `eval_batches` validation batches (the same ones every time)."""
+    """Mean loss over the first `eval_batches` validation batches (the same ones every time);
+    with a loss mask, the mean of each batch's token mean."""
     cfg, topo = run.config, run.topo
     batches = make_batches(cfg, split="val", dp_rank=topo.dp_rank, dp=topo.dp, **run.reads)
     run.pipe.eval()
     total = 0.0
     for _ in range(cfg.train.eval_batches):
         x, y = batches.next_batch()
-        total += float(run.pipe.eval_step(x, y))
+        with run.counting(y):
+            total += float(run.pipe.eval_step(x, y))
     run.pipe.train()
     return total / cfg.train.eval_batches
 
