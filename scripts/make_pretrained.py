@@ -2,7 +2,7 @@
 
     python scripts/make_pretrained.py --family llama --out runs/pretrained/llama
         [--vocab 2048] [--hidden 64] [--layers 4] [--heads 4] [--kv-heads 2]
-        [--intermediate 176] [--steps 100] [--seq-len 64] [--batch 8] [--seed 0]
+        [--intermediate 176] [--steps 100] [--seq-len 64] [--batch 8] [--seed 0] [--chat]
 
 Nothing is downloaded. The text is the embedded corpus (`hybridpar.train.default_corpus`: the
 standard library's sources), one document per source file:
@@ -15,6 +15,10 @@ standard library's sources), one document per source file:
     3. pretrain   `steps` AdamW steps of next-token loss on the corpus's tokens (documents
                   joined by the EOS, windows of seq_len + 1), so the weights are not pure
                   noise; 0 skips it (seconds on a CPU for the defaults)
+       --chat     two more special tokens, <|im_start|> and <|im_end|> (ids 1, 2), and a
+                  ChatML chat template: <|im_end|> ends a turn and is the tokenizer's and
+                  the generation config's EOS, so generate() stops at the end of a turn
+                  (a model for `hybridpar tokenize --chat`: configs/sft_llama.toml)
     4. save       model.save_pretrained + tokenizer.save_pretrained into `out`: config.json,
                   generation_config.json, model.safetensors, tokenizer.json,
                   tokenizer_config.json; `AutoModelForCausalLM.from_pretrained(out)` and
@@ -35,6 +39,10 @@ from pathlib import Path
 from typing import Any
 
 EOS = "<|endoftext|>"
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"     # --chat
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+          "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
 
 
@@ -45,24 +53,29 @@ def documents(corpus: bytes) -> list[str]:
     return [p for p in parts if p.strip()]
 
 
-def train_tokenizer(docs: list[str], vocab: int) -> Any:
-    """A byte-level BPE of `vocab` ids (EOS = id 0) trained on `docs`."""
+def train_tokenizer(docs: list[str], vocab: int, specials: tuple[str, ...] = (EOS,)) -> Any:
+    """A byte-level BPE of `vocab` ids (the special tokens first: EOS = id 0) trained on
+    `docs`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(specials),
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer=trainer)
     return tok
 
 
-def model_config(family: str, vocab: int, eos_id: int, args: argparse.Namespace) -> Any:
-    """The family's `PretrainedConfig`: small, `vocab` ids, the EOS as bos / eos / pad."""
+def model_config(family: str, vocab: int, eos_id: int, args: argparse.Namespace,
+                 end_id: int | None = None) -> Any:
+    """The family's `PretrainedConfig`: small, `vocab` ids, the EOS as bos / eos / pad (the
+    end of a turn as eos with --chat)."""
     import transformers
 
-    special = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    special = {"bos_token_id": eos_id, "eos_token_id": eos_id if end_id is None else end_id,
+               "pad_token_id": eos_id}
     if family == "gpt2":
         return transformers.GPT2Config(
             vocab_size=vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
@@ -114,13 +127,17 @@ def make(args: argparse.Namespace) -> Path:
     started = time.perf_counter()
 
     docs = documents(default_corpus(args.corpus_bytes))
-    tok = train_tokenizer(docs, args.vocab)
+    tok = train_tokenizer(docs, args.vocab, (EOS, TURN_START, TURN_END) if args.chat else (EOS,))
     eos_id = tok.token_to_id(EOS)
     vocab = tok.get_vocab_size()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS,
-                                                bos_token=EOS, pad_token=EOS, unk_token=None)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=TURN_END if args.chat else EOS, bos_token=EOS,
+        pad_token=EOS, unk_token=None)
+    if args.chat:
+        fast.chat_template = CHATML
 
-    config = model_config(args.family, vocab, eos_id, args)
+    config = model_config(args.family, vocab, eos_id, args,
+                          tok.token_to_id(TURN_END) if args.chat else None)
     model = transformers.AutoModelForCausalLM.from_config(config)
     params = sum(p.numel() for p in model.parameters())
     losses: list[float] = []
@@ -161,6 +178,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true",
+                   help="add <|im_start|> / <|im_end|> and a ChatML chat template")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return p.parse_args(argv)
 

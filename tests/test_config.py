@@ -52,12 +52,26 @@ def made_inputs(tmp_path, monkeypatch):
     tokenize(tmp_path / "runs" / "tokens" / "docs", "--tokenizer", str(pretrained))
 
 
+@pytest.fixture
+def made_chat_inputs(tmp_path, monkeypatch):
+    """What configs/sft_llama.toml reads, made as its header says (tiny)."""
+    pytest.importorskip("transformers")
+    from test_sft import made_inputs
+
+    monkeypatch.chdir(tmp_path)
+    made_inputs(tmp_path)
+
+
+# the configs that read files their header's commands make, and the fixture that makes them
+MADE = {"finetune_llama.toml": "made_inputs", "sft_llama.toml": "made_chat_inputs"}
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_says_what_it_runs(path, request):
-    if path.name == "finetune_llama.toml":   # reads files its header's commands make
-        with pytest.raises(ConfigError, match=r"runs/pretrained/llama|runs/tokens/docs"):
+    if path.name in MADE:
+        with pytest.raises(ConfigError, match=r"runs/pretrained/|runs/tokens/"):
             load_config(path)
-        request.getfixturevalue("made_inputs")
+        request.getfixturevalue(MADE[path.name])
     config = load_config(path)
     assert config.name == path.stem
     assert path.read_text().startswith("# ")

@@ -47,9 +47,10 @@ def _script() -> ModuleType:
     return module
 
 
-def make_pretrained(family: str, out: Path) -> Path:
+def make_pretrained(family: str, out: Path, *extra: str) -> Path:
     script = _script()
-    return Path(script.make(script.parse(["--family", family, "--out", str(out), *TINY])))
+    return Path(script.make(script.parse(["--family", family, "--out", str(out), *TINY,
+                                          *extra])))
 
 
 def tokenize(out: Path, *how: str) -> Path:

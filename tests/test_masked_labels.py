@@ -26,6 +26,7 @@ from test_tokenize import bpe_tokenizer
 from test_tokenize_chat import SPECIALS, model_folder, write_jsonl
 
 import hybridpar
+from hybridpar.data import open_tokens
 from hybridpar.data.conversations import ChatFields
 from hybridpar.data.tokenize import tokenize_corpus
 from hybridpar.data.windows import IGNORE_INDEX, TokenWindows, check_folder
@@ -230,13 +231,19 @@ def trainer_config(folder, *overrides):
 def test_hybridpar_run_on_a_masked_folder_trains_at_pp2_dp2_as_on_one_rank(folder, tmp_path):
     four = trainer_config(folder, "parallel.pp=2", "parallel.tp=1", "parallel.dp=2")
     one = trainer_config(folder, "parallel.pp=1", "parallel.tp=1", "parallel.dp=1",
-                         "parallel.balance=[5]")
+                         "parallel.balance=[5]", "train.sample_tokens=6")
     got = hybridpar.spawn(_train, 4, args=(four, str(tmp_path / "four")), timeout=TIMEOUT)
     want = hybridpar.spawn(_train, 1, args=(one, str(tmp_path / "one")), timeout=TIMEOUT)[0]
     assert len(want["losses"]) == STEPS and list(want["eval"]) == [STEPS]
     for rank in got:
         assert rank["losses"] == pytest.approx(want["losses"], rel=1e-5)
         assert rank["eval"] == pytest.approx(want["eval"], rel=1e-5)
+    # the sample: the first held-out conversation's prompt, as the template renders it
+    first = open_tokens(folder).splits["val"][0]
+    prompt = int(first.mask[:int(first.ends[0])].nonzero()[0][0])
+    text = open_tokens(folder).decode(first.tokens[:prompt])
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+    assert want["sample"].startswith(text) and len(want["sample"]) > len(text)
 
 
 def test_a_loss_without_a_sum_reduction_is_refused_with_the_fix():

@@ -110,6 +110,11 @@ class Encoder:
         flat = itertools.chain.from_iterable(x for i in ids for x in (self._bos, i, self._eos))
         return np.fromiter(flat, self.dtype, int(lengths.sum())), lengths
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the token spelled `token` (a special one too), or None (bytes: none)."""
+        found = self._tok.token_to_id(token) if self._tok is not None else None
+        return None if found is None else int(found)
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """The text of `ids`, special tokens included (bytes: invalid UTF-8 becomes U+FFFD)."""
         values = [int(i) for i in ids]

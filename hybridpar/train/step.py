@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from hybridpar.data.shards import open_tokens
 from hybridpar.data.windows import TokenWindows
 from hybridpar.device import pinned
 from hybridpar.models import generate
@@ -21,7 +22,8 @@ from hybridpar.train.data import TokenBatches, decode, make_batches, validation_
 from hybridpar.train.lr import lr_at
 from hybridpar.train.state import RunState
 
-__all__ = ["check_skipped", "resolve", "text_sample", "train_step", "validation_loss"]
+__all__ = ["chat_prompt", "check_skipped", "resolve", "text_sample", "train_step",
+           "validation_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +160,30 @@ def validation_loss(run: RunState) -> float:
     return total / cfg.train.eval_batches
 
 
+def chat_prompt(val: TokenWindows) -> tuple[Any, tuple[int, ...]]:
+    """(ids, stop ids) of the sample of a folder of conversations: the first validation
+    conversation up to its first counted token (the template's generation prompt), and the
+    EOS and the template's end-of-turn token. The same on every rank: meta.json and one
+    document's ids (every rank reads them: the prompt feeds the first stage, the stop ids
+    every rank's loop)."""
+    folder = open_tokens(val.folder.path)
+    shard = folder.splits["val"][0] if folder.splits["val"] else folder.splits["train"][0]
+    assert shard.mask is not None
+    end = int(shard.ends[0])
+    counted = shard.mask[:end].nonzero()[0]
+    ids = shard.tokens[:int(counted[0]) if len(counted) else end].astype("int64")
+    stop = {folder.eos_id}
+    eot = folder.meta["chat"].get("special", {}).get("eos_token")   # the template's
+    eot_id = folder.encoder.token_id(eot) if isinstance(eot, str) else None
+    if eot_id is not None:
+        stop.add(eot_id)
+    return ids, tuple(sorted(stop))
+
+
 def text_sample(run: RunState) -> str | None:
-    """A text sample through the pipeline, from the start of the validation text; None
-    (with a warning) when there is no validation text to start from."""
+    """A text sample through the pipeline, from the start of the validation text (for a
+    folder of conversations: the first one's prompt, up to an end of turn, `chat_prompt`);
+    None (with a warning) when there is no validation text to start from."""
     cfg = run.config
     if not takes_tokens(cfg.model.name) or cfg.train.sample_tokens == 0 \
             or cfg.data.source == "synthetic":
@@ -172,7 +195,11 @@ def text_sample(run: RunState) -> str | None:
                         problem)
         return None
     val = make_batches(cfg, split="val", **run.reads)
-    if isinstance(val, TokenWindows):   # the prompt matters on the first stage only
+    stop: tuple[int, ...] = ()
+    if isinstance(val, TokenWindows) and val.folder.masked:   # a conversation's prompt
+        ids, stop = chat_prompt(val)
+        prompt = torch.from_numpy(ids).view(1, -1)                        # (1, t)
+    elif isinstance(val, TokenWindows):   # the prompt matters on the first stage only
         prompt = torch.from_numpy(val.window(0)[:8].astype("int64")).view(1, -1) \
             if val.reads else torch.zeros(1, 8, dtype=torch.int64)        # (1, 8)
     else:
@@ -182,7 +209,7 @@ def text_sample(run: RunState) -> str | None:
     with torch.no_grad():
         out = generate(run.pipe, prompt, cfg.train.sample_tokens, temperature=0.8, top_k=32,
                        generator=torch.Generator().manual_seed(cfg.train.seed),
-                       block_size=cfg.data.seq_len)                       # (1, 8 + n)
+                       block_size=cfg.data.seq_len, stop=stop)            # (1, t + n)
     run.pipe.train()
     if isinstance(val, TokenWindows):   # the folder's own tokenizer (bytes: UTF-8 bytes)
         return val.folder.decode(out[0].numpy()) if val.reads else None
