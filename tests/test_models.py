@@ -266,6 +266,21 @@ def test_generate_crops_to_block_size_and_greedy_follows_the_argmax():
     assert torch.equal(top1, out)
 
 
+def test_generate_ends_once_every_row_has_drawn_a_stop_token():
+    model = _Bigram()
+    greedy = generate(model, torch.tensor([[0]]), 6, temperature=0.0)[0].tolist()  # 0 + 6
+    stop = greedy[3]                       # the third token drawn
+    first = greedy.index(stop, 1)          # where it is first drawn
+    out = generate(_Bigram(), torch.tensor([[0]]), 6, temperature=0.0, stop={stop})
+    assert out[0].tolist() == greedy[:first + 1]
+    start = torch.tensor([[0], [greedy[1]]])
+    full = generate(_Bigram(), start, 6, temperature=0.0)                  # (2, 7)
+    drawn = [row[1:].tolist().index(stop) + 1 if stop in row[1:].tolist() else 6
+             for row in full]                                              # until both drew it
+    rows = generate(_Bigram(), start, 6, temperature=0.0, stop={stop})
+    assert drawn[0] != drawn[1] and torch.equal(rows, full[:, :max(drawn) + 1])
+
+
 def test_generate_reads_block_size_from_a_gpt():
     torch.manual_seed(0)
     model = gpt(**SMALL_GPT).eval()
