@@ -31,7 +31,7 @@ from torch import Tensor
 __all__ = ["PACKED_ATTR", "PACKS", "SEQUENCE_PARALLEL_PACKED", "document_mask",
            "document_segments", "is_packed", "split_positions"]
 
-PACKS = ("none", "documents")   # data.pack
+PACKS = ("none", "documents", "pad")   # data.pack
 PACKED_ATTR = "hybridpar_packed_documents"   # set on the model by models.pack_documents
 # refused by the config check (parallel.sequence_parallel with data.pack) and by HybridPipe
 SEQUENCE_PARALLEL_PACKED = (

@@ -29,12 +29,13 @@ import hybridpar
 from hybridpar.data import open_tokens
 from hybridpar.data.conversations import ChatFields
 from hybridpar.data.tokenize import tokenize_corpus
-from hybridpar.data.windows import IGNORE_INDEX, TokenWindows, check_folder
+from hybridpar.data.windows import IGNORE_INDEX, PaddedExamples, TokenWindows, check_folder
 
 transformers = pytest.importorskip("transformers")
 
 # SEED draws batches whose halves count different tokens, one of them none
 T, BATCH, STEPS, CHUNKS, VOCAB, LR, SEED, TIMEOUT = 16, 4, 3, 2, 384, 0.01, 5, 300
+PAD_T = 256     # data.pack = "pad": the conversations hold 35-285 tokens, a few are cut
 WORDS = ("pipeline stage tensor shard micro batch gradient token mask loss replica layer "
          "the a of to and is it what why how yes no maybe").split()
 
@@ -73,6 +74,18 @@ def windows(folder, *, pack=False, split="train"):
     return [w.next_batch() for _ in range(STEPS)]
 
 
+def padded(folder, *, multiple=1):
+    """The pad batches, each with its rows' real lengths (a twin draws the same documents)."""
+    make = functools.partial(PaddedExamples, check_folder(folder), seq_len=PAD_T,
+                             batch_size=BATCH, seed=SEED, multiple=multiple)
+    rows, twin = make(), make()
+    out = []
+    for _ in range(STEPS):
+        lengths = torch.from_numpy(twin.pairs[twin._take(BATCH).numpy()])
+        out.append((*rows.next_batch(), lengths))
+    return out
+
+
 def hf_model(kind: str):
     decoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -89,8 +102,14 @@ def pieces(x, positions):
         yield from ((row, a, b) for a, b in itertools.pairwise(starts))
 
 
-def token_sum(model, x, y):
-    """The summed cross-entropy of the counted targets (packed: each piece run alone)."""
+def token_sum(model, x, y, lengths=None):
+    """The summed cross-entropy of the counted targets (packed: each piece run alone; padded:
+    with transformers' attention mask over each row's real tokens)."""
+    if lengths is not None:
+        mask = (torch.arange(x.shape[1]) < lengths[:, None]).long()       # (B, L)
+        logits = model(input_ids=x, attention_mask=mask).logits
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
     if isinstance(x, tuple):
         ids, positions = x
         return sum(F.cross_entropy(model(input_ids=ids[r:r + 1, a:b]).logits[0], y[r, a:b],
@@ -106,21 +125,30 @@ def reference(kind, batches):
     model = hf_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for x, y in batches:
+    for x, y, *lengths in batches:
         opt.zero_grad()
-        loss = token_sum(model, x, y) / (y != IGNORE_INDEX).sum()
+        loss = token_sum(model, x, y, *lengths) / (y != IGNORE_INDEX).sum()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-# (kind, (pp, tp, dp), sequence parallel, packed)
-LAYOUTS = [("llama", (2, 2, 1), False, False), ("llama", (1, 2, 2), True, False),
-           ("llama", (2, 1, 2), False, False), ("qwen3", (2, 2, 1), False, False),
-           ("llama", (2, 2, 1), False, True)]
-IDS = [f"{k}-pp{p}tp{t}dp{d}" + ("-sp" if sp else "") + ("-packed" if pk else "")
+# (kind, (pp, tp, dp), sequence parallel, data.pack)
+LAYOUTS = [("llama", (2, 2, 1), False, "none"), ("llama", (1, 2, 2), True, "none"),
+           ("llama", (2, 1, 2), False, "none"), ("qwen3", (2, 2, 1), False, "none"),
+           ("llama", (2, 2, 1), False, "documents"), ("llama", (2, 2, 1), False, "pad"),
+           ("llama", (1, 2, 2), True, "pad"), ("qwen3", (2, 1, 2), False, "pad")]
+IDS = [f"{k}-pp{p}tp{t}dp{d}" + ("-sp" if sp else "") + ("" if pk == "none" else f"-{pk}")
        for k, (p, t, d), sp, pk in LAYOUTS]
+
+
+def batches_of(folder, pack, sp):
+    """The batches of a layout: windows, packed windows, or padded rows (a multiple of tp = 2
+    under sequence parallelism)."""
+    if pack == "pad":
+        return padded(folder, multiple=2 if sp else 1)
+    return windows(folder, pack=pack == "documents")
 
 
 def _case(kind, layout, sp, pack, batches):
@@ -133,7 +161,7 @@ def _case(kind, layout, sp, pack, batches):
     model = hf_model(kind)
     seq = to_sequential(model)
     loss_fn = hybridpar.TokenMean(functools.partial(next_token_loss, reduction="sum"))
-    pipe = hybridpar.HybridPipe(pack_documents(seq) if pack else seq,
+    pipe = hybridpar.HybridPipe(pack_documents(seq) if pack == "documents" else seq,
                                 [2, 3] if pp == 2 else [5], topology=topo, loss_fn=loss_fn,
                                 chunks=CHUNKS, schedule="1f1b",
                                 tp_plan="auto" if tp > 1 else None, sequence_parallel=sp)
@@ -141,7 +169,7 @@ def _case(kind, layout, sp, pack, batches):
     rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
     group = topo.dp_group if dp > 1 and topo.pp_rank == pp - 1 else None
     losses = []
-    for x, y in batches:
+    for x, y, *_ in batches:
         x = tuple(t[rows] for t in x) if isinstance(x, tuple) else x[rows]
         opt.zero_grad()
         with loss_fn.over(y[rows], group=group):
@@ -153,8 +181,7 @@ def _case(kind, layout, sp, pack, batches):
 
 @pytest.fixture(scope="module")
 def runs(folder):
-    plain, packed = windows(folder), windows(folder, pack=True)
-    cases = {name: (kind, layout, sp, pack, packed if pack else plain)
+    cases = {name: (kind, layout, sp, pack, batches_of(folder, pack, sp))
              for name, (kind, layout, sp, pack) in zip(IDS, LAYOUTS)}
     return spawn_cases(_case, 4, cases, timeout=TIMEOUT)
 
@@ -171,10 +198,56 @@ def test_micro_batches_and_replicas_count_different_tokens(folder):
     assert [0] in [[h[1]] for h in halves]
 
 
+def test_padded_rows_hold_one_document_each_padded_to_the_batchs_longest(folder):
+    rows = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH, seed=SEED)
+    twin = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH, seed=SEED)
+    lengths = [int(n) for n in twin.pairs[twin._take(BATCH).numpy()]]
+    x, y = rows.next_batch()
+    assert x.shape == y.shape == (BATCH, max(lengths)) and min(lengths) < max(lengths)
+    assert (y != IGNORE_INDEX).any()                           # the assistant's tokens
+    for r, n in enumerate(lengths):
+        assert (y[r, n:] == IGNORE_INDEX).all() and (x[r, n:] == rows.folder.eos_id).all()
+    # the replicas' halves, the same length; a multiple of 4 (sequence parallelism)
+    halves = [PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH, seed=SEED,
+                             dp_rank=r, dp=2, multiple=4).next_batch() for r in (0, 1)]
+    width = -(-max(lengths) // 4) * 4
+    for r, (hx, hy) in enumerate(halves):
+        assert hx.shape == (2, width)
+        assert torch.equal(hy[:, :max(lengths)], y[2 * r:2 * r + 2])
+    # a rank that reads nothing gets zeros of the batch's shape
+    blind = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH, seed=SEED,
+                           inputs=False, targets=False).next_batch()
+    assert blind[0].shape == x.shape and not blind[0].any()
+
+
+def test_overlong_documents_are_cut_or_dropped_and_counted(folder):
+    cut = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH)
+    drop = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH, overlong="drop")
+    documents = open_tokens(folder).documents("train")
+    assert cut.truncated == drop.dropped > 0 and cut.dropped == drop.truncated == 0
+    assert cut.windows == documents and drop.windows == documents - drop.dropped
+    assert int(cut.pairs.max()) == PAD_T and int(drop.pairs.max()) <= PAD_T
+    with pytest.raises(ValueError, match=r"has no document of 2 tokens or more and at most "
+                                         r"seq_len \+ 1 = 3"):
+        PaddedExamples(check_folder(folder), seq_len=2, batch_size=BATCH, overlong="drop")
+
+
+def test_padded_rows_resume_where_they_stopped(folder):
+    a = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH, seed=SEED)
+    for _ in range(5):
+        a.next_batch()
+    b = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH, seed=SEED)
+    b.load_state_dict(a.state_dict())
+    for got, want in zip(b.next_batch(), a.next_batch()):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"past the \d+ documents of"):
+        b.load_state_dict({"epoch": 0, "index": 10**6})
+
+
 @pytest.mark.parametrize("name", IDS)
 def test_every_layout_trains_as_the_token_mean_on_one_device(runs, folder, name):
-    kind, _, _, pack = LAYOUTS[IDS.index(name)]
-    ref_losses, ref_state = reference(kind, windows(folder, pack=pack))
+    kind, _, sp, pack = LAYOUTS[IDS.index(name)]
+    ref_losses, ref_state = reference(kind, batches_of(folder, pack, sp))
     for got in runs[name]:
         assert got["losses"] == pytest.approx(ref_losses, rel=1e-7)   # shared as float32
         assert set(got["state"]) == set(ref_state)
@@ -228,10 +301,13 @@ def trainer_config(folder, *overrides):
         "train.eval_batches=1", "train.sample_tokens=0", "checkpoint.every=0", *overrides])
 
 
-def test_hybridpar_run_on_a_masked_folder_trains_at_pp2_dp2_as_on_one_rank(folder, tmp_path):
-    four = trainer_config(folder, "parallel.pp=2", "parallel.tp=1", "parallel.dp=2")
+@pytest.mark.parametrize("pack", ["none", "pad"])
+def test_hybridpar_run_on_a_masked_folder_trains_at_pp2_dp2_as_on_one_rank(folder, tmp_path,
+                                                                           pack):
+    data = [f"data.pack={pack}", f"data.seq_len={PAD_T if pack == 'pad' else T}"]
+    four = trainer_config(folder, "parallel.pp=2", "parallel.tp=1", "parallel.dp=2", *data)
     one = trainer_config(folder, "parallel.pp=1", "parallel.tp=1", "parallel.dp=1",
-                         "parallel.balance=[5]", "train.sample_tokens=6")
+                         "parallel.balance=[5]", "train.sample_tokens=6", *data)
     got = hybridpar.spawn(_train, 4, args=(four, str(tmp_path / "four")), timeout=TIMEOUT)
     want = hybridpar.spawn(_train, 1, args=(one, str(tmp_path / "one")), timeout=TIMEOUT)[0]
     assert len(want["losses"]) == STEPS and list(want["eval"]) == [STEPS]

@@ -77,6 +77,8 @@ CAMPAIGN: dict[str, str] = {
         "test_loopback.py's store and rendezvous checks",
     "tests/test_bad_inputs.py::test_a_run_whose_workers_fail_ends_in_one_line_and_leaves_"
     "nothing_running": "test_run_cli.py's failing worker",
+    "tests/test_masked_labels.py::test_hybridpar_run_on_a_masked_folder_trains_at_pp2_dp2_as_"
+    "on_one_rank[none]": "its [pad] (a masked folder through hybridpar run, padded)",
     "tests/test_sft.py": "test_masked_labels.py's hybridpar run on a folder of conversations, "
                          "test_tokenize_chat.py, test_config.py's load of configs/sft_llama.toml",
     "tests/test_run_memory_limit.py::test_a_model_larger_than_each_rank_allows_loads_trains_"

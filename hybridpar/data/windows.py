@@ -36,10 +36,11 @@ from torch import Tensor
 
 from hybridpar.data.shards import SPLITS, Shard, TokenFolder, open_tokens
 
-__all__ = ["IGNORE_INDEX", "TokenWindows", "WindowOrder", "check_folder", "document_positions",
-           "no_val_window"]
+__all__ = ["IGNORE_INDEX", "OVERLONG", "PaddedExamples", "TokenWindows", "WindowOrder",
+           "check_folder", "document_positions", "no_val_window"]
 
 IGNORE_INDEX = -100     # a target the loss does not count (the losses' ignore_index)
+OVERLONG = ("truncate", "drop")     # data.pack = "pad": a document longer than seq_len + 1
 
 
 def check_folder(path: str | os.PathLike[str]) -> TokenFolder:
@@ -84,6 +85,8 @@ class WindowOrder:
     seed: int
     epoch: int
     index: int
+    folder: TokenFolder
+    unit = "windows"        # what the ids count, for the messages
 
     def start_order(self) -> None:
         """Position 0 of epoch 0."""
@@ -96,6 +99,23 @@ class WindowOrder:
             g = torch.Generator().manual_seed(self.seed + epoch)
             self._order, self._order_epoch = torch.randperm(self.windows, generator=g), epoch
         return self._order
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch", "index"}`` (plain ints, the same on every replica)."""
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict`: the next batch is the one that followed it."""
+        epoch, index = state.get("epoch"), state.get("index")
+        for key, value in (("epoch", epoch), ("index", index)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"data state {dict(state)!r} has no valid {key!r} (an integer "
+                                 ">= 0); was it saved by a different kind of batches?")
+        assert isinstance(epoch, int) and isinstance(index, int)
+        if index >= self.windows:
+            raise ValueError(f"data state index={index} is past the {self.windows} {self.unit} "
+                             f"of {self.folder.path}; did the corpus or seq_len change?")
+        self.epoch, self.index = epoch, index
 
     def _take(self, count: int) -> Tensor:
         """The next `count` window ids of the stream, advancing the position."""
@@ -209,25 +229,106 @@ class TokenWindows(WindowOrder):
             if self.inputs else zeros                                    # (B / dp, T)
         return (x, positions), y
 
-    def state_dict(self) -> dict[str, int]:
-        """The position: ``{"epoch", "index"}`` (plain ints, the same on every replica)."""
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a `state_dict`: the next batch is the one that followed it."""
-        epoch, index = state.get("epoch"), state.get("index")
-        for key, value in (("epoch", epoch), ("index", index)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"data state {dict(state)!r} has no valid {key!r} (an integer "
-                                 ">= 0); was it saved by a different kind of batches?")
-        assert isinstance(epoch, int) and isinstance(index, int)
-        if index >= self.windows:
-            raise ValueError(f"data state index={index} is past the {self.windows} windows of "
-                             f"{self.folder.path}; did the corpus or seq_len change?")
-        self.epoch, self.index = epoch, index
-
     def __iter__(self) -> Iterator[tuple[Tensor | tuple[Tensor, Tensor], Tensor]]:
         return self
 
     def __next__(self) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor]:
+        return self.next_batch()
+
+
+class PaddedExamples(WindowOrder):
+    """One document per row (``data.pack = "pad"``): this replica's rows of each global batch,
+    padded on the right to the batch's longest, the padding's targets `IGNORE_INDEX`.
+
+    The documents of the split are visited in the seeded order of `WindowOrder`. A document
+    of n tokens gives n - 1 (input, target) pairs; past ``seq_len`` it is cut to its first
+    ``seq_len + 1`` tokens (``overlong="truncate"``) or left out (``"drop"``), both counted
+    (`truncated`, `dropped`). A batch's length L is its longest row rounded up to
+    `multiple` (the layout's need, e.g. tp under sequence parallelism), the same on every
+    replica (every rank reads the documents' lengths, from the .idx files), so the stages'
+    shapes agree; it may change from batch to batch. The padding goes after each document:
+    causal attention never reaches it from a real token, and its targets count for nothing.
+    Targets a loss mask leaves out are `IGNORE_INDEX` too.
+
+        documents of 4, 6, 3 tokens, B = 3:  x  a a a .     y  a a a -
+                                                 b b b b b       b b b b b
+                                                 c c . .         c c - -   (L = 5)
+    """
+
+    unit = "documents"
+
+    def __init__(self, folder: TokenFolder, split: str = "train", *, seq_len: int,
+                 batch_size: int, seed: int = 0, dp_rank: int = 0, dp: int = 1,
+                 inputs: bool = True, targets: bool = True, multiple: int = 1,
+                 overlong: str = "truncate") -> None:
+        if overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
+        if seq_len < 1 or multiple < 1:
+            raise ValueError(f"seq_len and multiple must be positive, got {seq_len}, {multiple}")
+        if dp < 1 or not 0 <= dp_rank < dp or batch_size < 1 or batch_size % dp:
+            raise ValueError(f"batch_size={batch_size} over dp={dp} (dp_rank={dp_rank}): use a "
+                             f"positive multiple of dp and 0 <= dp_rank < dp")
+        self.folder, self.split, self.seq_len, self.seed = folder, split, seq_len, seed
+        self.global_batch, self.batch_size = batch_size, batch_size // dp
+        self.dp_rank, self.dp, self.multiple = dp_rank, dp, multiple
+        self.inputs, self.targets = inputs, targets
+        self.shards = open_tokens(folder.path).splits[split]   # every rank: the lengths
+        sizes = [np.diff(np.asarray(s.ends, dtype=np.int64), prepend=0) for s in self.shards]
+        where = [(k, int(e) - int(n)) for k, (s, z) in enumerate(zip(self.shards, sizes))
+                 for e, n in zip(np.asarray(s.ends), z)]                  # (shard, start)
+        pairs = np.concatenate(sizes) - 1 if sizes else np.zeros(0, dtype=np.int64)
+        keep = (pairs >= 1) & ((pairs <= seq_len) if overlong == "drop" else True)
+        self.dropped = int(((pairs > seq_len) & (overlong == "drop")).sum())
+        self.truncated = int(((pairs > seq_len) & (overlong == "truncate")).sum())
+        self.places = [w for w, k in zip(where, keep) if k]
+        self.pairs = np.minimum(pairs[keep], seq_len)                    # (documents,)
+        self.windows = len(self.places)
+        if self.windows == 0:
+            raise ValueError(f"the {split} split of {folder.path} has no document of 2 tokens "
+                             f"or more" + (f" and at most seq_len + 1 = {seq_len + 1}"
+                                           if overlong == "drop" else "")
+                             + "; give more documents, or data.overlong = 'truncate'")
+        self.start_order()
+
+    @property
+    def reads(self) -> bool:
+        return self.inputs or self.targets
+
+    def identity(self) -> dict[str, Any]:
+        """What the batches are: the tokens' fingerprint, the tokenizer, seq_len, seed, pad."""
+        return {"fingerprint": self.folder.fingerprint,
+                "tokenizer": str(self.folder.meta["tokenizer"]["sha256"]),
+                "seq_len": self.seq_len, "seed": self.seed, "pack": "pad"}
+
+    def document(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Document `i`'s first ``pairs + 1`` tokens and their loss mask (None: all count)."""
+        k, start = self.places[i]
+        shard, n = self.shards[k], int(self.pairs[i]) + 1
+        mask = None if shard.mask is None else np.asarray(shard.mask[start:start + n]) != 0
+        return np.asarray(shard.tokens[start:start + n]).astype(np.int64), mask
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        """This replica's (x, y), each ``(batch_size / dp, L)`` int64 (see the class)."""
+        ids = [int(i) for i in self._take(self.global_batch)]            # (B,)
+        longest = max(int(self.pairs[i]) for i in ids)
+        length = -(-longest // self.multiple) * self.multiple              # L
+        b, r = self.batch_size, self.dp_rank
+        x = torch.full((b, length), self.folder.eos_id, dtype=torch.int64)  # (B / dp, L)
+        y = torch.full((b, length), IGNORE_INDEX, dtype=torch.int64)
+        if not self.reads:
+            return x.zero_(), y.zero_()
+        for row, i in enumerate(ids[r * b:(r + 1) * b]):
+            tokens, mask = self.document(i)
+            n = len(tokens) - 1
+            x[row, :n] = torch.from_numpy(tokens[:-1])
+            target = torch.from_numpy(tokens[1:])
+            if mask is not None:
+                target = target.masked_fill(torch.from_numpy(~mask[1:]), IGNORE_INDEX)
+            y[row, :n] = target
+        return x, y
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
         return self.next_batch()

@@ -15,7 +15,13 @@ from torch import Tensor
 
 from hybridpar.data.ids import check_ids, model_vocab
 from hybridpar.data.shards import TokenFolder, TokenFolderError
-from hybridpar.data.windows import TokenWindows, WindowOrder, check_folder, no_val_window
+from hybridpar.data.windows import (
+    PaddedExamples,
+    TokenWindows,
+    WindowOrder,
+    check_folder,
+    no_val_window,
+)
 from hybridpar.models import example_batch
 from hybridpar.train.configs.config import Config
 
@@ -252,6 +258,11 @@ def validation_problem(config: Config) -> str | None:
     seq_len = data.seq_len or config.model.args.get("block_size")
     if data.source == "synthetic" or not isinstance(seq_len, int) or seq_len < 1:
         return None
+    if data.source == "tokens" and data.pack == "pad":   # a document per row: any will do
+        folder = token_folder(config)
+        return None if folder.documents("val") else (
+            f"the token folder {str(folder.path)!r} has no validation document; tokenize it "
+            "again with --val-fraction > 0 (e.g. 0.05)")
     if data.source == "tokens":
         return no_val_window(token_folder(config), seq_len)
     if data.source == "text" and data.path is not None:
@@ -270,7 +281,7 @@ def validation_problem(config: Config) -> str | None:
 
 def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: int = 1,
                  inputs: bool = True, targets: bool = True
-                 ) -> TokenBatches | SyntheticBatches | TokenWindows:
+                 ) -> TokenBatches | SyntheticBatches | TokenWindows | PaddedExamples:
     """The batches of `config` for replica `dp_rank` of `dp`: ``train.batch_size`` is global.
 
     synthetic: `SyntheticBatches` of ``model.name`` (gpt: sequences of ``data.seq_len``);
@@ -278,7 +289,8 @@ def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: 
     train head or the val tail (``data.val_fraction``) of the bytes. tokens: `TokenWindows`
     of the folder's split, which read x only with `inputs` and y only with `targets` (a rank
     with neither maps no shard and gets zeros of the batch's shape); with ``data.pack =
-    "documents"`` x is (ids, document positions). The train split's batches check every
+    "documents"`` x is (ids, document positions); ``"pad"``: `PaddedExamples`, a document per
+    row. The train split's batches check every
     shard's ids first (`token_folder`): each rank makes them before step 1, so a shard of
     another tokenizer is an error on every rank then, not an IndexError when it is drawn.
     """
@@ -292,6 +304,12 @@ def make_batches(config: Config, *, split: str = "train", dp_rank: int = 0, dp: 
             raise ValueError(f"data.seq_len is not set and model {config.model.name!r} has no "
                              "block_size; set data.seq_len")
         folder = token_folder(config, ids=split == "train")
+        if data.pack == "pad":
+            par = config.parallel
+            return PaddedExamples(folder, split, seq_len=seq_len, batch_size=batch_size,
+                                  seed=data.seed, dp_rank=dp_rank, dp=dp, inputs=inputs,
+                                  targets=targets, overlong=data.overlong,
+                                  multiple=par.tp if par.sequence_parallel else 1)
         return TokenWindows(folder, split, seq_len=seq_len, batch_size=batch_size,
                             seed=data.seed, dp_rank=dp_rank, dp=dp, inputs=inputs,
                             targets=targets, pack=data.pack == "documents")

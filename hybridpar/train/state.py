@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hybridpar.comm.agreement import fail_together
-from hybridpar.data.windows import TokenWindows
+from hybridpar.data.windows import PaddedExamples, TokenWindows
 from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.schedules.layout import Layout
@@ -50,7 +50,7 @@ __all__ = ["Batches", "RunState", "init_weights_from", "resume_step"]
 
 log = logging.getLogger(__name__)
 
-Batches = TokenBatches | SyntheticBatches | TokenWindows
+Batches = TokenBatches | SyntheticBatches | TokenWindows | PaddedExamples
 
 #: checkpoint keys of what a token folder's windows are (`TokenWindows.identity`)
 _DATA_ID = "data_id/"
@@ -75,9 +75,10 @@ class RunState:
             sample = make_batches(config, split="train", dp_rank=topo.dp_rank,
                                   dp=topo.dp).next_batch()[0]
         self.pipe = build_pipe(config, topo, sample=sample)
-        # a folder of conversations: the loss is the token mean of each global batch
+        # a loss mask or padding: the loss is the token mean of each global batch
         self.token_mean = token_mean_loss(self.pipe.loss_fn) \
-            if isinstance(self.batches, TokenWindows) and self.batches.folder.masked else None
+            if isinstance(self.batches, PaddedExamples) or (
+                isinstance(self.batches, TokenWindows) and self.batches.folder.masked) else None
         if self.token_mean is not None:
             self.pipe.loss_fn = self.token_mean
         self.optimizer = build_optimizer(self.pipe, config)
@@ -172,7 +173,7 @@ class RunState:
         """What the run's batches are, as a checkpoint records it: ``data.source``, and of a
         token folder its windows' identity (tokens, tokenizer, seq_len, seed)."""
         identity: dict[str, Any] = {"source": self.config.data.source}
-        if isinstance(self.batches, TokenWindows):
+        if isinstance(self.batches, (TokenWindows, PaddedExamples)):
             identity.update(self.batches.identity())
         return identity
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hybridpar.data.shards import open_tokens
-from hybridpar.data.windows import TokenWindows
+from hybridpar.data.windows import PaddedExamples, TokenWindows
 from hybridpar.device import pinned
 from hybridpar.models import generate
 from hybridpar.models.registry import takes_tokens
@@ -160,7 +160,7 @@ def validation_loss(run: RunState) -> float:
     return total / cfg.train.eval_batches
 
 
-def chat_prompt(val: TokenWindows) -> tuple[Any, tuple[int, ...]]:
+def chat_prompt(val: TokenWindows | PaddedExamples) -> tuple[Any, tuple[int, ...]]:
     """(ids, stop ids) of the sample of a folder of conversations: the first validation
     conversation up to its first counted token (the template's generation prompt), and the
     EOS and the template's end-of-turn token. The same on every rank: meta.json and one
@@ -196,9 +196,12 @@ def text_sample(run: RunState) -> str | None:
         return None
     val = make_batches(cfg, split="val", **run.reads)
     stop: tuple[int, ...] = ()
-    if isinstance(val, TokenWindows) and val.folder.masked:   # a conversation's prompt
-        ids, stop = chat_prompt(val)
+    if isinstance(val, (TokenWindows, PaddedExamples)) and val.folder.masked:
+        ids, stop = chat_prompt(val)                                      # a conversation's
         prompt = torch.from_numpy(ids).view(1, -1)                        # (1, t)
+    elif isinstance(val, PaddedExamples):   # a document's start, up to its end
+        prompt = torch.from_numpy(val.document(0)[0][:8]).view(1, -1)     # (1, <= 8)
+        stop = (val.folder.eos_id,)
     elif isinstance(val, TokenWindows):   # the prompt matters on the first stage only
         prompt = torch.from_numpy(val.window(0)[:8].astype("int64")).view(1, -1) \
             if val.reads else torch.zeros(1, 8, dtype=torch.int64)        # (1, 8)
@@ -211,6 +214,6 @@ def text_sample(run: RunState) -> str | None:
                        generator=torch.Generator().manual_seed(cfg.train.seed),
                        block_size=cfg.data.seq_len, stop=stop)            # (1, t + n)
     run.pipe.train()
-    if isinstance(val, TokenWindows):   # the folder's own tokenizer (bytes: UTF-8 bytes)
+    if isinstance(val, (TokenWindows, PaddedExamples)):   # the folder's own tokenizer
         return val.folder.decode(out[0].numpy()) if val.reads else None
     return decode(out[0])

@@ -177,7 +177,8 @@ def check_layout(cfg: Config, where: Where) -> Config:
 
 def _check_pack(cfg: Config, where: Where) -> None:
     """``data.pack = "documents"``: a token folder (its .idx gives the documents), a model
-    whose layers carry positions, and a tp plan that leaves layer 0 (which passes them on)."""
+    whose layers carry positions, and a tp plan that leaves layer 0 (which passes them on);
+    ``"pad"``: a token folder."""
     data, plan = cfg.data, cfg.parallel.tp_plan
     if data.pack == "none":
         return
@@ -187,6 +188,8 @@ def _check_pack(cfg: Config, where: Where) -> None:
                           "data.source = 'tokens' (a folder written by hybridpar tokenize, whose "
                           ".idx files give them), or data.pack = 'none'", "data.pack",
                           "data.source")
+    if data.pack == "pad":      # a document per row: any causal model, any plan
+        return
     problem = pack_problem(cfg.model.name)
     if problem is not None:
         raise where.error(problem, "data.pack", "model.name")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpar.balance import BALANCERS
+from hybridpar.data.windows import OVERLONG
 from hybridpar.optim.zero import ZERO_LEVELS
 from hybridpar.packing import PACKS
 from hybridpar.pipeline.schedules.layout import NAMES as SCHEDULES
@@ -72,7 +73,12 @@ class DataConfig:
         "`\"documents\"` (with `\"tokens\"`; gpt and the rotary `hf:` decoders, all but "
         "GPT-2's learned positions): positions restart at each document and attention stays "
         "inside it "
-        "([data.md](data.md#packing-documents))"))
+        "([data.md](data.md#packing-documents)); `\"pad\"` (with `\"tokens\"`): a document "
+        "per row, padded on the right to the batch's longest, the padding never counted "
+        "([data.md](data.md#padded-batches))"))
+    overlong: str = key("truncate", choices=OVERLONG, doc=(
+        "with `pack = \"pad\"`, a document longer than `seq_len + 1` tokens: cut to its "
+        "first `seq_len + 1` (`\"truncate\"`) or left out (`\"drop\"`); the log counts them"))
 
 
 @dataclass(frozen=True)
