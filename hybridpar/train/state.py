@@ -69,6 +69,13 @@ class RunState:
         self.reads = {"inputs": 0 in held, "targets": stages.stages - 1 in held}
         self.batches = make_batches(config, split="train", dp_rank=topo.dp_rank, dp=topo.dp,
                                     **self.reads)
+        if isinstance(self.batches, PaddedExamples) and self.reporter:
+            b = self.batches
+            log.info("data.pack = 'pad': %d documents of the train split, one per row; %d "
+                     "longer than data.seq_len + 1 = %d tokens %s (data.overlong = %r)",
+                     b.windows, b.truncated + b.dropped, b.seq_len + 1,
+                     "cut to it" if config.data.overlong == "truncate" else "left out",
+                     config.data.overlong)
         sample = None
         if isinstance(config.parallel.balance, str) and config.parallel.balance in (
                 "time", "size"):
