@@ -79,6 +79,8 @@ CAMPAIGN: dict[str, str] = {
     "nothing_running": "test_run_cli.py's failing worker",
     "tests/test_masked_labels.py::test_hybridpar_run_on_a_masked_folder_trains_at_pp2_dp2_as_"
     "on_one_rank[none]": "its [pad] (a masked folder through hybridpar run, padded)",
+    "tests/test_finetune.py::test_finetune_llama_config_trains_at_pp2_tp2_and_exports": "its "
+        "other families' step from a token folder and export",
     "tests/test_sft.py": "test_masked_labels.py's hybridpar run on a folder of conversations, "
                          "test_tokenize_chat.py, test_config.py's load of configs/sft_llama.toml",
     "tests/test_run_memory_limit.py::test_a_model_larger_than_each_rank_allows_loads_trains_"
@@ -150,8 +152,8 @@ CAMPAIGN: dict[str, str] = {
         "test_train_run.py's resumes under other layouts, with dropout and after a crash",
     "tests/test_tokenize_concurrent.py::test_two_real_tokenize_processes_into_one_folder":
         "test_tokenize_concurrent.py's guards in-process",
-    "tests/test_export_disk_full.py::test_a_file_size_limit_is_cannot_write_out_and_exit_2"
-    "[model.pt]": "its [model]",
+    "tests/test_export_disk_full.py::test_a_file_size_limit_is_cannot_write_out_and_exit_2":
+        "its full disk (ENOSPC) cases, the same one-line error and nothing left behind",
     _EXPORTS + "gemma2]": "the exports of granite, cohere, granite_swa and phi3",
     _EXPORTS + "gpt_neox]": "the exports of granite, cohere, granite_swa and phi3",
     _FAMILIES + "*-pp2tp1-1f1b]": "test_hf_families.py's pp2tp2 cases of each family (two "
@@ -163,8 +165,8 @@ CAMPAIGN: dict[str, str] = {
                                      "granite_swa)",
     _LAYOUTS + "*-pp2tp2-1f1b-auto]": "test_hf_layouts.py's pp2tp2-zbv-auto and -1f1b-hf",
     _VIRTUAL + "test_tp_gpt_pp2_tp2_dp2_matches_one_device[interleaved]": "its [zbv]",
-    _VIRTUAL + "test_mlp_over_checkpoint_modes_and_uneven_batches_matches_one_device"
-               "[interleaved]": "its [zbv], its other interleaved cases",
+    _VIRTUAL + "test_mlp_over_checkpoint_modes_and_uneven_batches_matches_one_device":
+        "its gpt cases under zbv and interleaved, test_layer_checkpoint.py's modes under zbv",
     "tests/test_torch_floor.py::test_a_session_whose_first_spawn_is_from_another_folder":
         "tests/conftest.py's forkserver started from the checkout (every spawn of the suite)",
     _MASTER + "test_a_bf16_zero_1_checkpoint_resumes": "test_zero.py's zero-2 resume at "
