@@ -223,6 +223,21 @@ def test_padded_rows_hold_one_document_each_padded_to_the_batchs_longest(folder)
     assert blind[0].shape == x.shape and not blind[0].any()
 
 
+def test_the_zoo_gpt_never_attends_to_the_padding(folder):
+    """A padded row's real tokens get the logits of the row's document run alone: the gpt
+    (as the HF decoders, whose parity is below) needs no attention mask for right padding."""
+    from hybridpar.models import gpt
+
+    torch.manual_seed(0)
+    model = gpt(vocab_size=VOCAB, block_size=PAD_T, n_layer=2, n_head=4, n_embd=16).double()
+    for x, y, lengths in padded(folder)[:2]:
+        logits = model(x)                                                  # (B, L, V)
+        assert int(lengths.min()) < x.shape[1]
+        for r, n in enumerate(lengths.tolist()):
+            alone = model(x[r:r + 1, :n])[0]                                # (n, V)
+            torch.testing.assert_close(logits[r, :n], alone, rtol=0, atol=1e-12)
+
+
 def test_overlong_documents_are_cut_or_dropped_and_counted(folder):
     cut = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH)
     drop = PaddedExamples(check_folder(folder), seq_len=PAD_T, batch_size=BATCH, overlong="drop")

@@ -51,7 +51,7 @@ def test_a_gpt_on_a_token_folder_packs_documents(packed):
 
 def test_an_unknown_pack_is_an_error_naming_the_choices(packed):
     message = error_of(packed, "data.pack=docs")
-    assert "data.pack must be one of 'none', 'documents', got 'docs'" in message
+    assert "data.pack must be one of 'none', 'documents', 'pad', got 'docs'" in message
     assert "(from --set data.pack=docs)" in message
 
 

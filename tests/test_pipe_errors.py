@@ -249,9 +249,15 @@ def previous(schedule, stage, action):
 def test_a_skipped_send_is_reported_by_both_ends_with_the_last_completed_action():
     results = hybridpar.spawn(_four_stages, 4, args=("skip send", "gpipe"), timeout=60)
     head2, f2 = _block(results[2][1])
-    assert head2.startswith("stage 2 (rank 2) gave up at F(1) of train_step"), head2
-    assert f2["waiting for"] == "receive the activation of micro-batch 1 from stage 1 (rank 1)"
-    assert f2["last completed"] == previous("gpipe", 2, "F1")
+    # stage 1 waits first, so its timeout can end its process while stage 2 still waits on
+    # it (seen under load): then stage 2 reports the loss of stage 1, at the same action
+    if head2.startswith("stage 2 (rank 2) lost stage 1 (rank 1) at F(1) of train_step"):
+        assert head2.endswith("waited to receive the activation of micro-batch 1 from it"), head2
+    else:
+        assert head2.startswith("stage 2 (rank 2) gave up at F(1) of train_step"), head2
+        assert f2["waiting for"] == ("receive the activation of micro-batch 1 from stage 1 "
+                                     "(rank 1)")
+        assert f2["last completed"] == previous("gpipe", 2, "F1")
     head1, f1 = _block(results[1][1])          # stage 1 itself waits for a gradient
     assert head1.startswith("stage 1 (rank 1) gave up at B(1)"), head1
     assert f1["waiting for"].endswith("from stage 2 (rank 2)")

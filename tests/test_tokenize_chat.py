@@ -183,6 +183,27 @@ def test_workers_write_the_bytes_of_one_process_and_a_repeat_is_a_no_op(bpe, tmp
         tokenize([data], tmp_path / "one", folder, loss_mask="all")
 
 
+def test_masks_split_into_shards_and_splits_with_their_ids(bpe, tmp_path):
+    folder = model_folder(bpe, tmp_path, "chatml")
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": TALKS[i % 3]} for i in range(40)])
+    whole = tokenize([data], tmp_path / "whole", folder)
+    cut = tokenize_corpus([data], tmp_path / "cut", tokenizer=folder, val_fraction=0.25,
+                          shard_tokens=300, conversations=ChatFields())
+    assert len(cut.meta["splits"]["train"]["shards"]) > 1 and cut.meta["splits"]["val"]["documents"]
+    opened = open_tokens(cut.folder, verify=True)
+    pairs = []
+    for split in ("train", "val"):
+        for shard in opened.splits[split]:
+            assert shard.mask is not None and len(shard.mask) == len(shard.tokens)
+            ends = np.asarray(shard.ends, dtype=np.int64)
+            for a, b in zip(np.concatenate([[0], ends[:-1]]), ends):
+                pairs.append((np.asarray(shard.tokens[a:b]).tolist(),
+                              np.asarray(shard.mask[a:b]).tolist()))
+    assert sorted(pairs) == sorted(conversations(whole.folder))
+    assert cut.meta["chat"]["counted"] == whole.meta["chat"]["counted"] == sum(
+        s["counted"] for split in ("train", "val") for s in cut.meta["splits"][split]["shards"])
+
+
 def test_the_command_says_what_the_loss_counts(bpe, tmp_path, capsys):
     folder = model_folder(bpe, tmp_path, "chatml")
     records = [{"messages": TALKS[1]}, {"messages": [{"role": "user", "content": "only me"}]}]
