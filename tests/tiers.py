@@ -155,14 +155,21 @@ CAMPAIGN: dict[str, str] = {
     _CHANGING + "[gpt-pp2tp1-1f1b]": "its five other layouts",
     _CHANGING + "[skipnet-pp3tp1-zb-h1]": "its five other layouts (skipnet pp3 1f1b)",
     _CHANGING + "[gpt-pp2tp2-zb-h1]": "its five other layouts",
+    _CHANGING + "[gpt-pp2tp2-1f1b]": "its gpt pp2tp2 gpipe and zbv, skipnet's",
     "tests/test_train_run.py::test_resume_under_virtual_stages_matches_the_uninterrupted_run":
         "test_train_run.py's resumes under other layouts, with dropout and after a crash",
     "tests/test_tokenize_concurrent.py::test_two_real_tokenize_processes_into_one_folder":
         "test_tokenize_concurrent.py's guards in-process",
     "tests/test_export_disk_full.py::test_a_file_size_limit_is_cannot_write_out_and_exit_2":
         "its full disk (ENOSPC) cases, the same one-line error and nothing left behind",
-    _EXPORTS + "gemma2]": "the exports of granite, cohere, granite_swa and phi3",
-    _EXPORTS + "gpt_neox]": "the exports of granite, cohere, granite_swa and phi3",
+    _EXPORTS + "gemma2]": "the exports of granite, cohere and phi3",
+    _EXPORTS + "gpt_neox]": "the exports of granite, cohere and phi3",
+    _EXPORTS + "granite_swa]": "the exports of granite, cohere (per-head norms) and phi3; "
+                               "granite_swa's sinks cut by head at pp2tp2-zbv-auto",
+    # families whose mechanism another family of the suite carries
+    _FAMILIES + "gemma-pp2tp2-zbv-auto]": "gemma2's and gemma3_text's scaled embedding",
+    _FAMILIES + "glm4-pp2tp2-zbv-auto]": "phi's partial rotary",
+    _FAMILIES + "starcoder2-pp2tp2-zbv-auto]": "gemma2's sliding window",
     _FAMILIES + "*-pp2tp1-1f1b]": "test_hf_families.py's pp2tp2 cases of each family (two "
                                   "stages)",
     _LAYOUTS + "gpt2-pp4tp1-": "test_hf_layouts.py's gpt2-pp2tp1-1f1b, test_pipe_parity.py's "
