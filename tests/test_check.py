@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from spawn_cases import selected_ids
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -213,17 +214,33 @@ def _reports(folder: Path, status: dict[str, int], names: tuple[str, ...]) -> di
             for name, r in results.items()}
 
 
+# the quick start's CLI dry run in the suite: 2 of its 4 blocks and 2 of its 8 micro-batches
+# (what it moves per micro-batch and the table are the same; the campaign's check of every
+# layer's parameter bytes runs it whole)
+QUICK_CUT = ("parallel.chunks=2", "model.n_layer=2")
+
+
 @pytest.fixture(scope="module")
-def children(tmp_path_factory):
+def quick_overrides(request):
+    """The overrides of the quick start's CLI dry run this session (none for the campaign's
+    whole-model test)."""
+    whole = selected_ids(request, "test_the_quick_start_passes_with_the_real_models_"
+                                  "parameter_bytes")
+    return () if whole else QUICK_CUT
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory, quick_overrides):
     """Two child processes side by side: the JOBS but LARGE_JOBS in turn, and `hybridpar
     check` of the quick start with --json (the CLI test's and the quick-start tests' report).
     Returns the folder of their files (<name>.out, <name>.err, <name>.json) and {name: exit
     status}."""
     folder = tmp_path_factory.mktemp("check")
+    sets = [a for o in quick_overrides for a in ("--set", o)]
     return folder, _side_by_side(folder, {
         "jobs": _jobs(folder, "jobs", *(name for name in JOBS if name not in LARGE_JOBS)),
-        "cli": [sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART), "--json",
-                str(folder / "cli.json")],
+        "cli": [sys.executable, "-m", "hybridpar.cli", "check", str(QUICKSTART), *sets,
+                "--json", str(folder / "cli.json")],
     })
 
 
@@ -259,7 +276,8 @@ def _layer_bytes(config, tp_rank):
         dist.destroy_process_group()
 
 
-def test_the_quick_start_passes_with_the_real_models_parameter_bytes(runs):
+def test_the_quick_start_passes_with_the_real_models_parameter_bytes(runs, quick_overrides):
+    assert quick_overrides == ()                      # the whole model
     report, config = runs["quickstart"], load_config(QUICKSTART)
     assert report.dims == (1, 2, 2) and len(report.ranks) == 4
     assert report.device == "cuda" and sum(report.balance) == 7
@@ -280,8 +298,8 @@ def test_the_quick_start_passes_with_the_real_models_parameter_bytes(runs):
         assert r.peak >= r.params + r.grads + r.optimizer + r.params
 
 
-def test_the_quick_start_moves_bsh_floats_per_micro_batch_and_direction(runs):
-    report, config = runs["quickstart"], load_config(QUICKSTART)
+def test_the_quick_start_moves_bsh_floats_per_micro_batch_and_direction(runs, quick_overrides):
+    report, config = runs["quickstart"], load_config(QUICKSTART, list(quick_overrides))
     m, tp = config.parallel.chunks, config.parallel.tp
     b = config.train.batch_size // m
     s, h = config.data.seq_len, config.model.args["n_embd"]
