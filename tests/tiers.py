@@ -156,6 +156,12 @@ CAMPAIGN: dict[str, str] = {
     _CHANGING + "[skipnet-pp3tp1-zb-h1]": "its five other layouts (skipnet pp3 1f1b)",
     _CHANGING + "[gpt-pp2tp2-zb-h1]": "its five other layouts",
     _CHANGING + "[gpt-pp2tp2-1f1b]": "its gpt pp2tp2 gpipe and zbv, skipnet's",
+    "tests/test_train_run.py::test_resume_under_another_layout_matches_the_uninterrupted_run"
+    "[pp4-tp1-dp1]": "its pp1-tp1-dp1 and pp2-tp1-dp2 (a checkpoint of another layout)",
+    "tests/test_train_run.py::test_resume_under_another_layout_matches_the_uninterrupted_run"
+    "[pp1-tp4-dp1]": "its pp1-tp1-dp1 and pp2-tp1-dp2, test_tp_state.py's other tp sizes",
+    _LAYOUTS + "mistral-pp2tp2-1f1b-hf]": "its llama's and qwen3's, mistral's pp2tp2-zbv-auto",
+    _LAYOUTS + "qwen2-pp2tp2-1f1b-hf]": "its llama's and qwen3's, qwen2's pp2tp2-zbv-auto",
     "tests/test_train_run.py::test_resume_under_virtual_stages_matches_the_uninterrupted_run":
         "test_train_run.py's resumes under other layouts, with dropout and after a crash",
     "tests/test_tokenize_concurrent.py::test_two_real_tokenize_processes_into_one_folder":
