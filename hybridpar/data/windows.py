@@ -78,7 +78,7 @@ def document_positions(ends: np.ndarray, start: int, length: int) -> np.ndarray:
 
 class WindowOrder:
     """Epoch e visits window ids ``randperm(windows, generator seeded with seed + e)``; the
-    stream runs on into the next epoch. A subclass sets ``windows`` and ``seed`` and calls
+    stream runs on into the next epoch. A subclass calls `place`, sets ``windows`` and calls
     `start_order`; (``epoch``, ``index`` into its order) is the position it saves."""
 
     windows: int
@@ -87,6 +87,30 @@ class WindowOrder:
     index: int
     folder: TokenFolder
     unit = "windows"        # what the ids count, for the messages
+    kind: tuple[tuple[str, str], ...] = ()   # what tells these batches from windows
+
+    def place(self, folder: TokenFolder, split: str, *, seq_len: int, seed: int,
+              batch_size: int, dp_rank: int, dp: int, inputs: bool, targets: bool) -> None:
+        """Set what every batch of a split of `folder` shares: this replica's share of the
+        global batch, and what this rank reads (x with `inputs`, y with `targets`)."""
+        if dp < 1 or not 0 <= dp_rank < dp or batch_size < 1 or batch_size % dp:
+            raise ValueError(f"batch_size={batch_size} over dp={dp} (dp_rank={dp_rank}): use a "
+                             f"positive multiple of dp and 0 <= dp_rank < dp")
+        self.folder, self.split, self.seq_len, self.seed = folder, split, seq_len, seed
+        self.global_batch, self.batch_size = batch_size, batch_size // dp
+        self.dp_rank, self.dp = dp_rank, dp
+        self.inputs, self.targets = inputs, targets
+
+    @property
+    def reads(self) -> bool:
+        return self.inputs or self.targets
+
+    def identity(self) -> dict[str, Any]:
+        """What the batches are: the tokens' fingerprint, the tokenizer's hash, seq_len, seed
+        (and `kind`): a resume compares it."""
+        return {"fingerprint": self.folder.fingerprint,
+                "tokenizer": str(self.folder.meta["tokenizer"]["sha256"]),
+                "seq_len": self.seq_len, "seed": self.seed, **dict(self.kind)}
 
     def start_order(self) -> None:
         """Position 0 of epoch 0."""
@@ -144,13 +168,9 @@ class TokenWindows(WindowOrder):
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        if dp < 1 or not 0 <= dp_rank < dp or batch_size < 1 or batch_size % dp:
-            raise ValueError(f"batch_size={batch_size} over dp={dp} (dp_rank={dp_rank}): use a "
-                             f"positive multiple of dp and 0 <= dp_rank < dp")
-        self.folder, self.split, self.seq_len, self.seed = folder, split, seq_len, seed
-        self.global_batch, self.batch_size = batch_size, batch_size // dp
-        self.dp_rank, self.dp = dp_rank, dp
-        self.inputs, self.targets, self.pack = inputs, targets, pack
+        self.place(folder, split, seq_len=seq_len, seed=seed, batch_size=batch_size,
+                   dp_rank=dp_rank, dp=dp, inputs=inputs, targets=targets)
+        self.pack = pack
         counts = [int(s["tokens"]) for s in folder.meta["splits"][split]["shards"]]
         per = np.array([max(n - 1, 0) // seq_len for n in counts], dtype=np.int64)  # (shards,)
         self.ends = np.cumsum(per)   # shard s holds window ids [ends[s - 1], ends[s])
@@ -164,16 +184,6 @@ class TokenWindows(WindowOrder):
         self.opened = 0
         self._shards: list[Shard] | None = None
         self.start_order()
-
-    @property
-    def reads(self) -> bool:
-        return self.inputs or self.targets
-
-    def identity(self) -> dict[str, Any]:
-        """What the windows are: the tokens' fingerprint, the tokenizer's hash, seq_len, seed."""
-        return {"fingerprint": self.folder.fingerprint,
-                "tokenizer": str(self.folder.meta["tokenizer"]["sha256"]),
-                "seq_len": self.seq_len, "seed": self.seed}
 
     def shards(self) -> list[Shard]:
         """The split's shards, memory-mapped on the first call."""
@@ -256,6 +266,7 @@ class PaddedExamples(WindowOrder):
     """
 
     unit = "documents"
+    kind = (("pack", "pad"),)   # in the identity: windows and rows are other batches
 
     def __init__(self, folder: TokenFolder, split: str = "train", *, seq_len: int,
                  batch_size: int, seed: int = 0, dp_rank: int = 0, dp: int = 1,
@@ -265,13 +276,9 @@ class PaddedExamples(WindowOrder):
             raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
         if seq_len < 1 or multiple < 1:
             raise ValueError(f"seq_len and multiple must be positive, got {seq_len}, {multiple}")
-        if dp < 1 or not 0 <= dp_rank < dp or batch_size < 1 or batch_size % dp:
-            raise ValueError(f"batch_size={batch_size} over dp={dp} (dp_rank={dp_rank}): use a "
-                             f"positive multiple of dp and 0 <= dp_rank < dp")
-        self.folder, self.split, self.seq_len, self.seed = folder, split, seq_len, seed
-        self.global_batch, self.batch_size = batch_size, batch_size // dp
-        self.dp_rank, self.dp, self.multiple = dp_rank, dp, multiple
-        self.inputs, self.targets = inputs, targets
+        self.place(folder, split, seq_len=seq_len, seed=seed, batch_size=batch_size,
+                   dp_rank=dp_rank, dp=dp, inputs=inputs, targets=targets)
+        self.multiple = multiple
         self.shards = open_tokens(folder.path).splits[split]   # every rank: the lengths
         sizes = [np.diff(np.asarray(s.ends, dtype=np.int64), prepend=0) for s in self.shards]
         where = [(k, int(e) - int(n)) for k, (s, z) in enumerate(zip(self.shards, sizes))
@@ -289,16 +296,6 @@ class PaddedExamples(WindowOrder):
                                            if overlong == "drop" else "")
                              + "; give more documents, or data.overlong = 'truncate'")
         self.start_order()
-
-    @property
-    def reads(self) -> bool:
-        return self.inputs or self.targets
-
-    def identity(self) -> dict[str, Any]:
-        """What the batches are: the tokens' fingerprint, the tokenizer, seq_len, seed, pad."""
-        return {"fingerprint": self.folder.fingerprint,
-                "tokenizer": str(self.folder.meta["tokenizer"]["sha256"]),
-                "seq_len": self.seq_len, "seed": self.seed, "pack": "pad"}
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Document `i`'s first ``pairs + 1`` tokens and their loss mask (None: all count)."""
