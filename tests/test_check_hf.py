@@ -31,6 +31,10 @@ from hybridpar.train.configs.config import Config, load_config
 
 pytest.importorskip("transformers", reason="pip install 'hybridpar[hf]'")
 
+# the child's dry runs take about 250 s alone on a 2-core machine, more beside other tests:
+# the module's tests (the first one waits for the child) get this instead of the suite's 300 s
+TIMEOUT = 900
+pytestmark = pytest.mark.timeout(TIMEOUT)
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "configs" / "llama_tiny.toml"
 TWO_BLOCKS = ["model.num_hidden_layers=2", "parallel.chunks=2"]   # the jobs' tiny Llama
@@ -105,7 +109,7 @@ def runs(tmp_path_factory):
     with open(folder / "jobs.err", "w") as err:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=err, stderr=err, cwd=ROOT)
         try:
-            proc.wait(timeout=480)
+            proc.wait(timeout=TIMEOUT - 60)
         finally:
             if proc.poll() is None:
                 proc.kill()
