@@ -16,6 +16,8 @@ already checks in-process, at the cost of fresh interpreters and many ranks:
                          the layout x schedule x recompute matrices   schedule, recompute mode
                          (8-rank layouts among them)                  and layout kind
 
+What each test costs, its ranks included: scripts/cpu_per_test.py (a pytest plugin).
+
 A test is in the campaign when its node id starts with one of `CAMPAIGN`'s keys (where a `*`
 stands for any text: a corner of a matrix); the value says what the suite keeps of it.
 """
