@@ -198,7 +198,7 @@ def test_micro_batches_and_replicas_count_different_tokens(folder):
         assert 0 < int(counted.sum()) < y.numel()
         halves.append(counted.view(2, -1).sum(dim=1).tolist())     # micro-batch / replica
         assert halves[-1][0] != halves[-1][1]
-    assert [0] in [[h[1]] for h in halves]
+    assert any(second == 0 for _, second in halves)             # a half that counts none
 
 
 def test_padded_rows_hold_one_document_each_padded_to_the_batchs_longest(folder):

@@ -310,10 +310,11 @@ class PaddedExamples(WindowOrder):
         longest = max(int(self.pairs[i]) for i in ids)
         length = -(-longest // self.multiple) * self.multiple              # L
         b, r = self.batch_size, self.dp_rank
+        if not self.reads:                        # zeros of the shape the stages agree on
+            zeros = torch.zeros(b, length, dtype=torch.int64)
+            return zeros, zeros.clone()
         x = torch.full((b, length), self.folder.eos_id, dtype=torch.int64)  # (B / dp, L)
         y = torch.full((b, length), IGNORE_INDEX, dtype=torch.int64)
-        if not self.reads:
-            return x.zero_(), y.zero_()
         for row, i in enumerate(ids[r * b:(r + 1) * b]):
             tokens, mask = self.document(i)
             n = len(tokens) - 1
