@@ -318,7 +318,9 @@ def test_kill_9_of_the_agent_ends_its_workers_and_the_run_dir_is_held_until_then
         tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     run_dir = tmp_path / "r"
-    long = ["--set", "train.steps=1000000", "--set", "checkpoint.every=5", *QUIET]
+    # Every checkpoint kept: the one exported below is not pruned while it is read.
+    long = ["--set", "train.steps=1000000", "--set", "checkpoint.every=5",
+            "--set", "checkpoint.keep=1000000", *QUIET]
     log = tmp_path / "agent.log"   # a file, not a pipe: nobody reads a pipe while it runs
     with log.open("w") as sink:
         agent = subprocess.Popen([*HYBRIDPAR, "run", str(tiny), "--run-dir", "r", *long],
