@@ -1,0 +1,17 @@
+"""Mixture of experts: router, fused experts, the MoE block, the load-balancing loss."""
+
+from hybridpar.moe.balance_loss import (
+    balance_loss,
+    empty_stats,
+    expert_load,
+    routing_stats,
+    stats_experts,
+)
+from hybridpar.moe.block import MoE, SharedExpert, combine, group_by_expert
+from hybridpar.moe.experts import Experts
+from hybridpar.moe.grouped import grouped_linear, uses_grouped_mm
+from hybridpar.moe.router import Router, Routing
+
+__all__ = ["Experts", "MoE", "Router", "Routing", "SharedExpert", "balance_loss", "combine",
+           "empty_stats", "expert_load", "group_by_expert", "grouped_linear", "routing_stats",
+           "stats_experts", "uses_grouped_mm"]

@@ -1,0 +1,95 @@
+"""The MoE block: route each token to k experts, run them grouped, sum the weighted results.
+
+    x (N, H) --router--> experts (N, k), weights (N, k)
+    copies   (N·k, H)    each token once per chosen expert, sorted by expert (stable)
+    experts  (N·k, H)    each copy through its expert's MLP (`Experts`, grouped)
+    combine  (N, H)      Σ over a token's k copies of weight · output, in expert order
+    + shared (N, H)      an optional dense expert every token takes (DeepSeek, Qwen2-MoE),
+                         scaled by sigmoid(gate(x)) when gated (Qwen2-MoE)
+
+Dropless: every token reaches its k experts, whatever the load (no capacity, no padding).
+The adds of the combine run in expert order for each token, as transformers' eager loop
+does, so a float64 block equals HF's to the bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridpar.moe.balance_loss import routing_stats
+from hybridpar.moe.experts import Experts
+from hybridpar.moe.router import Router
+
+__all__ = ["MoE", "SharedExpert", "combine", "group_by_expert"]
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP every token takes: ``down(silu(gate(x)) * up(x))``, optionally
+    scaled by ``sigmoid(gate_scale(x))`` (Qwen2-MoE's `shared_expert_gate`)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, gated: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate = nn.Linear(hidden, 1, bias=False) if gated else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))      # (N, H)
+        return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+
+
+class MoE(nn.Module):
+    """A router, E experts and an optional shared expert (module docstring).
+
+    ``forward(x)`` takes (..., H) and returns the same shape; ``forward(x, stats)`` also adds
+    this layer's routing sums to `stats` (`hybridpar.moe.balance_loss`) and returns
+    ``(out, stats)``."""
+
+    def __init__(self, router: Router, experts: Experts,
+                 shared: SharedExpert | None = None) -> None:
+        super().__init__()
+        if experts.local != router.n_experts:
+            raise ValueError(f"the router scores {router.n_experts} experts but the block "
+                             f"holds {experts.local}")
+        self.router, self.experts, self.shared = router, experts, shared
+
+    def forward(self, x: Tensor, stats: Tensor | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])                                  # (N, H)
+        routing = self.router(flat)
+        copies, counts, order = group_by_expert(flat, routing.experts, self.router.n_experts)
+        out = combine(self.experts(copies, counts), routing.weights, order)     # (N, H)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        out = out.reshape(shape)
+        if stats is None:
+            return out
+        return out, stats + routing_stats(routing.logits, self.router.top_k)
+
+
+def group_by_expert(x: Tensor, experts: Tensor, n_experts: int
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """x (N, H), experts (N, k) -> (copies (N·k, H) sorted by expert, counts (E,) int64,
+    order (N·k,): which (slot, token) each copy is, as slot · N + token).
+
+    Within an expert the copies come slot by slot, tokens in order (a stable sort of the
+    slot-major choices): the rows, in the order, that transformers' eager loop gives each
+    expert (`torch.where` over its (k, N) mask), so each matrix product is the same call."""
+    N = x.shape[0]
+    chosen = experts.t().reshape(-1)                                     # (k·N,) slot-major
+    order = torch.argsort(chosen, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, chosen, torch.ones_like(chosen))
+    return x[order % N], counts, order
+
+
+def combine(out: Tensor, weights: Tensor, order: Tensor) -> Tensor:
+    """The experts' outputs (N·k, H) in `group_by_expert`'s `order`, weights (N, k) ->
+    (N, H): each token's copies weighted and summed, in expert order."""
+    N = weights.shape[0]
+    weighted = out * weights.t().reshape(-1)[order].unsqueeze(-1)       # (N·k, H)
+    return out.new_zeros(N, out.shape[-1]).index_add_(0, order % N, weighted)

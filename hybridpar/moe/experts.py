@@ -1,0 +1,96 @@
+"""Experts stored as fused 3-D weights, as transformers 5.x stores them.
+
+    layout       parameter            shape          an expert's MLP on rows x (n, H)
+    "fused"      gate_up_proj         (E, 2I, H)     gate, up = (x @ gate_up_projᵀ).chunk(2)
+                 down_proj            (E, H, I)      (act(gate) * up) @ down_projᵀ
+    "gpt_oss"    gate_up_proj (+bias) (E, H, 2I)     gate, up = (x @ gate_up_proj + b)[::2, 1::2]
+                 down_proj (+bias)    (E, I, H)      (clamped swiglu) @ down_proj + b
+
+GPT-OSS's activation: gate clamped above at `limit`, up to [-limit, limit],
+``(up + 1) * gate * sigmoid(alpha * gate)``. A module holds the experts `first` ..
+`first + local - 1` of `n_experts` (all of them without expert parallelism); its input is
+already grouped by expert (`counts` rows each, `hybridpar.moe.grouped`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridpar.moe.grouped import grouped_linear
+
+__all__ = ["ACTIVATIONS", "LAYOUTS", "Experts"]
+
+LAYOUTS = ("fused", "gpt_oss")
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "gelu": F.gelu,
+                                                    "relu": F.relu}
+
+
+class Experts(nn.Module):
+    """`local` experts of hidden size H and intermediate size I (module docstring)."""
+
+    def __init__(self, n_experts: int, hidden: int, intermediate: int, *,
+                 layout: str = "fused", activation: str = "silu", first: int = 0,
+                 local: int | None = None, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"experts layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        if layout == "fused" and activation not in ACTIVATIONS:
+            raise ValueError(f"experts activation {activation!r} is not one of "
+                             f"{', '.join(ACTIVATIONS)}")
+        local = n_experts if local is None else local
+        if not (0 <= first and 1 <= local and first + local <= n_experts):
+            raise ValueError(f"experts {first}..{first + local - 1} are not among the "
+                             f"{n_experts} experts")
+        self.n_experts, self.first, self.local = n_experts, first, local
+        self.hidden, self.intermediate = hidden, intermediate
+        self.layout, self.activation, self.alpha, self.limit = layout, activation, alpha, limit
+        gpt_oss = layout == "gpt_oss"
+        self.gate_up_proj = nn.Parameter(torch.empty(
+            (local, hidden, 2 * intermediate) if gpt_oss else (local, 2 * intermediate, hidden)))
+        self.down_proj = nn.Parameter(torch.empty(
+            (local, intermediate, hidden) if gpt_oss else (local, hidden, intermediate)))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * intermediate)) \
+            if gpt_oss else None
+        self.down_proj_bias = nn.Parameter(torch.empty(local, hidden)) if gpt_oss else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # each expert as an nn.Linear pair would be: uniform(±1/√fan_in), biases zero
+        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(self.hidden), 1 / math.sqrt(self.hidden))
+        bound = 1 / math.sqrt(self.intermediate)
+        nn.init.uniform_(self.down_proj, -bound, bound)
+        for b in (self.gate_up_proj_bias, self.down_proj_bias):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """x (N, H) grouped by local expert, counts (local,) -> (N, H) each row's expert MLP."""
+        transposed = self.layout == "gpt_oss"
+        h = grouped_linear(x, self.gate_up_proj, counts, transposed=transposed)  # (N, 2I)
+        if transposed:
+            h = self._clamped_swiglu(h + _per_row(self.gate_up_proj_bias, counts))
+        else:
+            gate, up = h.chunk(2, dim=-1)                                       # (N, I) each
+            h = ACTIVATIONS[self.activation](gate) * up
+        out = grouped_linear(h, self.down_proj, counts, transposed=transposed)   # (N, H)
+        return (out + _per_row(self.down_proj_bias, counts)) if transposed else out
+
+    def _clamped_swiglu(self, h: Tensor) -> Tensor:
+        gate = h[..., ::2].clamp(max=self.limit)
+        up = h[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first}..{self.first + self.local - 1} of {self.n_experts}, "
+                f"hidden={self.hidden}, intermediate={self.intermediate}, layout={self.layout}")
+
+
+def _per_row(bias: Tensor | None, counts: Tensor) -> Tensor:
+    """bias (E, d) repeated for each expert's rows: (N, d)."""
+    assert bias is not None
+    return bias.repeat_interleave(counts, dim=0)

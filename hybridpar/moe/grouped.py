@@ -1,0 +1,52 @@
+"""Grouped matrix multiply: each expert's weights on its own run of rows, chosen in one place.
+
+Rows are grouped by expert (expert 0's rows, then expert 1's, ...; `counts` says how many):
+
+    x (N, in)      w (E, out, in)        out (N, out)
+    rows 0..2  @ w[0]ᵀ   ->   rows 0..2
+    rows 3..6  @ w[1]ᵀ   ->   rows 3..6        counts = [3, 4, 0, 2]
+    (none)       w[2]         (none)
+    rows 7..8  @ w[3]ᵀ   ->   rows 7..8
+
+    where            implementation
+    CUDA, bf16/fp16/fp32, torch has it    torch.nn.functional.grouped_mm (one kernel)
+    elsewhere (CPU, float64)              a loop over the experts with rows: one F.linear each
+
+Both give every row the product with its own expert's matrix; the loop is what transformers'
+eager experts compute (so float64 parity against HF is exact), and needs the counts on the
+host (one sync per layer, the CPU path has nothing to stall).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["grouped_linear", "uses_grouped_mm"]
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def uses_grouped_mm(x: Tensor) -> bool:
+    """Whether `grouped_linear` runs torch's grouped kernel for `x` (else the loop)."""
+    return (x.is_cuda and x.dtype in _KERNEL_DTYPES
+            and hasattr(torch.nn.functional, "grouped_mm"))
+
+
+def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, *,
+                   transposed: bool = False) -> Tensor:
+    """x (N, in) grouped by expert, weight (E, out, in) (or (E, in, out) when `transposed`,
+    GPT-OSS's layout), counts (E,) int64 summing to N -> (N, out)."""
+    if uses_grouped_mm(x):
+        w = weight if transposed else weight.transpose(1, 2)             # (E, in, out)
+        offsets = counts.cumsum(0).to(torch.int32)                       # end of each group
+        return F.grouped_mm(x, w, offs=offsets)
+    out_features = weight.shape[2] if transposed else weight.shape[1]
+    parts = []
+    for e, rows in enumerate(x.split(counts.tolist())):
+        if rows.shape[0]:
+            parts.append(rows @ weight[e] if transposed else F.linear(rows, weight[e]))
+    if not parts:
+        return x.new_zeros(0, out_features)
+    return torch.cat(parts)
