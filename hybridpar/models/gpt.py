@@ -42,6 +42,8 @@ from torch.distributed import ProcessGroup
 
 from hybridpar.keyed import keyed
 from hybridpar.models.gpt_layers import Block, Embeddings, Head, SequenceLayerNorm
+from hybridpar.models.gpt_moe import StatsLayerNorm, gpt_moe
+from hybridpar.moe import split_aux
 from hybridpar.sharded.attrs import get_parallel_dim, register_parallel_dim, register_partial_grad
 from hybridpar.sharded.mappings import group_size
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
@@ -72,12 +74,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_gpt_config(*, vocab_size: int, block_size: int, n_layer: int, n_head: int,
-                     n_embd: int, dropout: float, tp: int | None) -> None:
+                     n_embd: int, dropout: float, tp: int | None, n_experts: int = 0,
+                     top_k: int = 2) -> None:
     """Raise `ValueError` naming the numbers (and the valid tp sizes) for a bad config."""
     for name, value in (("vocab_size", vocab_size), ("block_size", block_size),
                         ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"gpt: {name} must be a positive integer, got {value!r}")
+    if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts < 0:
+        raise ValueError(f"gpt: n_experts must be 0 (a dense MLP) or a positive integer, got "
+                         f"{n_experts!r}")
+    if n_experts and not 1 <= top_k <= n_experts:
+        raise ValueError(f"gpt: top_k={top_k} must be between 1 and n_experts={n_experts}: "
+                         "each token goes to top_k distinct experts")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"gpt: dropout must be in [0, 1), got {dropout}")
     if n_embd % n_head != 0:
@@ -101,42 +110,62 @@ def check_gpt_config(*, vocab_size: int, block_size: int, n_layer: int, n_head: 
 def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head: int = 4,
         n_embd: int = 64, dropout: float = 0.0, tp: int | None = None,
         group: ProcessGroup | None = None, bias: bool = True,
-        sequence_parallel: bool = False) -> nn.Sequential:
+        sequence_parallel: bool = False, n_experts: int = 0, top_k: int = 2,
+        expert_hidden: int | None = None, balance_coef: float = 0.01) -> nn.Sequential:
     """A GPT as ``nn.Sequential(Embeddings, Block × n_layer, LayerNorm, Head)``.
 
     Input (B, T) int64 token ids with T <= block_size; output logits (B, T, V), or
     (B, T, V / tp) tagged parallel dim -1 when `tp` > 1. `tp=None` (or 1) builds plain layers
     and needs no `hybridpar.init`; with `tp`, layers shard over `group` (default: the tp group
     of `hybridpar.init`), whose size must be `tp`. A pipeline may split it at any layer.
+    With `n_experts` > 0 every block's MLP is a mixture of experts (`models.gpt_moe`: top_k
+    of n_experts SwiGLU experts of `expert_hidden` features) and in training the output is
+    (logits, the load-balancing loss × `balance_coef`), which `gpt_loss` adds.
     """
     check_gpt_config(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
-                     n_head=n_head, n_embd=n_embd, dropout=dropout, tp=tp)
+                     n_head=n_head, n_embd=n_embd, dropout=dropout, tp=tp,
+                     n_experts=n_experts, top_k=top_k)
+    if sequence_parallel and n_experts:
+        raise ValueError("gpt(sequence_parallel=True) does not take experts yet (each tp "
+                         "rank would route a part of the tokens); turn one of them off")
     tp = _tp_size(tp, group)
     if sequence_parallel and tp is None:
         raise ValueError("gpt(sequence_parallel=True) shards the sequence over the tp group: "
                          "it needs tp > 1 (or drop sequence_parallel)")
     sp = {"sequence_parallel": sequence_parallel}
     layers: list[nn.Module] = [Embeddings(vocab_size, block_size, n_embd, dropout=dropout,
-                                          tp=tp, group=group, **sp)]
-    layers += [Block(n_embd, n_head, dropout=dropout, tp=tp, group=group, bias=bias, **sp)
+                                          tp=tp, group=group, n_experts=n_experts, **sp)]
+    layers += [Block(n_embd, n_head, dropout=dropout, tp=tp, group=group, bias=bias, **sp,
+                     moe=gpt_moe(n_embd, n_experts, top_k, expert_hidden) if n_experts else None)
                for _ in range(n_layer)]
-    norm = (SequenceLayerNorm if sequence_parallel else nn.LayerNorm)(n_embd, bias=bias)
+    norm_cls = SequenceLayerNorm if sequence_parallel else \
+        StatsLayerNorm if n_experts else nn.LayerNorm
+    norm = norm_cls(n_embd, bias=bias)
     if sequence_parallel:
         for p in norm.parameters():
             register_partial_grad(p)
     layers.append(norm)
-    layers.append(Head(n_embd, vocab_size, tp=tp, group=group, **sp))
+    layers.append(Head(n_embd, vocab_size, tp=tp, group=group, **sp,
+                       balance_coef=balance_coef))
     return keyed(torch.initial_seed(), nn.Sequential(*layers))
 
 
-def gpt_loss(logits: Tensor, targets: Tensor, *, group: ProcessGroup | None = None,
-             reduction: str = "mean") -> Tensor:
+def gpt_loss(output: Tensor | tuple[Tensor, Tensor], targets: Tensor, *,
+             group: ProcessGroup | None = None, reduction: str = "mean") -> Tensor:
     """Mean (or with ``reduction="sum"``, summed) cross-entropy of logits (B, T, V) or
-    (B, T, V / tp) tagged -1 and targets (B, T); targets of -100 are not counted.
+    (B, T, V / tp) tagged -1 and targets (B, T); targets of -100 are not counted. Given an
+    MoE GPT's (logits, aux), plus the aux loss (already scaled by its coefficient).
 
     Sharded logits are never gathered (`ParallelCrossEntropyLoss`; `group` defaults to the
     tp group of `hybridpar.init`). Usable as ``HybridPipe(..., loss_fn=gpt_loss)``.
     """
+    logits, aux = split_aux(output)
+    loss = _cross_entropy(logits, targets, group=group, reduction=reduction)
+    return loss if aux is None else loss + aux.sum().to(loss.dtype)
+
+
+def _cross_entropy(logits: Tensor, targets: Tensor, *, group: ProcessGroup | None,
+                   reduction: str) -> Tensor:
     tag = get_parallel_dim(logits)
     flat = logits.reshape(-1, logits.shape[-1])                 # (B * T, V / tp)
     if tag is not None:

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from hybridpar.models.gpt_moe import head_output, join_carry, split_carry
+from hybridpar.moe import MoE, empty_stats
 from hybridpar.packing import document_mask, split_positions
 from hybridpar.recompute import recompute_core
 from hybridpar.sharded.attrs import (
@@ -53,9 +55,9 @@ class Embeddings(nn.Module):
 
     def __init__(self, vocab_size: int, block_size: int, n_embd: int, *, dropout: float = 0.0,
                  tp: int | None = None, group: ProcessGroup | None = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, n_experts: int = 0) -> None:
         super().__init__()
-        self.block_size = block_size
+        self.block_size, self.n_experts = block_size, n_experts
         self.tok = ParallelEmbedding(vocab_size, n_embd, dim=_dims(tp)[2], group=group)
         self.pos = nn.Embedding(block_size, n_embd)   # replicated: small, read by every rank
         self.drop = ParallelDropout(dropout, group=group)
@@ -63,8 +65,15 @@ class Embeddings(nn.Module):
         if sequence_parallel:   # each rank looks up its own positions: a part of the gradient
             register_partial_grad(self.pos.weight)
 
-    def forward(self, idx: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, idx: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, ...]:
         ids, positions = split_positions(idx)
+        x = self._embed(ids, positions)
+        if not self.n_experts:
+            return x if positions is None else (x, positions)
+        stats = empty_stats(self.n_experts, device=ids.device)   # the routing sums start
+        return join_carry(x, positions, stats)
+
+    def _embed(self, ids: Tensor, positions: Tensor | None) -> Tensor:
         T = ids.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size "
@@ -74,7 +83,7 @@ class Embeddings(nn.Module):
             if self.sequence_parallel:
                 raise ValueError("gpt(sequence_parallel=True) does not take packed documents "
                                  "(ids, positions) yet; turn sequence parallelism off for them")
-            return self.drop(self.tok(ids) + self.pos(positions)), positions
+            return self.drop(self.tok(ids) + self.pos(positions))
         if self.sequence_parallel:
             return self.drop(self._sequence_shard(ids))          # (B, T / tp, C)
         pos = torch.arange(T, device=ids.device)                 # (T,)
@@ -216,46 +225,58 @@ class Block(nn.Module):
 
     def __init__(self, n_embd: int, n_head: int, *, dropout: float = 0.0,
                  tp: int | None = None, group: ProcessGroup | None = None,
-                 bias: bool = True, sequence_parallel: bool = False) -> None:
+                 bias: bool = True, sequence_parallel: bool = False,
+                 moe: MoE | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout=dropout, tp=tp, group=group,
                                         bias=bias, sequence_parallel=sequence_parallel)
         self.ln2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout=dropout, tp=tp, group=group, bias=bias,
-                       sequence_parallel=sequence_parallel)
+        dense = None if moe is not None else MLP(n_embd, dropout=dropout, tp=tp, group=group,
+                                                 bias=bias, sequence_parallel=sequence_parallel)
+        self.mlp: nn.Module = dense or moe or nn.Identity()   # one of the two is given
+        self.moe = moe is not None
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:   # the norms and the row-parallel biases see this rank's
             # tokens only: partial gradients, summed over tp
-            biases = [b for b in (self.attn.proj.bias, self.mlp.proj.bias) if b is not None]
+            assert dense is not None                            # gpt refuses sp with experts
+            biases = [b for b in (self.attn.proj.bias, dense.proj.bias) if b is not None]
             for p in (*self.ln1.parameters(), *self.ln2.parameters(), *biases):
                 register_partial_grad(p)
 
-    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
-        h, positions = split_positions(x)
+    def forward(self, x: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        h, positions, stats = split_carry(x, self.moe)
         if positions is not None and self.sequence_parallel:
             raise ValueError("gpt(sequence_parallel=True) does not take packed documents yet")
-        if positions is not None:                               # packed documents
-            h = h + self.attn(self.ln1(h), document_mask(positions))    # (B, T, C)
+        mask = None if positions is None else document_mask(positions)   # packed documents
+        h = h + self.attn(self.ln1(h), mask)                    # (B, T, C)
+        if self.moe:                                            # + this layer's routing sums
+            out, stats = self.mlp(self.ln2(h), stats)
+            h = h + out                                         # (B, T, C)
+        else:
             h = h + self.mlp(self.ln2(h))                       # (B, T, C)
-            return (h, positions) if self.keep_positions else h
-        h = h + self.attn(self.ln1(h))                          # (B, T, C)
-        h = h + self.mlp(self.ln2(h))                           # (B, T, C)
         if self.sequence_parallel:                              # (B, T / tp, C): the sum
             register_parallel_dim(h, SEQUENCE)                  # lost the tag
-        return h
+        return join_carry(h, positions if self.keep_positions else None, stats)
 
 
 class Head(nn.Module):
     """The language-model head: (B, T, C) -> logits (B, T, V / tp), tagged -1 when sharded."""
 
     def __init__(self, n_embd: int, vocab_size: int, *, tp: int | None = None,
-                 group: ProcessGroup | None = None, sequence_parallel: bool = False) -> None:
+                 group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 balance_coef: float = 0.0) -> None:
         super().__init__()
         self.proj = ParallelLinear(n_embd, vocab_size, False, dim=_dims(tp)[0], group=group)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.balance_coef = sequence_parallel, balance_coef
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        """(B, T, C) -> logits; (x, stats) of an MoE GPT -> (logits, aux) in training."""
+        if isinstance(x, tuple):
+            return head_output(self._logits(x[0]), x[1], self.balance_coef, self.training)
+        return self._logits(x)
+
+    def _logits(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:                              # (B, T / tp, C) -> (B, T, C)
             group = self.proj.group if self.proj.group is not None else default_tp_group()
             logits = F.linear(gather_grad_scatter(x, group, dim=-2), self.proj.weight)

@@ -5,6 +5,7 @@ from hybridpar.moe.balance_loss import (
     empty_stats,
     expert_load,
     routing_stats,
+    split_aux,
     stats_experts,
 )
 from hybridpar.moe.block import MoE, SharedExpert, combine, group_by_expert
@@ -14,4 +15,4 @@ from hybridpar.moe.router import Router, Routing
 
 __all__ = ["Experts", "MoE", "Router", "Routing", "SharedExpert", "balance_loss", "combine",
            "empty_stats", "expert_load", "group_by_expert", "grouped_linear", "routing_stats",
-           "stats_experts", "uses_grouped_mm"]
+           "split_aux", "stats_experts", "uses_grouped_mm"]

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["balance_loss", "empty_stats", "expert_load", "routing_stats", "stats_experts"]
+__all__ = ["balance_loss", "empty_stats", "expert_load", "routing_stats", "split_aux",
+           "stats_experts"]
 
 
 def empty_stats(n_experts: int, *, device: torch.device | str | None = None) -> Tensor:
@@ -68,3 +69,15 @@ def expert_load(stats: Tensor) -> tuple[float, float]:
         return 0.0, 0.0
     share = counts * E / counts.sum()
     return float(share.min()), float(share.max())
+
+
+def split_aux(output: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, Tensor | None]:
+    """A model's output -> (logits, aux loss (1,) or None): a model with experts returns
+    (logits, aux) in training (`hybridpar.models.gpt` with n_experts); anything else is
+    logits alone."""
+    if isinstance(output, tuple):
+        if len(output) != 2 or output[1].numel() != 1:
+            raise TypeError(f"the model returned a tuple of {len(output)} tensors; a loss "
+                            "takes logits, or (logits, aux loss (1,)) from a model with experts")
+        return output[0], output[1]
+    return output, None

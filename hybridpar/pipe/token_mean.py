@@ -15,7 +15,8 @@ their number, as Hugging Face's Trainer with ``average_tokens_across_devices=Tru
 `loss_sum(output, target)` must return the SUM of the per-token losses over the tokens whose
 target is not `ignore_index` (0 when there is none); ``gpt_loss(..., reduction="sum")`` and
 ``next_token_loss(..., reduction="sum")`` do. Outside `over` the loss is the micro-batch's
-own token mean.
+own token mean. An MoE model's aux loss ((logits, aux), `hybridpar.moe.split_aux`) is added
+to each micro-batch's share unscaled: per micro-batch, as gradient accumulation adds it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from hybridpar.moe import split_aux
 
 __all__ = ["TokenMean"]
 
@@ -43,12 +46,16 @@ class TokenMean:
         """The tokens of `target` the loss counts: a 0-dim int64 tensor on its device."""
         return (target != self.ignore_index).sum()
 
-    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
-        total = self.loss_sum(output, target)
+    def __call__(self, output: Tensor | tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+        logits, aux = split_aux(output)   # an MoE model's aux loss: a micro-batch's own
+        total = self.loss_sum(logits, target)
         if self._step is None:
-            return total / self.counted(target).to(total.device, total.dtype).clamp(min=1)
-        rows, tokens, replicas = self._step
-        return total / tokens.to(total.device, total.dtype) * (replicas * rows / target.shape[0])
+            mean = total / self.counted(target).to(total.device, total.dtype).clamp(min=1)
+        else:
+            rows, tokens, replicas = self._step
+            mean = total / tokens.to(total.device, total.dtype) * (
+                replicas * rows / target.shape[0])
+        return mean if aux is None else mean + aux.sum().to(mean.dtype)
 
     @contextmanager
     def over(self, targets: Tensor, *, group: ProcessGroup | None = None,

@@ -1,0 +1,74 @@
+"""The GPT's mixture of experts: each block's MLP an MoE, the routing sums carried along.
+
+`gpt(n_experts=E, top_k=k)` replaces every block's MLP by `hybridpar.moe.MoE` (a softmax
+router, renormalized top-k as Mixtral's, and E SwiGLU experts of `expert_hidden` features,
+by default 4·C / k, so a token's routed FLOPs are about the dense MLP's). The load-balancing
+loss needs sums over every layer of a micro-batch (`hybridpar.moe.balance_loss`), so what
+travels between the layers, and between the stages, carries them:
+
+    layer          dense GPT          MoE GPT                    packed MoE GPT
+    Embeddings     x                  (x, stats)                 (x, positions, stats)
+    Block          x                  (x, stats + its sums)      (x, positions, stats + ...)
+    last Block     x                  (x, stats)                 (x, stats)
+    LayerNorm      x                  (x, stats)                 (x, stats)
+    Head           logits             (logits, aux) training, logits in eval
+
+``aux`` (1,) is ``balance_coef · balance_loss(stats)``, already scaled; `gpt_loss` adds it
+to the cross-entropy (`hybridpar.moe.split_aux`). Tensor parallelism keeps each MoE whole
+on every tp rank (replicated, as the LayerNorms).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from hybridpar.moe import Experts, MoE, Router, balance_loss
+
+__all__ = ["StatsLayerNorm", "gpt_moe", "head_output", "join_carry", "split_carry"]
+
+
+def gpt_moe(n_embd: int, n_experts: int, top_k: int, expert_hidden: int | None) -> MoE:
+    """A GPT block's MoE: softmax top-k router (renormalized), SwiGLU experts."""
+    hidden = expert_hidden if expert_hidden is not None else max(1, 4 * n_embd // top_k)
+    return MoE(Router(n_embd, n_experts, top_k, scoring="softmax", normalize=True),
+               Experts(n_experts, n_embd, hidden, activation="silu"))
+
+
+def split_carry(x: Tensor | tuple[Tensor, ...], moe: bool
+                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """What a block receives -> (hidden, positions or None, stats or None) (table above)."""
+    if not isinstance(x, tuple):
+        return x, None, None
+    if moe and len(x) == 2:
+        return x[0], None, x[1]
+    if moe and len(x) == 3:
+        return x[0], x[1], x[2]
+    if not moe and len(x) == 2:
+        return x[0], x[1], None
+    raise TypeError(f"a GPT block got a tuple of {len(x)} tensors; it takes x, (x, positions), "
+                    "or with experts (x, stats) / (x, positions, stats)")
+
+
+def join_carry(h: Tensor, positions: Tensor | None, stats: Tensor | None
+               ) -> Tensor | tuple[Tensor, ...]:
+    """The inverse of `split_carry`: what a block hands on."""
+    rest = tuple(t for t in (positions, stats) if t is not None)
+    return (h, *rest) if rest else h
+
+
+def head_output(logits: Tensor, stats: Tensor | None, coef: float, training: bool
+                ) -> Tensor | tuple[Tensor, Tensor]:
+    """The head's output: logits, or in training with experts (logits, coef · balance)."""
+    if stats is None or not training:
+        return logits
+    return logits, (balance_loss(stats) * coef).reshape(1)
+
+
+class StatsLayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` of the hidden state that passes the routing sums on: (x, stats)."""
+
+    def forward(self, x: Tensor | tuple[Tensor, ...]  # type: ignore[override]
+                ) -> Tensor | tuple[Tensor, ...]:
+        if isinstance(x, tuple):
+            return super().forward(x[0]), *x[1:]
+        return super().forward(x)
