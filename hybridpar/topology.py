@@ -31,14 +31,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybridpar.process.generation import current as current_generation
 from hybridpar.process.generation import renew
 from hybridpar.process.loopback import is_loopback, loopback_interface, loopback_store
+from hybridpar.process.mesh import build_mesh, expert_groups
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Coordinate",
     "ParallelDims",
     "Topology",
-    "build_mesh",
     "current_topology",
+    "default_ep_group",
     "default_tp_group",
     "forget",
     "init",
@@ -64,16 +65,21 @@ class ParallelDims:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    ep: int = 1   # expert parallelism: carved out of dp (each ep group holds every expert)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "pp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp={self.dp}: expert parallelism "
+                             f"splits the data-parallel ranks into groups of ep; choose ep "
+                             f"among {[d for d in range(1, self.dp + 1) if self.dp % d == 0]}")
 
     @classmethod
-    def for_world(cls, world_size: int, *, pp: int = 1, tp: int = 1, dp: int | None = None
-                  ) -> ParallelDims:
+    def for_world(cls, world_size: int, *, pp: int = 1, tp: int = 1, dp: int | None = None,
+                  ep: int = 1) -> ParallelDims:
         """The dims for `world_size` ranks; `dp` defaults to ``world_size // (pp * tp)``."""
         if pp < 1 or tp < 1:
             raise ValueError(f"pp and tp must be positive integers, got pp={pp}, tp={tp}")
@@ -89,7 +95,7 @@ class ParallelDims:
                 f"world size {world_size} != dp * pp * tp = {dp} * {pp} * {tp} = "
                 f"{dp * pp * tp}; launch {dp * pp * tp} ranks or change the layout"
             )
-        return cls(dp=dp, pp=pp, tp=tp)
+        return cls(dp=dp, pp=pp, tp=tp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -118,8 +124,10 @@ class Topology:
     def __init__(self, dims: ParallelDims, rank: int, mesh: DeviceMesh | None,
                  *, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
                  device: torch.device | None = None, p2p_tags: bool = False,
-                 generation: int = 0) -> None:
+                 generation: int = 0,
+                 expert_groups: tuple[ProcessGroup, ProcessGroup] | None = None) -> None:
         self.dims = dims
+        self.expert_groups = expert_groups   # (ep group, expert dp group): `expert_groups`
         self.generation = generation   # of the process groups (`hybridpar.process.generation`)
         self.rank = rank
         self.mesh = mesh
@@ -146,8 +154,17 @@ class Topology:
         return self.dims.tp
 
     @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
     def dp_rank(self) -> int:
         return self.coordinate.dp
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its ep group: ``dp_rank % ep`` (`expert_groups`)."""
+        return self.coordinate.dp % self.dims.ep
 
     @property
     def pp_rank(self) -> int:
@@ -183,10 +200,26 @@ class Topology:
     def tp_group(self) -> ProcessGroup:
         return self._group("tp")
 
+    @property
+    def ep_group(self) -> ProcessGroup:
+        """The ep ranks whose experts together make every expert (`expert_groups`)."""
+        return self._expert_group(0)
+
+    @property
+    def expert_dp_group(self) -> ProcessGroup:
+        """The dp ranks holding the same experts: their gradients are summed over it."""
+        return self._expert_group(1)
+
+    def _expert_group(self, which: int) -> ProcessGroup:
+        if self.expert_groups is None:
+            raise RuntimeError("this Topology has no expert groups (built without ep groups)")
+        return self.expert_groups[which]
+
     def __repr__(self) -> str:
         d = self.dims
         c = self.coordinate
-        return (f"Topology(rank={self.rank}, dp={d.dp}, pp={d.pp}, tp={d.tp}, "
+        ep = f", ep={d.ep}" if d.ep > 1 else ""
+        return (f"Topology(rank={self.rank}, dp={d.dp}, pp={d.pp}, tp={d.tp}{ep}, "
                 f"dp_rank={c.dp}, pp_rank={c.pp}, tp_rank={c.tp})")
 
 
@@ -213,8 +246,8 @@ def _p2p_tags(value: bool | None) -> bool:
     return text in ("1", "true")
 
 
-def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None = None,
-         timeout: float | datetime.timedelta | None = None,
+def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, ep: int = 1,
+         backend: str | None = None, timeout: float | datetime.timedelta | None = None,
          p2p_tags: bool | None = None) -> Topology:
     """Initialize `torch.distributed` (if needed) and the (dp, pp, tp) grid; returns the Topology.
 
@@ -225,7 +258,8 @@ def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None
     the process group, passed as its `device_id`) and gets gloo for CPU tensors too
     (``"cpu:gloo,cuda:nccl"``); a rank that sees no such GPU raises instead of training on
     the CPU. `topology.device` is that device (the CPU with gloo). `timeout` (seconds or
-    timedelta) bounds every wait.
+    timedelta) bounds every wait. `ep` > 1 splits the dp ranks into expert-parallel groups
+    of ep (`expert_groups`): each holds every expert once, E / ep on each rank.
     The topology becomes the default one read by `hybridpar.nn` layers.
 
     Pipeline messages match by order alone, as NCCL matches them: every P2P op uses tag 0.
@@ -246,7 +280,7 @@ def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None
             backend = os.environ.get("HYBRIDPAR_BACKEND") or (
                 "nccl" if torch.cuda.is_available() else "gloo")
         # A bad layout fails here, on every rank alike, before any rank connects to another.
-        ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=pp, tp=tp, dp=dp)
+        ParallelDims.for_world(int(os.environ["WORLD_SIZE"]), pp=pp, tp=tp, dp=dp, ep=ep)
         device_id = None
         if backend == "nccl":
             device_id = _cuda_device()
@@ -256,34 +290,17 @@ def init(*, pp: int = 1, tp: int = 1, dp: int | None = None, backend: str | None
         _init_default_group(backend, wait, device_id)
     else:   # after a failed step broke the groups: a new generation of them (gloo)
         renew(wait)
-    dims = ParallelDims.for_world(dist.get_world_size(), pp=pp, tp=tp, dp=dp)
+    dims = ParallelDims.for_world(dist.get_world_size(), pp=pp, tp=tp, dp=dp, ep=ep)
     device_type = "cuda" if "nccl" in dist.get_backend() else "cpu"
-    mesh = build_mesh(dims, dist.get_rank(), device_type, timeout=wait)
+    mesh = build_mesh(dims.dp, dims.pp, dims.tp, dist.get_rank(), device_type, timeout=wait)
+    groups = expert_groups(dims.dp, dims.ep, dims.pp, dims.tp, dist.get_rank(),
+                           timeout=wait) if dims.ep > 1 else None
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     _current = Topology(dims, dist.get_rank(), mesh, timeout=wait, device=device,
-                        p2p_tags=tags, generation=current_generation())
+                        p2p_tags=tags, generation=current_generation(),
+                        expert_groups=groups)
     return _current
-
-
-def build_mesh(dims: ParallelDims, rank: int, device_type: str, *,
-               timeout: datetime.timedelta) -> DeviceMesh:
-    """The ("dp", "pp", "tp") device mesh of `rank`, every group with `timeout`.
-
-    `init_device_mesh` gives its groups torch's default timeout (30 minutes, whatever the
-    world group has), so the groups are made here: every rank creates every group of each
-    dim, in the same order (`new_group` is collective), and keeps its own.
-    """
-    grid = torch.arange(dims.world_size).view(dims.dp, dims.pp, dims.tp)
-    mine: list[ProcessGroup] = []
-    for dim in range(3):
-        rows = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])   # the groups along `dim`
-        for ranks in rows.tolist():
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                assert group is not None
-                mine.append(group)
-    return DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=("dp", "pp", "tp"))
 
 
 def _cuda_device() -> torch.device:
@@ -336,6 +353,11 @@ def current_topology() -> Topology:
             "(or pass group= to the layer)"
         )
     return _current
+
+
+def default_ep_group() -> ProcessGroup:
+    """The expert-parallel group of the current topology (what experts use without group=)."""
+    return current_topology().ep_group
 
 
 def default_tp_group() -> ProcessGroup:

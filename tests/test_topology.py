@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import hybridpar
-from hybridpar.topology import Coordinate, ParallelDims
+from hybridpar.topology import Coordinate, ParallelDims, Topology
 
 
 def test_tp_varies_fastest_then_pp_then_dp():
@@ -121,3 +121,35 @@ def test_timeout_accepts_seconds_and_timedelta():
     assert _as_timedelta(datetime.timedelta(minutes=1)).total_seconds() == 60
     with pytest.raises(ValueError, match="timeout must be positive"):
         _as_timedelta(0)
+
+
+def _expert_groups_worker():
+    topo = hybridpar.init(dp=4, ep=2, timeout=30)
+    out = {"ep": topo.ep, "ep_rank": topo.ep_rank}
+    for name in ("ep", "expert_dp"):
+        group = getattr(topo, f"{name}_group")
+        members = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(members, torch.tensor([float(topo.rank)]), group=group)
+        out[name] = [int(m.item()) for m in members]
+    out["timeout"] = topo.ep_group._get_backend(
+        torch.device("cpu")).options._timeout.total_seconds()
+    return out
+
+
+def test_ep_groups_are_blocks_of_dp_ranks_and_the_expert_dp_groups_their_columns():
+    """dp 4, ep 2: ep groups {0, 1} {2, 3} (each holds every expert), expert dp groups
+    {0, 2} {1, 3} (the same experts: their gradients summed)."""
+    results = hybridpar.spawn(_expert_groups_worker, 4, timeout=90)
+    assert [r["ep"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["expert_dp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["ep_rank"] for r in results] == [0, 1, 0, 1]
+    assert all(r["timeout"] == 30 for r in results)
+
+
+def test_ep_must_divide_dp_naming_the_choices():
+    with pytest.raises(ValueError, match=r"ep=3 does not divide dp=4: .* choose ep among "
+                                         r"\[1, 2, 4\]"):
+        ParallelDims(dp=4, ep=3)
+    assert ParallelDims.for_world(8, pp=2, ep=2).ep == 2
+    with pytest.raises(RuntimeError, match="no expert groups"):
+        Topology(ParallelDims(dp=2), 0, None).ep_group

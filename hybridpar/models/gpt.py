@@ -47,7 +47,7 @@ from hybridpar.moe import split_aux
 from hybridpar.sharded.attrs import get_parallel_dim, register_parallel_dim, register_partial_grad
 from hybridpar.sharded.mappings import group_size
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
-from hybridpar.topology import default_tp_group
+from hybridpar.topology import default_ep_group, default_tp_group
 
 __all__ = ["check_gpt_config", "gpt", "gpt_loss"]
 
@@ -67,6 +67,28 @@ def _tp_size(tp: int | None, group: ProcessGroup | None) -> int | None:
                          f"tp={size}, or hybridpar.init(tp={tp}) / a group of {tp} ranks")
     return tp
 
+
+
+def _ep_group(ep: int | None, group: ProcessGroup | None, n_experts: int
+              ) -> ProcessGroup | None:
+    """The ep group the experts shard over (None: unsharded), `ep` checked against it."""
+    if ep is None or ep == 1:
+        if group is not None:
+            raise ValueError("ep_group= is given without ep=; pass ep=<size of the group>")
+        return None
+    if not n_experts:
+        raise ValueError(f"gpt: ep={ep} shards experts, but n_experts=0 (a dense MLP); give "
+                         "n_experts or drop ep")
+    if n_experts % ep:
+        raise ValueError(f"gpt: ep={ep} does not divide n_experts={n_experts}: each ep rank "
+                         f"holds n_experts / ep experts; choose ep among "
+                         f"{[d for d in _divisors(n_experts) if d > 1]}")
+    group = group if group is not None else default_ep_group()
+    size = group_size(group)
+    if size != ep:
+        raise ValueError(f"ep={ep} but the expert-parallel group has {size} ranks; pass "
+                         f"ep={size}, or hybridpar.init(ep={ep})")
+    return group
 
 
 def _divisors(n: int) -> list[int]:
@@ -111,7 +133,8 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
         n_embd: int = 64, dropout: float = 0.0, tp: int | None = None,
         group: ProcessGroup | None = None, bias: bool = True,
         sequence_parallel: bool = False, n_experts: int = 0, top_k: int = 2,
-        expert_hidden: int | None = None, balance_coef: float = 0.01) -> nn.Sequential:
+        expert_hidden: int | None = None, balance_coef: float = 0.01, ep: int | None = None,
+        ep_group: ProcessGroup | None = None) -> nn.Sequential:
     """A GPT as ``nn.Sequential(Embeddings, Block × n_layer, LayerNorm, Head)``.
 
     Input (B, T) int64 token ids with T <= block_size; output logits (B, T, V), or
@@ -120,7 +143,9 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
     of `hybridpar.init`), whose size must be `tp`. A pipeline may split it at any layer.
     With `n_experts` > 0 every block's MLP is a mixture of experts (`models.gpt_moe`: top_k
     of n_experts SwiGLU experts of `expert_hidden` features) and in training the output is
-    (logits, the load-balancing loss × `balance_coef`), which `gpt_loss` adds.
+    (logits, the load-balancing loss × `balance_coef`), which `gpt_loss` adds. With `ep` > 1
+    each rank holds n_experts / ep of them, over `ep_group` (default: the ep group of
+    `hybridpar.init(ep=...)`).
     """
     check_gpt_config(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
                      n_head=n_head, n_embd=n_embd, dropout=dropout, tp=tp,
@@ -129,6 +154,7 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
         raise ValueError("gpt(sequence_parallel=True) does not take experts yet (each tp "
                          "rank would route a part of the tokens); turn one of them off")
     tp = _tp_size(tp, group)
+    experts = _ep_group(ep, ep_group, n_experts)
     if sequence_parallel and tp is None:
         raise ValueError("gpt(sequence_parallel=True) shards the sequence over the tp group: "
                          "it needs tp > 1 (or drop sequence_parallel)")
@@ -136,7 +162,8 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
     layers: list[nn.Module] = [Embeddings(vocab_size, block_size, n_embd, dropout=dropout,
                                           tp=tp, group=group, n_experts=n_experts, **sp)]
     layers += [Block(n_embd, n_head, dropout=dropout, tp=tp, group=group, bias=bias, **sp,
-                     moe=gpt_moe(n_embd, n_experts, top_k, expert_hidden) if n_experts else None)
+                     moe=gpt_moe(n_embd, n_experts, top_k, expert_hidden, group=experts)
+                     if n_experts else None)
                for _ in range(n_layer)]
     norm_cls = SequenceLayerNorm if sequence_parallel else \
         StatsLayerNorm if n_experts else nn.LayerNorm

@@ -15,23 +15,32 @@ travels between the layers, and between the stages, carries them:
 
 ``aux`` (1,) is ``balance_coef · balance_loss(stats)``, already scaled; `gpt_loss` adds it
 to the cross-entropy (`hybridpar.moe.split_aux`). Tensor parallelism keeps each MoE whole
-on every tp rank (replicated, as the LayerNorms).
+on every tp rank (replicated, as the LayerNorms); with ``ep`` each rank of an ep group holds
+E / ep experts and sends the tokens to them (`hybridpar.moe.dispatch`).
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from hybridpar.moe import Experts, MoE, Router, balance_loss
 
 __all__ = ["StatsLayerNorm", "gpt_moe", "head_output", "join_carry", "split_carry"]
 
 
-def gpt_moe(n_embd: int, n_experts: int, top_k: int, expert_hidden: int | None) -> MoE:
-    """A GPT block's MoE: softmax top-k router (renormalized), SwiGLU experts."""
+def gpt_moe(n_embd: int, n_experts: int, top_k: int, expert_hidden: int | None, *,
+            group: ProcessGroup | None = None) -> MoE:
+    """A GPT block's MoE: softmax top-k router (renormalized), SwiGLU experts; with an ep
+    `group` of P ranks, this rank's E / P experts."""
     hidden = expert_hidden if expert_hidden is not None else max(1, 4 * n_embd // top_k)
+    P = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    local = n_experts // P
     return MoE(Router(n_embd, n_experts, top_k, scoring="softmax", normalize=True),
-               Experts(n_experts, n_embd, hidden, activation="silu"))
+               Experts(n_experts, n_embd, hidden, activation="silu", first=rank * local,
+                       local=local), group=group)
 
 
 def split_carry(x: Tensor | tuple[Tensor, ...], moe: bool

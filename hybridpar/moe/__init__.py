@@ -1,4 +1,5 @@
-"""Mixture of experts: router, fused experts, the MoE block, the load-balancing loss."""
+"""Mixture of experts: router, fused experts, the MoE block, expert-parallel dispatch, the
+load-balancing loss."""
 
 from hybridpar.moe.balance_loss import (
     balance_loss,
@@ -9,10 +10,28 @@ from hybridpar.moe.balance_loss import (
     stats_experts,
 )
 from hybridpar.moe.block import MoE, SharedExpert, combine, group_by_expert
+from hybridpar.moe.dispatch import DispatchPlan, all_to_all, dispatch_plan
 from hybridpar.moe.experts import Experts
 from hybridpar.moe.grouped import grouped_linear, uses_grouped_mm
 from hybridpar.moe.router import Router, Routing
 
-__all__ = ["Experts", "MoE", "Router", "Routing", "SharedExpert", "balance_loss", "combine",
-           "empty_stats", "expert_load", "group_by_expert", "grouped_linear", "routing_stats",
-           "split_aux", "stats_experts", "uses_grouped_mm"]
+__all__ = [
+    "DispatchPlan",
+    "Experts",
+    "MoE",
+    "Router",
+    "Routing",
+    "SharedExpert",
+    "all_to_all",
+    "balance_loss",
+    "combine",
+    "dispatch_plan",
+    "empty_stats",
+    "expert_load",
+    "group_by_expert",
+    "grouped_linear",
+    "routing_stats",
+    "split_aux",
+    "stats_experts",
+    "uses_grouped_mm",
+]

@@ -15,10 +15,13 @@ does, so a float64 block equals HF's to the bit.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from hybridpar.moe.balance_loss import routing_stats
+from hybridpar.moe.dispatch import dispatch_plan
 from hybridpar.moe.experts import Experts
 from hybridpar.moe.router import Router
 
@@ -46,15 +49,25 @@ class MoE(nn.Module):
 
     ``forward(x)`` takes (..., H) and returns the same shape; ``forward(x, stats)`` also adds
     this layer's routing sums to `stats` (`hybridpar.moe.balance_loss`) and returns
-    ``(out, stats)``."""
+    ``(out, stats)``. With an ep `group` of P ranks, `experts` holds this rank's E / P of
+    them and the copies travel to their experts and back by all-to-all
+    (`hybridpar.moe.dispatch`)."""
 
-    def __init__(self, router: Router, experts: Experts,
-                 shared: SharedExpert | None = None) -> None:
+    def __init__(self, router: Router, experts: Experts, shared: SharedExpert | None = None,
+                 *, group: ProcessGroup | None = None) -> None:
         super().__init__()
-        if experts.local != router.n_experts:
-            raise ValueError(f"the router scores {router.n_experts} experts but the block "
-                             f"holds {experts.local}")
+        E = router.n_experts
+        P = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        if experts.n_experts != E or E % P or (experts.first, experts.local) != (
+                rank * (E // P), E // P):
+            raise ValueError(
+                f"the router scores {E} experts over an ep group of {P}: rank {rank} must "
+                f"hold experts {rank * (E // P)}..{(rank + 1) * (E // P) - 1} (E / ep each, "
+                f"ep dividing E), but the block holds {experts.first}.."
+                f"{experts.first + experts.local - 1} of {experts.n_experts}")
         self.router, self.experts, self.shared = router, experts, shared
+        self.group = group if P > 1 else None
 
     def forward(self, x: Tensor, stats: Tensor | None = None
                 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -62,7 +75,13 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])                                  # (N, H)
         routing = self.router(flat)
         copies, counts, order = group_by_expert(flat, routing.experts, self.router.n_experts)
-        out = combine(self.experts(copies, counts), routing.weights, order)     # (N, H)
+        if self.group is None:
+            done = self.experts(copies, counts)                              # (N·k, H)
+        else:                                           # to the experts' ranks and back
+            plan = dispatch_plan(counts, self.group)
+            mine = self.experts(plan.to_experts(copies, self.group), plan.local_counts)
+            done = plan.back(mine, self.group)                               # (N·k, H)
+        out = combine(done, routing.weights, order)                          # (N, H)
         if self.shared is not None:
             out = out + self.shared(flat)
         out = out.reshape(shape)

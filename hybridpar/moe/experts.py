@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridpar.moe.grouped import grouped_linear
+from hybridpar.sharded.attrs import register_expert_shard
 
 __all__ = ["ACTIVATIONS", "LAYOUTS", "Experts"]
 
@@ -57,13 +58,24 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(local, 2 * intermediate)) \
             if gpt_oss else None
         self.down_proj_bias = nn.Parameter(torch.empty(local, hidden)) if gpt_oss else None
+        if local < n_experts:
+            for p in self.parameters():
+                register_expert_shard(p)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # each expert as an nn.Linear pair would be: uniform(±1/√fan_in), biases zero
-        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(self.hidden), 1 / math.sqrt(self.hidden))
-        bound = 1 / math.sqrt(self.intermediate)
-        nn.init.uniform_(self.down_proj, -bound, bound)
+        """Each expert as an nn.Linear pair would be: uniform(±1/√fan_in), biases zero. A
+        shard draws the whole (E, ...) tensor and keeps its experts: the values of the
+        unsharded layer, whatever ep (one layer's experts in memory at a time)."""
+        for p, fan_in in ((self.gate_up_proj, self.hidden), (self.down_proj, self.intermediate)):
+            bound = 1 / math.sqrt(fan_in)
+            if self.local == self.n_experts:
+                nn.init.uniform_(p, -bound, bound)
+                continue
+            full = torch.empty((self.n_experts, *p.shape[1:]), dtype=p.dtype, device=p.device)
+            nn.init.uniform_(full, -bound, bound)
+            with torch.no_grad():
+                p.copy_(full[self.first:self.first + self.local])
         for b in (self.gate_up_proj_bias, self.down_proj_bias):
             if b is not None:
                 nn.init.zeros_(b)
@@ -94,3 +106,4 @@ def _per_row(bias: Tensor | None, counts: Tensor) -> Tensor:
     """bias (E, d) repeated for each expert's rows: (N, d)."""
     assert bias is not None
     return bias.repeat_interleave(counts, dim=0)
+

@@ -32,6 +32,8 @@ from hybridpar.comm.agreement import fail_together
 from hybridpar.comm.broadcast import broadcast_tensors
 from hybridpar.comm.p2p import DTYPES
 from hybridpar.io.weight_checks import check_finite, check_kind
+from hybridpar.sharded.attrs import is_expert_shard
+from hybridpar.sharded.mappings import all_gather_along
 from hybridpar.tensor_parallel.state import full_shape, gather_full, shard_of
 from hybridpar.topology import Topology
 
@@ -39,12 +41,41 @@ __all__ = ["TensorInfo", "consolidated_state_dict", "fill_aliases", "full_tensor
            "load_consolidated", "state_layout", "stream_state_dict"]
 
 
-def full_tensor(value: Tensor, param: Tensor | None, group: ProcessGroup | None) -> Tensor:
+def full_tensor(value: Tensor, param: Tensor | None, group: ProcessGroup | None,
+                experts: ProcessGroup | None = None) -> Tensor:
     """One entry of a stage's state dict, unsharded and detached, where it lives: a tp-sharded
     parameter's shards all-gathered over `group` (a collective: every tp rank of the stage
-    calls it), any other entry (a replicated parameter, a buffer) as it is."""
+    calls it), a slice of the experts over the ep group `experts` (along dim 0: the experts
+    in their global order), any other entry (a replicated parameter, a buffer) as it is."""
     full = gather_full(value, param, group) if param is not None else value
+    if experts is not None and param is not None and is_expert_shard(param):
+        with torch.no_grad():
+            full = all_gather_along(full.detach(), 0, experts)
     return full.detach()
+
+
+def _expert_group(topology: Topology) -> ProcessGroup | None:
+    return topology.ep_group if topology.ep > 1 else None
+
+
+def _full_shape(param: Tensor, topology: Topology, group: ProcessGroup | None) -> torch.Size:
+    """A parameter's unsharded shape: over tp, and over ep for a slice of the experts."""
+    shape = list(full_shape(param, group))
+    if topology.ep > 1 and is_expert_shard(param):
+        shape[0] *= topology.ep
+    return torch.Size(shape)
+
+
+def _shard(full: Tensor, param: Tensor, topology: Topology,
+           group: ProcessGroup | None) -> Tensor:
+    """This rank's slice of a full tensor: its experts (ep), then its tp shard."""
+    if topology.ep > 1 and is_expert_shard(param):
+        local = param.shape[0]
+        if full.shape[0] != local * topology.ep:
+            raise ValueError(f"expected {local * topology.ep} experts along dim 0, got "
+                             f"{tuple(full.shape)}")
+        full = full.narrow(0, topology.ep_rank * local, local)
+    return shard_of(full, param, group)
 
 
 def _own_cpu(full: Tensor, live: Tensor) -> Tensor:
@@ -67,7 +98,8 @@ def consolidated_state_dict(stage: nn.Module, topology: Topology, *,
     params = dict(stage.named_parameters())
     local = {}
     for key, value in stage.state_dict().items():
-        local[key] = _own_cpu(full_tensor(value, params.get(key), group), value)
+        local[key] = _own_cpu(full_tensor(value, params.get(key), group,
+                                          _expert_group(topology)), value)
     merged: dict[str, Tensor] = dict(local)
     if topology.pp > 1:
         for s in range(topology.pp):
@@ -123,7 +155,7 @@ def state_layout(stage: nn.Module, topology: Topology, *,
 
     def info(key: str) -> TensorInfo:
         value, param = state[key], params.get(key)
-        shape = full_shape(param, group) if param is not None else value.shape
+        shape = _full_shape(param, topology, group) if param is not None else value.shape
         return TensorInfo(value.dtype, torch.Size(shape))
 
     mine = [info(k) for k in stage_keys[topology.pp_rank]]
@@ -159,6 +191,10 @@ def stream_state_dict(stage: nn.Module, topology: Topology, *, keys: Sequence[st
     gathers, sends and receives match by order). `keys` may repeat a tensor (every name of a
     tie); `layout` is `state_layout`'s.
     """
+    if topology.ep > 1:
+        raise ValueError("streaming a pipe's tensors (hybridpar export) with expert "
+                         "parallelism is not supported yet; consolidated_state_dict() gathers "
+                         "the experts")
     group = topology.tp_group if topology.tp > 1 else None
     writer, me = topology.global_rank(0, 0, 0), dist.get_rank()
     owner = {k: s for s, names in enumerate(stage_keys) for k in names}
@@ -240,7 +276,7 @@ def load_consolidated(stage: nn.Module, state_dict: Mapping[str, Tensor], topolo
             param = params.get(key)
             value = state_dict[key]
             check_kind(key, source, value.dtype, target)
-            local[key] = shard_of(value, param, group) if param is not None else value
+            local[key] = _shard(value, param, topology, group) if param is not None else value
             if param is not None:
                 check_finite(key, source, local[key])
     stage.load_state_dict(local)

@@ -52,7 +52,12 @@ from hybridpar.pipeline.runtime.virtual import RankStages
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.precision import cast_parameters, check_dtype_runs
 from hybridpar.process import generation
-from hybridpar.sharded.attrs import has_partial_grad, register_partial_grad, tags_kept
+from hybridpar.sharded.attrs import (
+    has_partial_grad,
+    is_expert_shard,
+    register_partial_grad,
+    tags_kept,
+)
 from hybridpar.tensor_parallel import random as tp_random
 from hybridpar.topology import Topology, current_topology
 
@@ -181,10 +186,20 @@ class HybridPipe(PipeParameters):
         self.partial_grads = [n for n, _ in mine]
         self._partial = PartialGrads([p for _, p in mine], topo.tp_group if topo.tp > 1
                                      else None)
-        # dp averaging in buckets launched during each step's last backward (no-op at dp=1)
+        # dp averaging in buckets launched during each step's last backward (no-op at dp=1);
+        # experts sharded over ep: summed over the dp ranks holding the same ones, / dp
+        experts = [p for p in local.parameters() if is_expert_shard(p)]
+        if experts and topo.ep == 1:
+            raise ValueError("the model holds a slice of its experts (built with ep > 1) but "
+                             "the topology has ep = 1; pass hybridpar.init(ep=...) the ep the "
+                             "model was built with")
+        grad_dtype = None if param_dtype is None else torch.float32
         self._dp_buckets: GradBuckets | ShardedGradBuckets = GradBuckets(
-            list(local.parameters()), topo.dp_group if topo.dp > 1 else None,
-            grad_dtype=None if param_dtype is None else torch.float32)
+            [p for p in local.parameters() if not is_expert_shard(p)],
+            topo.dp_group if topo.dp > 1 else None, grad_dtype=grad_dtype)
+        self._expert_buckets = GradBuckets(
+            experts, topo.expert_dp_group if topo.dp > topo.ep else None,
+            grad_dtype=grad_dtype, divisor=topo.dp) if experts else None
         self._grads_here: set[int] | None = None   # zero 2: ids of the parameters owned
         #: called before the parameters are read outside a forward (the replica check): a
         #: sharded optimizer's update still on the wire (`optim.update_broadcast`)

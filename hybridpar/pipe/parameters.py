@@ -13,7 +13,7 @@ from hybridpar.pipeline.parameters import clip
 from hybridpar.pipeline.parameters.grad_shards import ZERO2_BUCKET_BYTES, ShardedGradBuckets
 from hybridpar.pipeline.parameters.replicas import ReplicaGroup, check_replicas
 from hybridpar.precision import set_grad
-from hybridpar.sharded.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim, is_expert_shard
 
 __all__ = ["PipeParameters"]
 
@@ -64,6 +64,9 @@ class PipeParameters(PipeSteps):
         topo = self.topology
         if topo.dp == 1:
             return
+        if self._expert_buckets is not None:
+            raise ValueError("ZeRO-2 with expert parallelism is not supported yet: the experts' "
+                             "gradients are reduced over their own dp ranks; use zero 0 or 1")
         old = self._dp_buckets
         params = old.params
         old.remove()
@@ -89,9 +92,13 @@ class PipeParameters(PipeSteps):
         if topo.tp > 1:
             groups.append(ReplicaGroup("tp", topo.tp_group, [
                 (n, p) for n, p in named if get_parallel_dim(p) is None]))
+        dense = [(n, p) for n, p in named if not is_expert_shard(p)]
         if topo.dp > 1:   # zero 2: each gradient on its owner only, the values compared
-            groups.append(ReplicaGroup("dp", topo.dp_group, named,
+            groups.append(ReplicaGroup("dp", topo.dp_group, dense,
                                        grads=self._grads_here is None))
+        if topo.dp > topo.ep and len(dense) < len(named):   # the same experts' copies
+            groups.append(ReplicaGroup("expert dp", topo.expert_dp_group, [
+                (n, p) for n, p in named if is_expert_shard(p)]))
         name_of = {id(p): n for n, p in named}
         groups += [ReplicaGroup("tie", group, [(name_of[id(p)], p) for p in params])
                    for group, params in self._ties.groups]

@@ -61,6 +61,7 @@ class PipeSteps(StageModule):
     loss_fn: Callable[..., Tensor] | None
     trace: bool
     _dp_buckets: GradBuckets | ShardedGradBuckets
+    _expert_buckets: GradBuckets | None
     _partial: PartialGrads
     _ties: TiedGroups
     _grads_here: set[int] | None
@@ -117,6 +118,8 @@ class PipeSteps(StageModule):
         """
         inputs, targets, weights = self._microbatches(input, target)
         self._dp_buckets.attach()
+        if self._expert_buckets is not None:
+            self._expert_buckets.attach()
         actions = self._program(len(inputs), train=True)
         # as torchgpipe: `checkpoint` as it is now, and no checkpointing in evaluation mode
         mode = check_checkpoint(self.checkpoint) if self.training else "never"
@@ -135,6 +138,10 @@ class PipeSteps(StageModule):
                     self._dp_buckets.finish()
             else:
                 self._dp_buckets.finish()   # float32 gradients of bf16 weights: bookkeeping
+            if self._expert_buckets is not None:   # after the step: no all-to-all beside it
+                with self._guard("the all-reduce of the experts' gradients over the dp ranks "
+                                 "holding them", self.topology.expert_dp_group):
+                    self._expert_buckets.finish()
             if self._partial:
                 with self._guard("the all-reduce over tp of the gradients of replicated "
                                  "parameters used on shards", self.topology.tp_group):

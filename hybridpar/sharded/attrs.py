@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from torch import Tensor, nn
 
 __all__ = [
+    "EXPERT_SHARD_ATTR",
     "FULL_SHAPE_ATTR",
     "ORDER_TYPE_ATTR",
     "PARALLEL_DIM_ATTR",
@@ -34,7 +35,9 @@ __all__ = [
     "get_order_type",
     "get_parallel_dim",
     "has_partial_grad",
+    "is_expert_shard",
     "is_sharded_layer",
+    "register_expert_shard",
     "register_parallel_attribute",
     "register_parallel_dim",
     "register_partial_grad",
@@ -124,6 +127,21 @@ def register_partial_grad(param: Tensor) -> None:
 def has_partial_grad(param: Tensor) -> bool:
     """Whether `param` is marked by `register_partial_grad`."""
     return bool(getattr(param, PARTIAL_GRAD_ATTR, False))
+
+
+#: on a parameter that holds a slice, along dim 0, of a layer's experts (expert parallelism):
+#: its gradient is summed over the dp ranks holding the same experts, not averaged over dp
+EXPERT_SHARD_ATTR = "hybridpar_expert_shard"
+
+
+def register_expert_shard(param: Tensor) -> None:
+    """Mark `param` as holding a slice of the experts along dim 0, over the ep group."""
+    setattr(param, EXPERT_SHARD_ATTR, True)
+
+
+def is_expert_shard(param: Tensor) -> bool:
+    """Whether `param` is marked by `register_expert_shard`."""
+    return getattr(param, EXPERT_SHARD_ATTR, False) is True
 
 
 def is_sharded_layer(module: nn.Module) -> bool:

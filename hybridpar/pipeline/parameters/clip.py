@@ -4,6 +4,7 @@
     tp-sharded                       on every tp rank (each holds a different shard)
     replicated over tp               1 / tp on each tp rank (once in all)
     a tie's copy on a later stage    not at all (the first owning stage counts it)
+    an expert shard (ep > 1)         on every ep rank (each holds other experts), 1 / tp
 
 The sum is all-reduced over tp, then over pp (dp replicas hold equal gradients after their
 reduction; at zero 2 each holds its share of them, and the sum is all-reduced over dp too).
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from hybridpar import trace
 from hybridpar.pipeline.runtime.loss import Guard
 from hybridpar.precision import grad_of
-from hybridpar.sharded.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim, is_expert_shard
 from hybridpar.topology import Topology
 
 __all__ = ["clip_grad_norm_", "local_square_sum"]
@@ -47,8 +48,16 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, topology: T
                          f"{norm_type}; leave norm_type at 2.0")
     params = list(params)
     tp = topology.tp
-    total = local_square_sum(params, tp, topology.device, not_counted=not_counted)
+    experts = [p for p in params if is_expert_shard(p)]
+    total = local_square_sum([p for p in params if not is_expert_shard(p)], tp,
+                             topology.device, not_counted=not_counted)
     nbytes = total.element_size()
+    if topology.ep > 1:   # each ep rank holds other experts: their squares summed over ep
+        mine = local_square_sum(experts, tp, topology.device, not_counted=not_counted)
+        with trace.collective("all_reduce", nbytes), guard(
+                "the all-reduce of the experts' gradient norm over ep", topology.ep_group):
+            dist.all_reduce(mine, group=topology.ep_group)
+        total = total + mine
     if tp > 1:
         with trace.collective("all_reduce", nbytes), guard(
                 "the all-reduce of the gradient norm over tp", topology.tp_group):

@@ -64,12 +64,16 @@ class GradBuckets:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: ProcessGroup | None, *,
-                 bucket_bytes: int = 25 << 20, grad_dtype: torch.dtype | None = None) -> None:
+                 bucket_bytes: int = 25 << 20, grad_dtype: torch.dtype | None = None,
+                 divisor: int | None = None) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.params = list(params)
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
+        # the sum is divided by the group's size (an average), or by `divisor`: experts
+        # summed over the ranks holding them, divided by the whole dp size
+        self.divisor = self.size if divisor is None else divisor
         self.grad_dtype = grad_dtype
         self._buckets = bucket_layout(self.params, bucket_bytes, grad_dtype)
         self._flats: list[Tensor | None] = [None] * len(self._buckets)
@@ -89,7 +93,7 @@ class GradBuckets:
             self.params[i], grad_dtype)}
         for i in self._main:
             setattr(self.params[i], MAIN_GRAD, None)
-        self._active = self.size > 1 or bool(self._main)
+        self._active = self.size > 1 or bool(self._main) or self.divisor != 1
         if self._active:
             for i in self._where:
                 self._handles.append(
@@ -171,7 +175,11 @@ class GradBuckets:
                 work.wait()
                 flat = self._flats[b]
                 assert flat is not None
-                flat /= self.size               # the grads are views: averaged in place
+                flat /= self.divisor            # the grads are views: averaged in place
+            if self.size <= 1 and self.divisor != 1:    # nothing to sum: the division alone
+                for flat in self._flats:
+                    if flat is not None:
+                        flat /= self.divisor
             for i in self._unused:              # no backward reached it: None, as before
                 set_grad(self.params[i], None)
             self._unused = set()
