@@ -42,11 +42,9 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, *,
         w = weight if transposed else weight.transpose(1, 2)             # (E, in, out)
         offsets = counts.cumsum(0).to(torch.int32)                       # end of each group
         return F.grouped_mm(x, w, offs=offsets)
-    out_features = weight.shape[2] if transposed else weight.shape[1]
-    parts = []
-    for e, rows in enumerate(x.split(counts.tolist())):
-        if rows.shape[0]:
-            parts.append(rows @ weight[e] if transposed else F.linear(rows, weight[e]))
-    if not parts:
-        return x.new_zeros(0, out_features)
+    parts = [rows @ weight[e] if transposed else F.linear(rows, weight[e])
+             for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
+    if not parts:   # no rows: still a product, so the backward reaches x (and every
+        # rank of an ep group runs the same all-to-alls in its backward)
+        return x @ weight[0] if transposed else F.linear(x, weight[0])
     return torch.cat(parts)

@@ -52,7 +52,8 @@ SHARDED_LAYER_ATTR = "tp_sharded_layer"   # a class attribute of the tp layers (
 SEQUENCE = -2   # an activation sharded on its sequence dim, (*, T / tp, C): never a layer dim
 FULL_SHAPE_ATTR = "_FULL_SHAPE"   # a sharded tensor's full shape (`tensor_parallel.state`)
 # what `tags_kept` carries over (not the attributes other libraries set on parameters)
-_TAGS = (PARALLEL_DIM_ATTR, ORDER_TYPE_ATTR, PARTIAL_GRAD_ATTR, FULL_SHAPE_ATTR)
+_TAGS = (PARALLEL_DIM_ATTR, ORDER_TYPE_ATTR, PARTIAL_GRAD_ATTR, FULL_SHAPE_ATTR,
+         "hybridpar_expert_shard")
 _VALID_DIMS = (None, 0, 1, -1, SEQUENCE)
 
 
@@ -131,7 +132,7 @@ def has_partial_grad(param: Tensor) -> bool:
 
 #: on a parameter that holds a slice, along dim 0, of a layer's experts (expert parallelism):
 #: its gradient is summed over the dp ranks holding the same experts, not averaged over dp
-EXPERT_SHARD_ATTR = "hybridpar_expert_shard"
+EXPERT_SHARD_ATTR = _TAGS[-1]
 
 
 def register_expert_shard(param: Tensor) -> None:
@@ -154,7 +155,7 @@ def is_sharded_layer(module: nn.Module) -> bool:
 def tags_kept(module: nn.Module) -> Iterator[None]:
     """Inside, `module` may put new Parameter objects in (``to_empty`` from `meta`, ``.to``
     another device); after, each has the tags (parallel dim, order type, partial gradient,
-    full shape) of the one it replaced, and nothing else: a Hugging Face flag such as
+    full shape, expert shard) of the one it replaced, and nothing else: a Hugging Face flag such as
     ``_is_hf_initialized`` stays behind with the old one. The tp layers re-tag their own;
     this keeps those of a parameter a plan cut in a module of any class
     (`plan.shard_per_head`)."""

@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     par = config.parallel
-    dims = ParallelDims.for_world(world, pp=par.pp, tp=par.tp, dp=par.dp)
+    dims = ParallelDims.for_world(world, pp=par.pp, tp=par.tp, dp=par.dp, ep=par.ep)
     _configure_logging(rank, rank == dims.rank(0, dims.pp - 1, 0))
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     request = None

@@ -40,9 +40,10 @@ def topology_for(config: Config) -> Topology:
     if dist.is_initialized():
         with contextlib.suppress(RuntimeError):
             topo = current_topology()
-            if (topo.pp, topo.tp) == (par.pp, par.tp) and par.dp in (None, topo.dp):
+            if (topo.pp, topo.tp, topo.ep) == (par.pp, par.tp, par.ep) \
+                    and par.dp in (None, topo.dp):
                 return topo
-    return init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=par.timeout)
+    return init(pp=par.pp, tp=par.tp, dp=par.dp, ep=par.ep, timeout=par.timeout)
 
 
 def cap_host_memory() -> int | None:
@@ -124,6 +125,8 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
         if par.tp > 1 and par.tp_plan is None else {}
     if par.sequence_parallel and not name.startswith("hf:"):   # hf: HybridPipe applies it
         extra["sequence_parallel"] = True
+    if par.ep > 1:                                              # this rank's experts
+        extra.update(ep=par.ep, ep_group=topo.ep_group)
     pretrained = config.model.args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)
     model_parallel_manual_seed(config.train.seed, group=topo.tp_group)

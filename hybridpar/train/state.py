@@ -119,11 +119,12 @@ class RunState:
         if isinstance(self.optimizer, MasterWeights):   # the update's broadcast: all arrived
             self.optimizer.wait_params()
         masters = getattr(self.optimizer, "masters", None)   # bf16 weights: float32 values
+        experts = (self.topo.ep, self.topo.ep_rank)
         state: dict[str, Entry] = {
-            **model_entries(self.pipe, group, aliases=tied, masters=masters),
+            **model_entries(self.pipe, group, aliases=tied, masters=masters, experts=experts),
             **optimizer_entries(self.pipe, local_optimizer(self.optimizer), group,
                                 aliases=tied, owned=owned_parameters(self.optimizer),
-                                masters=masters)}
+                                masters=masters, experts=experts)}
         state.update(tie_entries(tied))   # lets an export give every tied name its tensor
         state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
         state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)

@@ -10,8 +10,9 @@
     rng/<dp>.<pp>.<tp>/<...>     this rank's RNG streams                this rank
 
 ``<name>`` is the parameter's name in the unsharded `nn.Sequential` ("3.attn.q.weight"),
-so the same key holds the same tensor whatever the (pp, tp, dp, balance). A tp-sharded
-tensor is a `ShardChunk`: DCP records where the shard sits in the full tensor, and a load
+so the same key holds the same tensor whatever the (pp, tp, dp, ep, balance). A tp-sharded
+tensor, or a slice of the experts (ep > 1: at its experts' global index along dim 0), is a
+`ShardChunk`: DCP records where the shard sits in the full tensor, and a load
 under another tp reads the overlapping pieces of the saved shards. Replicated tensors are
 saved once (DCP de-duplicates equal keys), so keys that hold *different* values on two
 ranks must differ: `check_unique` asserts it of the model keys before a save.
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from hybridpar.pipeline.parameters.partition import layer_spans
-from hybridpar.sharded.attrs import get_parallel_dim, tensor_shard_dim
+from hybridpar.sharded.attrs import get_parallel_dim, is_expert_shard, tensor_shard_dim
 from hybridpar.sharded.mappings import group_rank, group_size, shard_range
 from hybridpar.tensor_parallel.fused import fused_parts, fused_ranges, fused_sizes, local_ranges
 from hybridpar.tensor_parallel.state import full_shape
@@ -119,8 +120,16 @@ class ShardLoadPlanner(DefaultLoadPlanner):
             else super().lookup_tensor(index)
 
 
-def _entry(tensor: Tensor, param: Tensor | None, group: Any) -> Tensor | ShardChunk:
-    """`tensor` (the param itself or state shaped like it) as DCP should see it."""
+def _entry(tensor: Tensor, param: Tensor | None, group: Any,
+           experts: tuple[int, int] | None = None) -> Tensor | ShardChunk:
+    """`tensor` (the param itself or state shaped like it) as DCP should see it; `experts`:
+    (ep, ep rank), where a slice of the experts sits at its global index along dim 0."""
+    if param is not None and experts is not None and experts[0] > 1 \
+            and is_expert_shard(param) and tensor.shape == param.shape:
+        ep, rank = experts
+        local = param.shape[0]
+        return ShardChunk(tensor, torch.Size([local * ep, *param.shape[1:]]),
+                          _at(tensor.dim(), 0, rank * local))
     if param is None or get_parallel_dim(param) is None or tensor.shape != param.shape:
         return tensor
     dim = tensor_shard_dim(param)
@@ -146,14 +155,15 @@ def _at(ndim: int, dim: int, start: int) -> torch.Size:
 
 def model_entries(module: nn.Module, group: Any, *,
                   aliases: Mapping[str, str] | None = None,
-                  masters: Mapping[int, Tensor] | None = None) -> dict[str, Tensor | ShardChunk]:
+                  masters: Mapping[int, Tensor] | None = None,
+                  experts: tuple[int, int] | None = None) -> dict[str, Tensor | ShardChunk]:
     """``model/<name>`` for every tensor of `module`'s state dict (`group`: the tp group).
 
     A tied parameter (`aliases`: ``{name: canonical name}``, `HybridPipe.tied_aliases`) is
     saved once, under its canonical name, by every stage holding a copy (DCP de-duplicates).
     `masters` (bf16 weights: ``{id(param): float32 master}``, `MasterWeights.masters`): a
     parameter's entry is its master, and a parameter without one here is left to the rank
-    that owns it.
+    that owns it. `experts`: (ep, ep rank) of a model whose experts are split over ep.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     out: dict[str, Tensor | ShardChunk] = {}
@@ -163,7 +173,8 @@ def model_entries(module: nn.Module, group: Any, *,
             if id(param) not in masters:
                 continue
             value = masters[id(param)]
-        out.setdefault(f"model/{_canonical(name, aliases)}", _entry(value, param, group))
+        out.setdefault(f"model/{_canonical(name, aliases)}",
+                       _entry(value, param, group, experts))
     return out
 
 
@@ -186,7 +197,8 @@ def _canonical(name: str, aliases: Mapping[str, str] | None) -> str:
 def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group: Any, *,
                       aliases: Mapping[str, str] | None = None,
                       owned: set[int] | None = None,
-                      masters: Mapping[int, Tensor] | None = None
+                      masters: Mapping[int, Tensor] | None = None,
+                      experts: tuple[int, int] | None = None
                       ) -> dict[str, Tensor | ShardChunk]:
     """``optim/<name>/<key>`` for every tensor of the optimizer state of `module`'s params
     (`owned`: of those whose ``id`` is in it, the ones this rank's ZeRO shard holds;
@@ -210,7 +222,8 @@ def optimizer_entries(module: nn.Module, optimizer: torch.optim.Optimizer, group
             if not isinstance(value, Tensor):
                 raise TypeError(f"optimizer state {name}/{key} is {type(value).__name__}; "
                                 "only tensor state can be checkpointed")
-            out[f"optim/{_canonical(name, aliases)}/{key}"] = _entry(value, param, group)
+            out[f"optim/{_canonical(name, aliases)}/{key}"] = _entry(value, param, group,
+                                                                     experts)
     return out
 
 

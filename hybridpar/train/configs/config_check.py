@@ -82,6 +82,44 @@ def _check_tp(model: ModelConfig, tp: int, where: Where) -> None:
                           "parallel.tp", *[f"model.{k}" for k in args]) from None
 
 
+def _check_experts(cfg: Config, where: Where) -> None:
+    """The gpt's experts (`model.n_experts`, `model.top_k`) and `parallel.ep`: ep shards the
+    gpt's experts, dividing them and dp; not yet with ZeRO or sequence parallelism."""
+    model, par = cfg.model, cfg.parallel
+    experts = model.args.get("n_experts", 0) if model.name == "gpt" else 0
+    if model.name == "gpt":
+        try:
+            check_gpt_config(tp=None, n_experts=experts, top_k=model.args.get("top_k", 2),
+                             **{k: model.args[k] for k in (
+                                 "vocab_size", "block_size", "n_layer", "n_head", "n_embd",
+                                 "dropout")})
+        except ValueError as e:
+            raise where.error(str(e), "model.n_experts", "model.top_k") from None
+    if experts and par.sequence_parallel:
+        raise where.error("parallel.sequence_parallel does not take experts yet (each tp rank "
+                          "would route a part of the tokens): set it false, or "
+                          "model.n_experts = 0", "parallel.sequence_parallel", "model.n_experts")
+    if par.ep == 1:
+        return
+    if not experts:
+        raise where.error(f"parallel.ep={par.ep} shards experts: the built-in gpt with "
+                          f"model.n_experts > 0 (not yet other models, Hugging Face MoE "
+                          f"families included); got model {model.name!r} without experts",
+                          "parallel.ep", "model.n_experts")
+    if experts % par.ep:
+        raise where.error(f"parallel.ep={par.ep} does not divide model.n_experts={experts}: "
+                          f"each ep rank holds n_experts / ep experts", "parallel.ep",
+                          "model.n_experts")
+    if par.dp is not None and par.dp % par.ep:
+        raise where.error(f"parallel.ep={par.ep} does not divide parallel.dp={par.dp}: ep is "
+                          "carved out of the dp replicas", "parallel.ep", "parallel.dp")
+    if par.zero:
+        raise where.error(f"parallel.zero={par.zero} with parallel.ep={par.ep} is not "
+                          "supported yet (ZeRO shards over dp replicas, which hold other "
+                          "experts under ep): set parallel.zero = 0", "parallel.zero",
+                          "parallel.ep")
+
+
 def _check_sequence_parallel(cfg: Config, where: Where) -> None:
     """parallel.sequence_parallel: the built-in gpt's own tp layers, tp > 1, whole documents,
     sequences divisible by tp."""
@@ -116,6 +154,7 @@ def check_layout(cfg: Config, where: Where) -> Config:
         _check_tp(model, par.tp, where)
     if par.sequence_parallel:
         _check_sequence_parallel(cfg, where)
+    _check_experts(cfg, where)
     if par.tp_plan == "hf" and not model.name.startswith("hf:"):
         raise where.error(f"parallel.tp_plan = 'hf' is a Hugging Face model's own plan; model "
                           f"{model.name!r} is not one (model.name = 'hf:...'): use 'auto'",

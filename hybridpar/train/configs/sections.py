@@ -89,6 +89,10 @@ class ParallelConfig:
     tp: int = key(1, range=_POSITIVE, doc="tensor-parallel ranks per stage")
     dp: int | None = key(None, range=_POSITIVE, doc=(
         "replicas; none: 1 under `hybridpar run`, `WORLD_SIZE / (pp × tp)` under torchrun"))
+    ep: int = key(1, range=_POSITIVE, doc=(
+        "expert parallelism, carved out of dp: each group of `ep` dp replicas holds every "
+        "expert once (`n_experts / ep` per rank) and sends each token to its experts by "
+        "all-to-all ([moe.md](moe.md)); the built-in gpt with `n_experts`"))
     chunks: int = key(1, range=_POSITIVE, doc="micro-batches per replica's batch")
     schedule: str = key("gpipe", choices=SCHEDULES, doc=(
         "the order of the forwards and backwards ([schedules.md](schedules.md)): `\"gpipe\"` "
