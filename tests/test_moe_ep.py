@@ -10,6 +10,8 @@ and each rank must hold exactly E / ep experts of every MoE layer.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from spawn_cases import selected_ids, spawn_by_world
@@ -22,6 +24,7 @@ from hybridpar.moe import Experts
 from pipe_harness import checked_step
 
 CLIP = 0.5
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
 
 
 def _reference(micro: int):
@@ -92,3 +95,65 @@ def test_expert_parallel_moe_gpt_equals_one_device(layout, ep, balance, options,
         for k, v in reference.items():
             torch.testing.assert_close(r["state"][k], v, atol=1e-9, rtol=0,
                                        msg=lambda m, k=k: f"{k}: {m}")
+
+
+# the trainer: a meta-built run at ep 2, resumed at ep 1 ------------------------------------
+def _config(ep: int, steps: int):
+    from hybridpar.train.configs.config import load_config
+
+    return load_config(QUICKSTART, [
+        "model.block_size=8", "model.n_embd=16", "model.n_layer=2", "model.n_head=2",
+        "model.n_experts=4", "model.top_k=2", "data.source=synthetic", "parallel.pp=1",
+        "parallel.tp=1", "parallel.dp=2", f"parallel.ep={ep}", "parallel.chunks=2",
+        "parallel.timeout=60", f"train.steps={steps}", "train.batch_size=8",
+        "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0",
+        "train.sample_tokens=0", "checkpoint.every=2"])
+
+
+def _runs(root):
+    import shutil
+
+    import torch.distributed as dist
+
+    from hybridpar.train.trainer import train
+
+    first = train(_config(2, 6), f"{root}/a", progress=False)["losses"]
+    dist.barrier()
+    if dist.get_rank() == 0:   # back to step 4 (the learning rate follows train.steps = 6)
+        shutil.rmtree(f"{root}/a/checkpoints/step-6")
+    dist.barrier()
+    then = train(_config(1, 6), f"{root}/a", progress=False)["losses"]
+    return {"ep2 then ep1": [*first[:4], *then], "ep2": first,
+            "ep1": train(_config(1, 6), f"{root}/b", progress=False)["losses"]}
+
+
+def test_a_run_at_ep2_resumed_at_ep1_trains_as_a_run_at_ep1(tmp_path):
+    """The trainer builds on meta and materializes the stage (the experts keep their shard
+    tag), and checkpoints store experts at their global index: a run at ep 2 equals one at
+    ep 1 step for step, before and after it resumes at ep 1."""
+    for rank in hybridpar.spawn(_runs, 2, args=(str(tmp_path),), timeout=240):
+        assert len(rank["ep2 then ep1"]) == 6
+        assert rank["ep2"] == pytest.approx(rank["ep1"], rel=1e-6)
+        assert rank["ep2 then ep1"] == pytest.approx(rank["ep1"], rel=1e-6)
+
+
+# the config's checks ---------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.ep=2"], "parallel.ep=2 shards experts: the built-in gpt with model.n_experts "
+                        "> 0 (not yet other models, Hugging Face MoE families included); got "
+                        "model 'gpt' without experts"),
+    (["model.n_experts=6", "parallel.ep=4", "parallel.dp=4"],
+     "parallel.ep=4 does not divide model.n_experts=6"),
+    (["model.n_experts=4", "parallel.ep=4", "parallel.dp=2"],
+     "parallel.ep=4 does not divide parallel.dp=2: ep is carved out of the dp replicas"),
+    (["model.n_experts=4", "parallel.ep=2", "parallel.dp=2", "parallel.zero=1"],
+     "parallel.zero=1 with parallel.ep=2 is not supported yet"),
+    (["model.n_experts=4", "model.top_k=5"], "top_k=5 must be between 1 and n_experts=4"),
+    (["model.n_experts=4", "parallel.sequence_parallel=true", "parallel.tp=2"],
+     "parallel.sequence_parallel does not take experts yet"),
+])
+def test_the_config_refuses_bad_expert_layouts_naming_the_keys(overrides, message):
+    from config_errors import error_of
+
+    got = error_of(QUICKSTART, "parallel.tp=1", "parallel.pp=1", "parallel.dp=1", *overrides)
+    assert message in got
