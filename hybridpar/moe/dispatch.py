@@ -16,7 +16,8 @@ The backward mirrors it: the all-to-all of a gradient runs with the forward's sp
 swapped. Every rank of the group issues the same all-to-alls in the same order (the same
 MoE layers, in the same schedule slots: the ep ranks are dp replicas of one stage), as
 NCCL's collectives need. The split sizes are read on the host (one sync per layer and
-direction, as dropless dispatch needs without padding).
+direction, as dropless dispatch needs without padding). `trace` counts the bytes that leave
+the rank (the rows it keeps for its own experts stay off the wire).
 
     example: P = 2, E = 4 (L = 2); rank 0 sends counts [3, 1 | 0, 2], rank 1 [1, 0 | 2, 2]
     rank 0 receives  from 0: [3, 1], from 1: [1, 0]   -> rows e0 e0 e0 e1 | e0
@@ -25,6 +26,7 @@ direction, as dropless dispatch needs without padding).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -56,9 +58,16 @@ def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int],
               group: ProcessGroup) -> Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with trace.collective("all_to_all", x.numel() * x.element_size()):
+    with trace.collective("all_to_all", _sent(in_splits, x, group)):
         dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     return out
+
+
+def _sent(splits: list[int], x: Tensor, group: ProcessGroup) -> int:
+    """The bytes of `x` that leave this rank: the rows split to the other ranks (trace
+    counts them; the rows a rank keeps never cross the wire)."""
+    row = math.prod(x.shape[1:]) * x.element_size()
+    return (sum(splits) - splits[dist.get_rank(group)]) * row
 
 
 def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int],
@@ -95,7 +104,7 @@ def dispatch_plan(counts: Tensor, group: ProcessGroup) -> DispatchPlan:
     E = counts.shape[0]
     L = E // P
     received = torch.empty_like(counts)
-    with trace.collective("all_to_all", counts.numel() * counts.element_size()):
+    with trace.collective("all_to_all", _sent([L] * P, counts.view(E, 1), group)):
         dist.all_to_all_single(received, counts.contiguous(), group=group)
     sizes = received.view(P, L)                                      # (source, expert)
     host = sizes.tolist()
