@@ -10,6 +10,7 @@ and each rank must hold exactly E / ep experts of every MoE layer.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,36 @@ def _reference(micro: int):
     return model.state_dict(), norms
 
 
+@contextlib.contextmanager
+def _recording_all_to_alls():
+    """Every `all_to_all_single` of this process inside, as (group ranks, input splits,
+    output splits), the real call made after: an instrument, not a stand-in."""
+    import torch.distributed as dist
+
+    log: list[tuple[list[int], list[int], list[int]]] = []
+    real = dist.all_to_all_single
+
+    def recorded(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                 async_op=False):
+        ranks = dist.get_process_group_ranks(group)
+        even = [input.shape[0] // len(ranks)] * len(ranks)
+        log.append((ranks, list(input_split_sizes or even), list(output_split_sizes or even)))
+        return real(output, input, output_split_sizes, input_split_sizes, group=group,
+                    async_op=async_op)
+
+    dist.all_to_all_single = recorded
+    try:
+        yield log
+    finally:
+        dist.all_to_all_single = real
+
+
 def _worker(layout, ep, balance, options):
+    with _recording_all_to_alls() as all_to_alls:
+        return {**_train(layout, ep, balance, options), "all_to_alls": all_to_alls}
+
+
+def _train(layout, ep, balance, options):
     pp, tp, dp = layout
     topo = hybridpar.init(pp=pp, tp=tp, dp=dp, ep=ep, timeout=60)
     torch.manual_seed(0)
@@ -95,6 +125,21 @@ def test_expert_parallel_moe_gpt_equals_one_device(layout, ep, balance, options,
         for k, v in reference.items():
             torch.testing.assert_close(r["state"][k], v, atol=1e-9, rtol=0,
                                        msg=lambda m, k=k: f"{k}: {m}")
+    assert_nccl_order(results)
+
+
+def assert_nccl_order(results) -> None:
+    """NCCL's rule for a collective, checked on the record: every rank of an ep group issues
+    the same number of all-to-alls on it, and the k-th of rank a sends to rank b exactly the
+    rows the k-th of b expects from a."""
+    for rank, r in enumerate(results):
+        assert r["all_to_alls"], rank
+        for k, (ranks, sent, _) in enumerate(r["all_to_alls"]):
+            me = ranks.index(rank)
+            for peer, other in enumerate(ranks):
+                theirs = results[other]["all_to_alls"]
+                assert len(theirs) == len(r["all_to_alls"]), (rank, other)
+                assert theirs[k][0] == ranks and theirs[k][2][me] == sent[peer], (rank, k)
 
 
 # the trainer: a meta-built run at ep 2, resumed at ep 1 ------------------------------------
