@@ -78,7 +78,7 @@ class MoE(nn.Module):
         if self.group is None:
             done = self.experts(copies, counts)                              # (N·k, H)
         else:                                           # to the experts' ranks and back
-            plan = dispatch_plan(counts, self.group)
+            plan = dispatch_plan(counts, self.group, copies.shape[0])
             mine = self.experts(plan.to_experts(copies, self.group), plan.local_counts)
             done = plan.back(mine, self.group)                               # (N·k, H)
         out = combine(done, routing.weights, order)                          # (N, H)

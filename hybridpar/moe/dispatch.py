@@ -32,9 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from hybridpar import trace
+from hybridpar.moe.grouped import even_split
 
 __all__ = ["DispatchPlan", "all_to_all", "dispatch_plan"]
 
@@ -97,8 +99,8 @@ class DispatchPlan:
         return all_to_all(out[self.inverse], self.send, self.receive, group)
 
 
-def dispatch_plan(counts: Tensor, group: ProcessGroup) -> DispatchPlan:
-    """The plan of a dispatch whose copies, sorted by expert, number `counts` (E,) per
+def dispatch_plan(counts: Tensor, group: ProcessGroup, rows: int) -> DispatchPlan:
+    """The plan of a dispatch whose `rows` copies, sorted by expert, number `counts` (E,) per
     expert: the counts exchanged (step 1), the splits and the regrouping read from them."""
     P = dist.get_world_size(group)
     E = counts.shape[0]
@@ -107,8 +109,11 @@ def dispatch_plan(counts: Tensor, group: ProcessGroup) -> DispatchPlan:
     with trace.collective("all_to_all", _sent([L] * P, counts.view(E, 1), group)):
         dist.all_to_all_single(received, counts.contiguous(), group=group)
     sizes = received.view(P, L)                                      # (source, expert)
-    host = sizes.tolist()
-    send = counts.view(P, L).sum(1).tolist()
+    if is_fake(counts):   # a dry run (no values): the balanced routing, as much each way
+        send = even_split(rows, P)
+        host = [even_split(send[dist.get_rank(group)], L) for _ in range(P)]
+    else:
+        host, send = sizes.tolist(), counts.view(P, L).sum(1).tolist()
     # received rows: source-major; wanted: expert-major, sources in order within an expert
     starts, offset = [[0] * L for _ in range(P)], 0
     for s in range(P):
@@ -119,4 +124,5 @@ def dispatch_plan(counts: Tensor, group: ProcessGroup) -> DispatchPlan:
               for e in range(L) for s in range(P)]
     order = torch.cat(pieces).to(counts.device) if pieces else \
         torch.zeros(0, dtype=torch.int64, device=counts.device)
-    return DispatchPlan(send, [sum(row) for row in host], sizes.sum(0), order)
+    local = torch.tensor([sum(col) for col in zip(*host)], device=counts.device)
+    return DispatchPlan(send, [sum(row) for row in host], local, order)

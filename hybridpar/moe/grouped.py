@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["grouped_linear", "uses_grouped_mm"]
+__all__ = ["even_split", "grouped_linear", "host_counts", "uses_grouped_mm"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -32,6 +33,20 @@ def uses_grouped_mm(x: Tensor) -> bool:
     """Whether `grouped_linear` runs torch's grouped kernel for `x` (else the loop)."""
     return (x.is_cuda and x.dtype in _KERNEL_DTYPES
             and hasattr(torch.nn.functional, "grouped_mm"))
+
+
+def host_counts(counts: Tensor, total: int) -> list[int]:
+    """`counts` read on the host (a sync on a GPU). A fake tensor (`hybridpar check`'s dry
+    run, which has no values) reads as an even split of `total` rows, the first ones one
+    more: the balanced routing the dry run's memory assumes."""
+    if is_fake(counts):
+        return even_split(total, counts.shape[0])
+    return [int(c) for c in counts.tolist()]
+
+
+def even_split(total: int, n: int) -> list[int]:
+    """`total` rows over `n` groups, the first ``total % n`` one more."""
+    return [total // n + (i < total % n) for i in range(n)]
 
 
 def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, *,
@@ -43,7 +58,7 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: Tensor, *,
         offsets = counts.cumsum(0).to(torch.int32)                       # end of each group
         return F.grouped_mm(x, w, offs=offsets)
     parts = [rows @ weight[e] if transposed else F.linear(rows, weight[e])
-             for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
+             for e, rows in enumerate(x.split(host_counts(counts, x.shape[0]))) if rows.shape[0]]
     if not parts:   # no rows: still a product, so the backward reaches x (and every
         # rank of an ep group runs the same all-to-alls in its backward)
         return x @ weight[0] if transposed else F.linear(x, weight[0])

@@ -85,7 +85,8 @@ __all__ = [
 ]
 
 GiB = 2**30
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast",
+               "all_to_all")
 _P2P = ("p2p_send", "p2p_recv")   # payloads: every step's (headers: new shapes only)
 
 
@@ -136,8 +137,7 @@ def steady_state(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tens
                 p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    buckets = _buckets(pipe)
-    if buckets is not None:
+    for buckets in _buckets(pipe):
         buckets.finish()
     return [*optimizer_state_tensors(optimizer), *_bucket_buffers(pipe)]
 
@@ -158,15 +158,16 @@ def held_bytes(pipe: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, i
                                        if t.device.type == device))
 
 
-def _buckets(pipe: nn.Module) -> Any:
-    """The pipe's `pipeline.parameters.reduce.GradBuckets`."""
-    return getattr(pipe, "_dp_buckets", None)
+def _buckets(pipe: nn.Module) -> list[Any]:
+    """The pipe's `pipeline.parameters.reduce.GradBuckets`: the dp buckets, and the experts'
+    (expert parallelism: reduced over the dp ranks holding the same experts)."""
+    return [b for b in (getattr(pipe, "_dp_buckets", None),
+                        getattr(pipe, "_expert_buckets", None)) if b is not None]
 
 
 def _bucket_buffers(pipe: nn.Module) -> list[Tensor]:
-    """The flat buffers of the pipe's dp buckets (where its gradients live at dp > 1)."""
-    buckets = _buckets(pipe)
-    return buckets.buffers() if buckets is not None else []
+    """The flat buffers of the pipe's buckets (where its gradients live at dp > 1)."""
+    return [t for buckets in _buckets(pipe) for t in buckets.buffers()]
 
 
 

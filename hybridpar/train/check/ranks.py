@@ -40,6 +40,7 @@ from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.activations.kept import SavedActivations
 from hybridpar.pipeline.runtime.microbatch import signature, split_batch
 from hybridpar.pipeline.schedules.layout import Layout
+from hybridpar.process.mesh import expert_groups
 from hybridpar.topology import ParallelDims, Topology, using
 from hybridpar.train.check.failure import CheckError, LayerStack, failure
 from hybridpar.train.check.fake_gpu import FakeCuda, FakeFunctions, clear_cast_cache, fake_gpu
@@ -73,7 +74,7 @@ class DryRun:
         self.config, self.device_kind, self.memory_gib = config, device, memory_gib
         self.model = model
         par = config.parallel
-        self.dims = ParallelDims(dp=par.dp or 1, pp=par.pp, tp=par.tp)
+        self.dims = ParallelDims(dp=par.dp or 1, pp=par.pp, tp=par.tp, ep=par.ep)
         self.notes: list[str] = []
         self.shapes = ShapePass()
         self.logs: dict[int, list[Any]] = {}
@@ -152,7 +153,10 @@ class DryRun:
             device = torch.device("cpu") if device_type == "cpu" else \
                 torch.device(device_type, 0)
             timeout = datetime.timedelta(seconds=self.config.parallel.timeout)
-            topo = Topology(dims, rank, mesh, timeout=timeout, device=device)
+            groups = expert_groups(dims.dp, dims.ep, dims.pp, dims.tp, rank,
+                                   timeout=timeout) if dims.ep > 1 else None
+            topo = Topology(dims, rank, mesh, timeout=timeout, device=device,
+                            expert_groups=groups)
             with using(topo), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
                     FakeFunctions(mode):
                 return body(topo, mode)
