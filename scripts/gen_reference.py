@@ -102,7 +102,8 @@ def _model_tables() -> list[str]:
     builders = {**MODELS, **{f"hf:{k}": v for k, v in FAMILIES.items()}}
     for name, fn in builders.items():
         params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in ("tp", "group")]
+                  if p.kind is inspect.Parameter.KEYWORD_ONLY
+                  and p.name not in ("tp", "group", "ep", "ep_group")]
         doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
         options = ", ".join(f"`{p.name}={p.default!r}`" for p in params)
         lines.append(f"- `{name}`: {doc} Options: {options}.")

@@ -56,7 +56,8 @@ __all__ = ["INITS", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "Da
            "Where", "load_config", "load_resolved", "write_resolved"]
 
 
-_SET_BY_PARALLEL = ("tp", "group")   # model options the trainer fills from [parallel]
+# model options the trainer fills from [parallel]
+_SET_BY_PARALLEL = ("tp", "group", "ep", "ep_group")
 _RUN_KEYS = ("name", "init")         # [model] keys of the run, not options of the builder
 
 
@@ -124,7 +125,8 @@ def _model_section(table: Mapping[str, Any], where: Where) -> ModelConfig:
         if key in _RUN_KEYS:
             continue
         if key in _SET_BY_PARALLEL:
-            raise where.error(f"{full} is set from [parallel]: use parallel.tp", full)
+            raise where.error(f"{full} is set from [parallel]: use parallel."
+                              f"{'ep' if key.startswith('ep') else 'tp'}", full)
         if key not in options:
             raise where.unknown(f"option of model {name!r}:", key, [*_RUN_KEYS, *options],
                                 prefix="model.")
