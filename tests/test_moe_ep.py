@@ -180,6 +180,18 @@ def test_a_run_at_ep2_resumed_at_ep1_trains_as_a_run_at_ep1(tmp_path):
         assert len(rank["ep2 then ep1"]) == 6
         assert rank["ep2"] == pytest.approx(rank["ep1"], rel=1e-6)
         assert rank["ep2 then ep1"] == pytest.approx(rank["ep1"], rel=1e-6)
+    # the metrics: each step's aux loss and each MoE layer's [fewest, most] copies an expert got
+    import json
+
+    records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text()
+               .splitlines() if '"loss"' in line]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    copies = 8 * 8 * 2                        # batch rows x tokens x top-k, over both replicas
+    for r in records:
+        assert r["aux_loss"] > 0
+        assert sorted(r["expert_load"]) == ["1", "2"]
+        assert all(0 <= low <= copies / 4 <= high <= copies
+                   for low, high in r["expert_load"].values())
 
 
 # the config's checks ---------------------------------------------------------------------

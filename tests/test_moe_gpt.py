@@ -161,3 +161,39 @@ def test_bad_expert_numbers_are_refused(kwargs, message):
 def test_sequence_parallel_with_experts_is_refused():
     with pytest.raises(ValueError, match="does not take experts yet"):
         gpt(**MOE, tp=2, sequence_parallel=True)
+
+
+def _routing_worker(checkpoint):
+    from hybridpar.moe.observe import RoutingLog
+
+    topo = hybridpar.init(pp=2, timeout=60)
+    pipe = hybridpar.HybridPipe(_model(False), [3, 4], topology=topo, loss_fn=gpt_loss,
+                                chunks=2, schedule="1f1b", checkpoint=checkpoint)
+    log = RoutingLog(pipe, layers=7, n_experts=MOE["n_experts"])
+    x, y = _batches(False)[0]
+    log.reset()
+    pipe.train_step(x, y)
+    counts = {layer: float(c.sum()) for layer, c in log.counts.items()}
+    aux = len(log.aux)
+    taken = log.take(topo)
+    pipe.eval()
+    pipe.eval_step(x, y)                       # evaluation: not recorded
+    return {"counts": counts, "aux": aux, "taken": taken, "after_eval": dict(log.counts)}
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_the_routing_log_counts_each_forward_once_and_every_layer(checkpoint):
+    """Each MoE layer's copies per expert over a step: B · T · k copies, once per
+    micro-batch even when checkpointing runs its forward again in the backward; the aux loss
+    of each micro-batch on the last stage; every layer's [fewest, most] on every rank."""
+    stage0, stage1 = hybridpar.spawn(_routing_worker, 2, args=(checkpoint,), timeout=120)
+    copies = BATCH * MOE["block_size"] * MOE["top_k"]
+    assert stage0["counts"] == {1: copies, 2: copies}
+    assert stage1["counts"] == {3: copies, 4: copies}
+    assert (stage0["aux"], stage1["aux"]) == (0, 2)             # chunks = 2, on the head's rank
+    for r in (stage0, stage1):
+        assert sorted(r["taken"]["expert_load"]) == ["1", "2", "3", "4"]
+        for low, high in r["taken"]["expert_load"].values():
+            assert 0 <= low <= copies / MOE["n_experts"] <= high <= copies
+        assert r["after_eval"] == {}
+    assert "aux_loss" in stage1["taken"] and "aux_loss" not in stage0["taken"]

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from hybridpar.comm.agreement import fail_together
 from hybridpar.data.windows import PaddedExamples, TokenWindows
+from hybridpar.moe.observe import RoutingLog
 from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.schedules.layout import Layout
@@ -91,6 +92,10 @@ class RunState:
         self.optimizer = build_optimizer(self.pipe, config)
         self.step = 0
         self.layers = self.pipe.layers
+        experts = config.model.args.get("n_experts", 0) if config.model.name == "gpt" else 0
+        #: each step's expert load and aux loss, for the metrics (a model with experts)
+        self.routing = RoutingLog(self.pipe, layers=sum(self.pipe.balance),
+                                  n_experts=experts) if experts else None
 
     def counting(self, targets: Tensor) -> contextlib.AbstractContextManager[Any]:
         """The block of a step on `targets`: with a loss mask, its micro-batch losses add up

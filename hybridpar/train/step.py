@@ -63,6 +63,8 @@ def train_step(run: RunState, autocast: Any, trace: TraceRequest | None) -> dict
         group["lr"] = lr
     x, y = run.batches.next_batch()
     x, y = pinned(run.pipe.device, x, y)   # on a GPU: the pipe's copies overlap compute
+    if run.routing is not None:
+        run.routing.reset()
     run.optimizer.zero_grad(set_to_none=True)
     reset_comm_stats()
     with traced_step(run.pipe, trace, step=step, last=cfg.steps), autocast, run.counting(y):

@@ -132,6 +132,8 @@ def _train(config: Config, run_dir: Path, topo: Topology, *, init_from: str | No
                 stopped is not None
             show = run.step % cfg.log_every == 0 or run.step == cfg.steps or evaluate or \
                 "skipped" in record or stopped is not None
+            if show and run.routing is not None:   # every rank: a collective over pp, dp
+                record.update(run.routing.take(run.topo))
             if show or save or run.step == last:   # never a checkpoint of a non-finite step
                 resolve(pending, clipped=bool(cfg.grad_clip), first=start + 1)
                 losses.extend(r["loss"] for r in pending)
