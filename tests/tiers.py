@@ -199,6 +199,11 @@ CAMPAIGN: dict[str, str] = {
     _LAYOUTS + "*-pp1tp2-gpipe-": "test_hf_layouts.py's pp2tp2-1f1b-auto and -hf of each "
                                   "family",
     _LAYOUTS + "*-pp2tp2-zbv-hf]": "test_hf_layouts.py's pp2tp2-zbv-auto of each family",
+    # experts: the suite keeps gpipe, 1f1b, zbv, tp 2, dp 2 and packed documents
+    "tests/test_moe_gpt.py::test_the_moe_gpt_pipeline_equals_one_device[*-interleaved-":
+        "its zbv case (virtual stages) and the other schedules",
+    "tests/test_moe_gpt.py::test_the_moe_gpt_pipeline_equals_one_device[*-zb-h1-":
+        "its zbv case (split backward) and the other schedules",
 }
 
 
