@@ -2,7 +2,8 @@
 
 Model FLOPs (PaLM's MFU, Chowdhery et al. 2022, appendix B), per token of a training step::
 
-    6 N + 12 L h s    N: parameters that multiply (all but those of embedding lookups);
+    6 N + 12 L h s    N: parameters that multiply (all but those of embedding lookups;
+                      of experts, the top_k / E a token routes through);
                       L blocks; h the hidden size; s the sequence length
                       (attention: q k^T and att v, 2 s h FLOPs each per token per block,
                       forward; the causal half is counted too)
@@ -52,19 +53,22 @@ def _is_lookup(module: nn.Module) -> bool:
 
 
 def matmul_params(layers: Iterable[nn.Module]) -> int:
-    """Parameters of `layers` that multiply: all but those only embedding lookups hold (a
-    head tied to the token embedding multiplies, so its weight counts once)."""
+    """Parameters of `layers` that multiply a token: all but those only embedding lookups
+    hold (a head tied to the token embedding multiplies, so its weight counts once), and of
+    a mixture of experts' experts the share a token goes through (their `routed`: top_k / E,
+    set by `hybridpar.moe.MoE`): the active parameters."""
     seen: set[int] = set()
-    total = 0
+    total = 0.0
     for layer in layers:
         for module in layer.modules():
             if _is_lookup(module):
                 continue
+            share = float(getattr(module, "routed", 1.0))
             for p in module.parameters(recurse=False):
                 if id(p) not in seen:
                     seen.add(id(p))
-                    total += p.numel()
-    return total
+                    total += p.numel() * share
+    return round(total)
 
 
 def flops_per_token(params: int, blocks: int, n_embd: int, seq: int) -> float:

@@ -197,3 +197,14 @@ def test_the_routing_log_counts_each_forward_once_and_every_layer(checkpoint):
             assert 0 <= low <= copies / MOE["n_experts"] <= high <= copies
         assert r["after_eval"] == {}
     assert "aux_loss" in stage1["taken"] and "aux_loss" not in stage0["taken"]
+
+
+def test_model_flops_count_the_experts_a_token_routes_through():
+    """6 N counts the active parameters: of each block's E experts, top_k."""
+    from hybridpar.flops import matmul_params
+
+    model = _model(False)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    rest = matmul_params([model]) - experts * MOE["top_k"] // MOE["n_experts"]
+    lookups = sum(p.numel() for n, p in model.named_parameters() if n.startswith("0."))
+    assert rest == sum(p.numel() for p in model.parameters()) - experts - lookups

@@ -68,6 +68,7 @@ class MoE(nn.Module):
                 f"{experts.first + experts.local - 1} of {experts.n_experts}")
         self.router, self.experts, self.shared = router, experts, shared
         self.group = group if P > 1 else None
+        experts.routed = router.top_k / E          # the share of the experts a token uses
 
     def forward(self, x: Tensor, stats: Tensor | None = None
                 ) -> Tensor | tuple[Tensor, Tensor]:

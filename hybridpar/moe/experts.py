@@ -50,6 +50,9 @@ class Experts(nn.Module):
         self.n_experts, self.first, self.local = n_experts, first, local
         self.hidden, self.intermediate = hidden, intermediate
         self.layout, self.activation, self.alpha, self.limit = layout, activation, alpha, limit
+        #: the share of these weights one token multiplies (top_k / E: set by its `MoE`);
+        #: model FLOPs count the active parameters (`hybridpar.flops.matmul_params`)
+        self.routed = 1.0
         gpt_oss = layout == "gpt_oss"
         self.gate_up_proj = nn.Parameter(torch.empty(
             (local, hidden, 2 * intermediate) if gpt_oss else (local, 2 * intermediate, hidden)))
