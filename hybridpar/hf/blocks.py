@@ -8,6 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hybridpar.hf.structure import config_value
+from hybridpar.moe.balance_loss import empty_stats
+from hybridpar.moe.carry import join_carry, split_carry
 from hybridpar.packing import document_segments, split_positions
 from hybridpar.sharded.attrs import SEQUENCE, get_parallel_dim, register_parallel_dim
 
@@ -61,6 +64,11 @@ class DecoderBlock(nn.Module):
     hf_layer: nn.Module
     hf_rotary: nn.Module | None
     keep_positions: bool = True
+    #: a model with experts (`to_sequential`): the routing sums travel with the hidden state
+    #: (`hybridpar.moe.carry`); the first block starts them, a sparse one (`moe`) adds its own
+    carries: bool = False
+    starts: bool = False
+    moe: Any = None
     #: sequence parallelism (`hf.sequence`): the tp group's size; the hidden states are
     #: (B, T / tp, D) and the mask and positions those of the full T (0: off)
     sequence_parallel: int = 0
@@ -86,10 +94,23 @@ class DecoderBlock(nn.Module):
             "layer_type" in inspect.signature(rotary.forward).parameters
         self.train(layer.training)
 
-    def forward(self, hidden: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, hidden: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        if not self.carries:
+            states, packed = split_positions(hidden)
+            return self._run(states, packed, None)
+        states, packed, stats = split_carry(hidden, moe=not self.starts)
+        if stats is None:                                        # the first block: zeros
+            stats = empty_stats(self.config_experts, device=states.device)
+        return self._run(states, packed, stats)
+
+    @property
+    def config_experts(self) -> int:
+        return int(config_value(self.config, "num_local_experts", "num_experts"))
+
+    def _run(self, states: Tensor, packed: Tensor | None, stats: Tensor | None
+             ) -> Tensor | tuple[Tensor, ...]:
         from transformers import masking_utils
 
-        states, packed = split_positions(hidden)
         make_mask = (masking_utils.create_sliding_window_causal_mask
                      if self.attention_type == "sliding_attention"
                      else masking_utils.create_causal_mask)
@@ -112,13 +133,17 @@ class DecoderBlock(nn.Module):
         if self.hf_rotary is not None:                          # cos, sin (per layer type)
             by_type = (self.attention_type,) if self.rotary_by_type else ()
             kwargs["position_embeddings"] = self.hf_rotary(states, positions, *by_type)
-        out: Tensor = self.hf_layer(states, attention_mask=mask, position_ids=positions,
-                                    **kwargs)
+        if self.moe is not None:                                # its routing sums added
+            self.moe.stats = stats
+        try:
+            out: Tensor = self.hf_layer(states, attention_mask=mask, position_ids=positions,
+                                        **kwargs)
+        finally:
+            if self.moe is not None:
+                stats, self.moe.stats = self.moe.stats, None
         if self.sequence_parallel:                              # the residual sum lost it
             register_parallel_dim(out, SEQUENCE)
-        if packed is None or not self.keep_positions:
-            return out
-        return out, packed
+        return join_carry(out, packed if self.keep_positions else None, stats)
 
     def train(self, mode: bool = True) -> DecoderBlock:
         super().train(mode)

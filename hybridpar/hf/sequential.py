@@ -12,6 +12,8 @@ from hybridpar.hf.attention import route_attention
 from hybridpar.hf.blocks import DecoderBlock, TokenPositionEmbedding
 from hybridpar.hf.glue import GLUE, Glue, InputLayer, LogitsLayer, glue_of
 from hybridpar.hf.structure import attention_type, num_layers, structure_of
+from hybridpar.moe.carry import AuxOutput, Carried
+from hybridpar.moe.hf_blocks import hf_moe
 
 __all__ = ["to_sequential"]
 
@@ -76,7 +78,10 @@ def to_sequential(model: nn.Module, *, glue: Sequence[Glue] = GLUE) -> nn.Sequen
         for i, layer in enumerate(layers)
     ]
     output = LogitsLayer({parts.head: head}, logits_glue) if logits_glue else head
-    sequential = nn.Sequential(embedding, *blocks, getattr(base, parts.norm), output)
+    norm = getattr(base, parts.norm)
+    if _with_experts(blocks, config):   # the routing sums travel from block to block
+        norm, output = Carried(norm), AuxOutput(output, coef=_aux_coef(config))
+    sequential = nn.Sequential(embedding, *blocks, norm, output)
     sequential.train(model.training)
     return sequential
 
@@ -87,3 +92,27 @@ def _copy_rotary(rotary: nn.Module) -> nn.Module:
     if getattr(rotary, "config", None) is not None:
         memo[id(rotary.config)] = rotary.config
     return copy.deepcopy(rotary, memo)
+
+
+def _with_experts(blocks: list[DecoderBlock], config: Any) -> bool:
+    """Make each sparse block's MoE block hybridpar's view (`hybridpar.moe.hf_blocks`) and
+    let every block carry the routing sums; whether the model has experts at all."""
+    sparse = False
+    for block in blocks:
+        found = hf_moe(block.hf_layer, config)
+        if found is not None:
+            name, view = found
+            setattr(block.hf_layer, name, view)     # the block shares the layer's children
+            object.__setattr__(block, "moe", view)  # not registered again: it is one of them
+            sparse = True
+    for i, block in enumerate(blocks):
+        block.carries, block.starts = sparse, sparse and i == 0
+    return sparse
+
+
+def _aux_coef(config: Any) -> float:
+    """The load-balancing loss's weight: Hugging Face adds it when the config asks for the
+    router logits (``output_router_logits``), as ``router_aux_loss_coef``; else 0."""
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)

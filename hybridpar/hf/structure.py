@@ -32,9 +32,7 @@ __all__ = ["UNSUPPORTED", "Structure", "attention_type", "config_value", "num_la
 UNSUPPORTED = {
     "ForConditionalGeneration": "a multi-modal model (vision / audio towers)",
     "kv_lora_rank": "multi-head latent attention",
-    "num_experts": "a mixture of experts",
-    "num_local_experts": "a mixture of experts",
-    "n_routed_experts": "a mixture of experts",
+    "n_routed_experts": "a mixture of experts with routed and shared experts (DeepSeek)",
     "hidden_size_per_layer_input": "per-layer inputs (Gemma 3n)",
     "linear_num_key_heads": "linear-attention layers",
     "mamba_n_heads": "state-space (Mamba) layers",

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.models.gpt_moe import head_output, join_carry, split_carry
 from hybridpar.moe import MoE, empty_stats
+from hybridpar.moe.carry import head_output, join_carry, split_carry
 from hybridpar.packing import document_mask, split_positions
 from hybridpar.recompute import recompute_core
 from hybridpar.sharded.attrs import (

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from hybridpar.moe import Experts, MoE, Router, balance_loss
+from hybridpar.moe import Experts, MoE, Router
 
-__all__ = ["StatsLayerNorm", "gpt_moe", "head_output", "join_carry", "split_carry"]
+__all__ = ["StatsLayerNorm", "gpt_moe"]
 
 
 def gpt_moe(n_embd: int, n_experts: int, top_k: int, expert_hidden: int | None, *,
@@ -41,36 +41,6 @@ def gpt_moe(n_embd: int, n_experts: int, top_k: int, expert_hidden: int | None, 
     return MoE(Router(n_embd, n_experts, top_k, scoring="softmax", normalize=True),
                Experts(n_experts, n_embd, hidden, activation="silu", first=rank * local,
                        local=local), group=group)
-
-
-def split_carry(x: Tensor | tuple[Tensor, ...], moe: bool
-                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """What a block receives -> (hidden, positions or None, stats or None) (table above)."""
-    if not isinstance(x, tuple):
-        return x, None, None
-    if moe and len(x) == 2:
-        return x[0], None, x[1]
-    if moe and len(x) == 3:
-        return x[0], x[1], x[2]
-    if not moe and len(x) == 2:
-        return x[0], x[1], None
-    raise TypeError(f"a GPT block got a tuple of {len(x)} tensors; it takes x, (x, positions), "
-                    "or with experts (x, stats) / (x, positions, stats)")
-
-
-def join_carry(h: Tensor, positions: Tensor | None, stats: Tensor | None
-               ) -> Tensor | tuple[Tensor, ...]:
-    """The inverse of `split_carry`: what a block hands on."""
-    rest = tuple(t for t in (positions, stats) if t is not None)
-    return (h, *rest) if rest else h
-
-
-def head_output(logits: Tensor, stats: Tensor | None, coef: float, training: bool
-                ) -> Tensor | tuple[Tensor, Tensor]:
-    """The head's output: logits, or in training with experts (logits, coef · balance)."""
-    if stats is None or not training:
-        return logits
-    return logits, (balance_loss(stats) * coef).reshape(1)
 
 
 class StatsLayerNorm(nn.LayerNorm):

@@ -111,5 +111,5 @@ def combine(out: Tensor, weights: Tensor, order: Tensor) -> Tensor:
     """The experts' outputs (N·k, H) in `group_by_expert`'s `order`, weights (N, k) ->
     (N, H): each token's copies weighted and summed, in expert order."""
     N = weights.shape[0]
-    weighted = out * weights.t().reshape(-1)[order].unsqueeze(-1)       # (N·k, H)
+    weighted = (out * weights.t().reshape(-1)[order].unsqueeze(-1)).to(out.dtype)  # (N·k, H)
     return out.new_zeros(N, out.shape[-1]).index_add_(0, order % N, weighted)

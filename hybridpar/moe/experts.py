@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from hybridpar.moe.grouped import grouped_linear
 from hybridpar.sharded.attrs import register_expert_shard
 
-__all__ = ["ACTIVATIONS", "LAYOUTS", "Experts"]
+__all__ = ["ACTIVATIONS", "LAYOUTS", "Experts", "expert_mlp", "gated"]
 
 LAYOUTS = ("fused", "gpt_oss")
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "gelu": F.gelu,
@@ -85,15 +85,13 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x (N, H) grouped by local expert, counts (local,) -> (N, H) each row's expert MLP."""
-        transposed = self.layout == "gpt_oss"
-        h = grouped_linear(x, self.gate_up_proj, counts, transposed=transposed)  # (N, 2I)
-        if transposed:
-            h = self._clamped_swiglu(h + _per_row(self.gate_up_proj_bias, counts))
-        else:
-            gate, up = h.chunk(2, dim=-1)                                       # (N, I) each
-            h = ACTIVATIONS[self.activation](gate) * up
-        out = grouped_linear(h, self.down_proj, counts, transposed=transposed)   # (N, H)
-        return (out + _per_row(self.down_proj_bias, counts)) if transposed else out
+        if self.layout == "gpt_oss":
+            return expert_mlp(x, counts, self.gate_up_proj, self.down_proj,
+                              gate=self._clamped_swiglu, transposed=True,
+                              biases=(self.gate_up_proj_bias, self.down_proj_bias))
+        act = ACTIVATIONS[self.activation]
+        return expert_mlp(x, counts, self.gate_up_proj, self.down_proj,
+                          gate=lambda h: gated(h, act))
 
     def _clamped_swiglu(self, h: Tensor) -> Tensor:
         gate = h[..., ::2].clamp(max=self.limit)
@@ -105,8 +103,24 @@ class Experts(nn.Module):
                 f"hidden={self.hidden}, intermediate={self.intermediate}, layout={self.layout}")
 
 
-def _per_row(bias: Tensor | None, counts: Tensor) -> Tensor:
-    """bias (E, d) repeated for each expert's rows: (N, d)."""
-    assert bias is not None
-    return bias.repeat_interleave(counts, dim=0)
+def gated(h: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
+    """The fused layout's gate: h (N, 2I) = [gate | up] -> act(gate) * up (N, I)."""
+    gate, up = h.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def expert_mlp(x: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *,
+               gate: Callable[[Tensor], Tensor], transposed: bool = False,
+               biases: tuple[Tensor | None, Tensor | None] = (None, None)) -> Tensor:
+    """Each expert's MLP on its rows: x (N, H) grouped by expert (`counts`), the fused
+    weights `gate_up` / `down` of the layout (module docstring), `gate` (N, 2I) -> (N, I),
+    optional biases (E, 2I) / (E, H) -> (N, H). What `Experts` runs, and the Hugging Face
+    blocks with their own weights and gates (`hybridpar.moe.hf_blocks`)."""
+    h = grouped_linear(x, gate_up, counts, transposed=transposed)         # (N, 2I)
+    if biases[0] is not None:
+        h = h + biases[0].repeat_interleave(counts, dim=0)
+    out = grouped_linear(gate(h), down, counts, transposed=transposed)    # (N, H)
+    if biases[1] is not None:
+        out = out + biases[1].repeat_interleave(counts, dim=0)
+    return out
 

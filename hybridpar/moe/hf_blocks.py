@@ -1,0 +1,120 @@
+"""Hugging Face's sparse MoE blocks run by hybridpar: their modules and weights, our routing.
+
+A view of the block replaces it in its decoder layer: it shares the block's children (so
+every state-dict name stays Hugging Face's: ``mlp.gate.weight``, ``mlp.experts.gate_up_proj``)
+and runs its forward with the block's own router, expert weights and gate, but grouped by
+expert (`hybridpar.moe.grouped`), dropless, and adding its routing sums (the load-balancing
+loss's, `hybridpar.moe.balance_loss`) to `stats` when the decoder block hands them in:
+
+    block class              router    shared expert (+ sigmoid gate)         returns
+    MixtralSparseMoeBlock    gate      -                                      out
+    Qwen2MoeSparseMoeBlock   gate      shared_expert (shared_expert_gate)     out
+    Qwen3MoeSparseMoeBlock   gate      -                                      out
+    OlmoeSparseMoeBlock      gate      -                                      out
+    GraniteMoeMoE            router    -                                      out
+    GptOssMLP                router    -  (transposed experts, biases)        (out, scores)
+
+In float64 each equals the block's own forward to the last bits (tests/test_moe_hf.py).
+Mixtral's router jitter (training noise) is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from hybridpar.moe.balance_loss import routing_stats
+from hybridpar.moe.block import combine, group_by_expert
+from hybridpar.moe.experts import expert_mlp, gated
+
+__all__ = ["RECIPES", "HFMoE", "Recipe", "hf_moe"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Where a sparse block keeps its parts (module docstring's table)."""
+
+    router: str = "gate"
+    shared: str | None = None
+    shared_gate: str | None = None
+    transposed: bool = False          # GPT-OSS: (E, H, 2I) experts with biases
+    returns_scores: bool = False      # GPT-OSS: the decoder layer unpacks (out, scores)
+
+
+RECIPES: dict[str, Recipe] = {
+    "MixtralSparseMoeBlock": Recipe(),
+    "Qwen2MoeSparseMoeBlock": Recipe(shared="shared_expert", shared_gate="shared_expert_gate"),
+    "Qwen3MoeSparseMoeBlock": Recipe(),
+    "OlmoeSparseMoeBlock": Recipe(),
+    "GraniteMoeMoE": Recipe(router="router"),
+    "GptOssMLP": Recipe(router="router", transposed=True, returns_scores=True),
+}
+
+
+class HFMoE(nn.Module):
+    """A Hugging Face sparse block run as hybridpar's MoE (module docstring). `top_k`: the
+    router's k. Set `stats` before a forward to have this layer's routing sums added: the
+    sum is in `stats` after it."""
+
+    hf_block: nn.Module   # the wrapped module, not registered (a view)
+
+    def __init__(self, block: nn.Module, recipe: Recipe, *, top_k: int) -> None:
+        super().__init__()
+        if block._parameters or block._buffers:
+            raise ValueError(f"{type(block).__name__} holds tensors of its own; the MoE view "
+                             "expects them all in its children")
+        if getattr(block, "jitter_noise", 0.0):
+            raise ValueError(f"{type(block).__name__} has router_jitter_noise = "
+                             f"{block.jitter_noise}: random noise on the routed inputs is not "
+                             "supported; set it to 0")
+        self._modules = block._modules                   # one dict for both: the same children
+        object.__setattr__(self, "hf_block", block)
+        self.recipe, self.top_k = recipe, top_k
+        self.stats: Tensor | None = None
+        self.train(block.training)
+
+    def forward(self, hidden: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        shape = hidden.shape
+        flat = hidden.reshape(-1, shape[-1])                             # (N, H)
+        parts: dict[str, Any] = dict(self._modules)
+        logits, weights, chosen = parts[self.recipe.router](flat)
+        experts = parts["experts"]
+        copies, counts, order = group_by_expert(flat, chosen, logits.shape[-1])
+        if self.recipe.transposed:
+            done = expert_mlp(copies, counts, experts.gate_up_proj, experts.down_proj,
+                              gate=experts._apply_gate, transposed=True,
+                              biases=(experts.gate_up_proj_bias, experts.down_proj_bias))
+        else:
+            done = expert_mlp(copies, counts, experts.gate_up_proj, experts.down_proj,
+                              gate=lambda h: gated(h, experts.act_fn))
+        out = combine(done, weights, order)                              # (N, H)
+        if self.recipe.shared is not None:
+            shared = parts[self.recipe.shared](flat)
+            if self.recipe.shared_gate is not None:
+                shared = parts[self.recipe.shared_gate](flat).sigmoid() * shared
+            out = out + shared
+        if self.stats is not None:
+            self.stats = self.stats + routing_stats(logits, self.top_k)
+        out = out.reshape(shape)
+        return (out, weights) if self.recipe.returns_scores else out
+
+    def extra_repr(self) -> str:
+        return f"{type(self.hf_block).__name__}, top_k={self.top_k}"
+
+
+def hf_moe(layer: nn.Module, config: Any) -> tuple[str, HFMoE] | None:
+    """A decoder layer's sparse block as an `HFMoE`: (its attribute, the view) — None for a
+    layer without one (a dense layer of a model that mixes them). A block of a class not in
+    `RECIPES` in a model with experts is a `ValueError` naming it."""
+    for name, child in layer.named_children():
+        kind = type(child).__name__
+        if kind in RECIPES:
+            top_k = int(config.num_experts_per_tok)
+            return name, HFMoE(child, RECIPES[kind], top_k=top_k)
+        if "experts" in child._modules:
+            raise ValueError(f"{type(layer).__name__}.{name} is a mixture-of-experts block "
+                             f"({kind}) hybridpar does not run yet; the supported ones: "
+                             f"{', '.join(sorted(RECIPES))}")
+    return None

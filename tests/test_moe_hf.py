@@ -1,0 +1,139 @@
+"""Hugging Face mixtures of experts through `to_sequential` and HybridPipe, against the plain
+transformers model (float64, 3 AdamW steps, every parameter to 1e-9), the load-balancing
+loss on (``output_router_logits``, ``router_aux_loss_coef`` = 0.1).
+
+The reference is the HF model on one device fed the same micro-batches with their gradients
+accumulated: each micro-batch's loss is its mean cross-entropy plus the coefficient times
+HF's own ``aux_loss`` (`load_balancing_loss_func` over that forward's router logits), over
+the number of micro-batches. Every sparse block runs as hybridpar's view of it
+(`hybridpar.moe.hf_blocks`: the block's own router and weights, grouped experts, the routing
+sums carried across the stages to the head).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from spawn_cases import selected_ids, spawn_cases
+
+import hybridpar
+from hybridpar.models import gpt_loss
+
+from pipe_harness import checked_step
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, BATCH, SEQ, V = 3, 4, 8, 64
+COMMON = dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True,
+              router_aux_loss_coef=0.1, max_position_embeddings=64, pad_token_id=0,
+              bos_token_id=0, eos_token_id=1)
+# family: (config class, its extra keys)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=12, num_local_experts=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=24, moe_intermediate_size=12,
+                                         num_experts=4, shared_expert_intermediate_size=20,
+                                         norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=24, moe_intermediate_size=12,
+                                         num_experts=4, norm_topk_prob=True, head_dim=8)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=12, num_experts=4)),
+    "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=12, num_local_experts=4)),
+}
+
+
+def tiny_moe(family: str) -> torch.nn.Module:
+    config_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**COMMON, **extra)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    module = importlib.import_module(f"transformers.models.{family}")
+    cls = next(getattr(module, n) for n in dir(module) if n.endswith("ForCausalLM"))
+    model = cls(config).double()
+    with torch.no_grad():   # routers and experts away from uniform: choices that matter
+        for name, p in model.named_parameters():
+            if ".experts." in name or name.endswith(("gate.weight", "router.weight")):
+                p.normal_(0, 0.3)
+    return model
+
+
+def _batches():
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(2, V, (BATCH, SEQ), generator=g)
+        y = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)   # next ids
+        out.append((ids, y))
+    return out
+
+
+def _reference(family: str, micro: int):
+    model = tiny_moe(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    coef = model.config.router_aux_loss_coef
+    for ids, y in _batches():
+        opt.zero_grad()
+        rows = BATCH // micro
+        for i in range(micro):
+            out = model(ids[i * rows:(i + 1) * rows])
+            ce = F.cross_entropy(out.logits.flatten(0, 1), y[i * rows:(i + 1) * rows].flatten(),
+                                 ignore_index=-100)
+            ((ce + coef * out.aux_loss) / micro).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def _worker(family, layout, balance, options):
+    from hybridpar.hf import hf_state_dict, to_sequential
+
+    pp, dp = layout
+    topo = hybridpar.init(pp=pp, dp=dp, timeout=60)
+    model = tiny_moe(family)
+    pipe = hybridpar.HybridPipe(to_sequential(model), balance, topology=topo,
+                                loss_fn=gpt_loss, **options)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    rows = BATCH // dp
+    for ids, y in _batches():
+        opt.zero_grad()
+        part = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
+        checked_step(pipe, ids[part], y[part])
+        opt.step()
+    return hf_state_dict(pipe.consolidated_state_dict(), model.config)
+
+
+# (pp, dp), balance over embedding, 2 blocks, norm, head, options
+LAYOUTS = {
+    "pp2-1f1b": ((2, 1), [2, 3], {"chunks": 2, "schedule": "1f1b"}),
+    "pp2-zbv": ((2, 1), [2, 1, 1, 1], {"chunks": 2, "schedule": "zbv"}),
+    "pp2dp2-gpipe": ((2, 2), [3, 2], {"chunks": 2, "schedule": "gpipe",
+                                      "checkpoint": "always"}),
+}
+CASES = {f"{family}-{name}": (family, *layout) for family in FAMILIES
+         for name, layout in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    wanted = selected_ids(request, "test_a_hugging_face_moe_trains_as_the_plain_model")
+    cases = {name: args for name, args in CASES.items() if name in wanted}
+    by_world: dict[int, dict] = {}
+    for name, (family, layout, balance, options) in cases.items():
+        by_world.setdefault(layout[0] * layout[1], {})[name] = (family, layout, balance,
+                                                                options)
+    out = {}
+    for world, group in sorted(by_world.items()):
+        out.update(spawn_cases(_worker, world, group, timeout=300))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_hugging_face_moe_trains_as_the_plain_model(case, runs):
+    family, layout, _, options = CASES[case]
+    reference = _reference(family, options["chunks"] * layout[1])
+    for state in runs[case]:
+        assert set(state) == set(reference)
+        for k, v in reference.items():
+            torch.testing.assert_close(state[k], v, atol=1e-9, rtol=0,
+                                       msg=lambda m, k=k: f"{case} {k}: {m}")
