@@ -47,10 +47,9 @@ def test_the_probe_keeps_each_per_layer_pattern_at_a_tiny_size():
 
 
 @pytest.mark.parametrize("model_type,message", [
-    ("mixtral", "MixtralForCausalLM has a mixture of experts"),
     ("deepseek_v3", "multi-head latent attention"),
     ("gemma3n_text", "per-layer inputs"),
-    ("qwen3_next", "mixture of experts"),
+    ("qwen3_next", "linear-attention layers"),
     ("gemma3", "a multi-modal model"),
     ("bert", "BertLMHeadModel (model_type 'bert', no base_model_pp_plan) has no 'bert' trunk"),
     ("opt", "is not embedding -> blocks -> one norm (its trunk holds ['decoder'])"),
@@ -101,11 +100,14 @@ def test_any_model_type_builds_from_its_config_fields_and_is_probed(caplog):
 
 def test_the_coverage_script_reports_exact_and_refused_types(tmp_path):
     out = subprocess.run([sys.executable, "scripts/hf_coverage.py", "--types", "llama",
-                          "cohere", "mixtral", "--no-tp", "--out", str(tmp_path / "c.json")],
+                          "cohere", "mixtral", "deepseek_v3", "--no-tp", "--out",
+                          str(tmp_path / "c.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "2 of 3 causal-LM model types convert exactly" in out.stdout
-    assert "| `mixtral` | refused: ValueError: MixtralForCausalLM has a mixture" in out.stdout
+    assert "3 of 4 causal-LM model types convert exactly" in out.stdout
+    assert "| `mixtral` | exact |" in out.stdout
+    assert "| `deepseek_v3` | refused: ValueError: DeepseekV3ForCausalLM has multi-head " \
+           "latent attention" in out.stdout
 
 
 def test_to_sequential_keeps_the_glue_in_small_layers():

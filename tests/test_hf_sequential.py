@@ -79,10 +79,11 @@ def test_the_hf_loss_equals_causal_lm_loss_on_the_sequential():
 def test_unsupported_models_are_clear_errors():
     import transformers as tf
 
-    config = tf.MixtralConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
-                              num_attention_heads=2, intermediate_size=32, num_local_experts=2)
-    with pytest.raises(ValueError, match=r"MixtralForCausalLM has a mixture of experts"):
-        to_sequential(tf.MixtralForCausalLM(config))
+    config = tf.DeepseekV3Config(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32,
+                                 n_routed_experts=4, moe_intermediate_size=8)
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM has multi-head latent"):
+        to_sequential(tf.DeepseekV3ForCausalLM(config))
     base = tf.LlamaModel(tiny("llama").config)
     with pytest.raises(ValueError, match="without a causal-LM head"):
         to_sequential(base)

@@ -41,6 +41,9 @@ FAMILIES = {
                                          num_experts=4, norm_topk_prob=True, head_dim=8)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=12, num_experts=4)),
     "granitemoe": ("GraniteMoeConfig", dict(intermediate_size=12, num_local_experts=4)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=12, num_local_experts=4, head_dim=8,
+                                     sliding_window=4,
+                                     layer_types=["sliding_attention", "full_attention"])),
 }
 
 

@@ -108,7 +108,7 @@ def test_hybridpar_balance_profiles_a_hugging_face_model(capsys):
     (["model.name=hf:bert"], "BertLMHeadModel (model_type 'bert', no base_model_pp_plan) has "
                              "no 'bert' trunk"),
     (["model.name=hf:nope"], "unknown Hugging Face model type 'nope'"),
-    (["model.name=hf:mixtral"], "MixtralForCausalLM has a mixture of experts"),
+    (["model.name=hf:deepseek_v3"], "DeepseekV3ForCausalLM has multi-head latent attention"),
     (["model.name=no_such_module:fn"], "cannot import module 'no_such_module'"),
     (["model.name=user_builders:missing"], "has no function 'missing'"),
     (["data.source=synthetic"], "set data.source = 'corpus'"),
