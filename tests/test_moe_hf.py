@@ -91,8 +91,8 @@ def _reference(family: str, micro: int):
 def _worker(family, layout, balance, options):
     from hybridpar.hf import hf_state_dict, to_sequential
 
-    pp, dp = layout
-    topo = hybridpar.init(pp=pp, dp=dp, timeout=60)
+    pp, tp, dp = layout
+    topo = hybridpar.init(pp=pp, tp=tp, dp=dp, timeout=60)
     model = tiny_moe(family)
     pipe = hybridpar.HybridPipe(to_sequential(model), balance, topology=topo,
                                 loss_fn=gpt_loss, **options)
@@ -106,12 +106,15 @@ def _worker(family, layout, balance, options):
     return hf_state_dict(pipe.consolidated_state_dict(), model.config)
 
 
-# (pp, dp), balance over embedding, 2 blocks, norm, head, options
+# (pp, tp, dp), balance over embedding, 2 blocks, norm, head, options
 LAYOUTS = {
-    "pp2-1f1b": ((2, 1), [2, 3], {"chunks": 2, "schedule": "1f1b"}),
-    "pp2-zbv": ((2, 1), [2, 1, 1, 1], {"chunks": 2, "schedule": "zbv"}),
-    "pp2dp2-gpipe": ((2, 2), [3, 2], {"chunks": 2, "schedule": "gpipe",
-                                      "checkpoint": "always"}),
+    "pp2-1f1b": ((2, 1, 1), [2, 3], {"chunks": 2, "schedule": "1f1b"}),
+    "pp2-zbv": ((2, 1, 1), [2, 1, 1, 1], {"chunks": 2, "schedule": "zbv"}),
+    "pp2dp2-gpipe": ((2, 1, 2), [3, 2], {"chunks": 2, "schedule": "gpipe",
+                                         "checkpoint": "always"}),
+    # "auto": attention and the dense MLPs sharded, each MoE replicated over tp
+    "pp2tp2-1f1b-auto": ((2, 2, 1), [2, 3], {"chunks": 2, "schedule": "1f1b",
+                                             "tp_plan": "auto"}),
 }
 CASES = {f"{family}-{name}": (family, *layout) for family in FAMILIES
          for name, layout in LAYOUTS.items()}
@@ -123,8 +126,8 @@ def runs(request):
     cases = {name: args for name, args in CASES.items() if name in wanted}
     by_world: dict[int, dict] = {}
     for name, (family, layout, balance, options) in cases.items():
-        by_world.setdefault(layout[0] * layout[1], {})[name] = (family, layout, balance,
-                                                                options)
+        by_world.setdefault(layout[0] * layout[1] * layout[2], {})[name] = (
+            family, layout, balance, options)
     out = {}
     for world, group in sorted(by_world.items()):
         out.update(spawn_cases(_worker, world, group, timeout=300))
@@ -134,9 +137,17 @@ def runs(request):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_hugging_face_moe_trains_as_the_plain_model(case, runs):
     family, layout, _, options = CASES[case]
-    reference = _reference(family, options["chunks"] * layout[1])
+    reference = _reference(family, options["chunks"] * layout[2])
     for state in runs[case]:
         assert set(state) == set(reference)
         for k, v in reference.items():
             torch.testing.assert_close(state[k], v, atol=1e-9, rtol=0,
                                        msg=lambda m, k=k: f"{case} {k}: {m}")
+
+
+def test_the_hugging_face_plan_of_a_model_with_experts_is_refused_naming_auto():
+    from hybridpar.hf import to_sequential, tp_plan
+
+    with pytest.raises(ValueError, match=r"MixtralConfig's own tensor-parallel plan shards "
+                                         r"experts .* use tp_plan='auto'"):
+        tp_plan(to_sequential(tiny_moe("mixtral")))

@@ -24,6 +24,7 @@ from torch import nn
 
 from hybridpar.hf.keys import KeyMap, key_map
 from hybridpar.hf.structure import num_layers
+from hybridpar.moe.hf_blocks import HFMoE
 
 __all__ = ["config_of", "tp_plan"]
 
@@ -46,6 +47,10 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = config_of(model)
+    if any(isinstance(m, HFMoE) for m in model.modules()):
+        raise ValueError(f"{type(config).__name__}'s own tensor-parallel plan shards experts "
+                         "(its moe_* styles), which hybridpar does not take yet: use "
+                         "tp_plan='auto' (experts replicated over tp, the rest sharded)")
     # the class's plan, never the object's: transformers 5 fills a model object's _tp_plan in
     # with more (model.embed_tokens: embedding_rowwise), which a to_sequential Sequential
     # (tp_plan="hf") no longer has; one plan for both
