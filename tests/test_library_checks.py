@@ -60,6 +60,16 @@ CONFIG_CHECKS = {
     ("_check_pack", "data.pack = {data.pack!r} packs"): (CONFIG, "data.source"),
     ("_check_pack", "pack_problem"): (LIBRARY, "models.packing.pack_documents"),
     ("_check_pack", "pack_plan_problem"): (LIBRARY, "pipe.build.apply_plan"),
+    ("_check_experts", "str(e)"): (LIBRARY, "models.gpt.check_gpt_config"),
+    ("_check_experts", "parallel.sequence_parallel does not take"): (LIBRARY, "models.gpt"),
+    ("_check_experts", "parallel.ep={par.ep} shards experts: the"): (
+        CONFIG, "ep of a model without experts: the library's topology is plain dp then"),
+    ("_check_experts", "parallel.ep={par.ep} does not divide mod"): (LIBRARY,
+                                                                      "models.gpt(ep=...)"),
+    ("_check_experts", "parallel.ep={par.ep} does not divide par"): (LIBRARY,
+                                                                      "topology.ParallelDims"),
+    ("_check_experts", "parallel.zero={par.zero} with parallel.e"): (
+        LIBRARY, "optim.zero.check_no_expert_shards"),
 }
 # the data checks (a token folder, a text file, a validation split): the config's alone
 DATA_FUNCTIONS = ("_check_tokens", "_check_data", "_model_vocab")

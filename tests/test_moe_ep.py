@@ -295,3 +295,34 @@ def test_the_dry_run_holds_e_over_ep_experts_per_rank_and_counts_the_all_to_alls
         assert a.params - b.params == experts // 2
         assert b.buckets == b.params and b.grads == 0   # every gradient in a bucket
         assert "all_to_all" in b.comm and "all_to_all" not in a.comm
+
+
+def _zero_worker():
+    from hybridpar.optim import MasterWeights
+    from hybridpar.optim.zero import zero_optimizer
+
+    topo = hybridpar.init(dp=2, ep=2, timeout=60)
+    torch.manual_seed(0)
+    pipe = hybridpar.HybridPipe(gpt(**MOE, ep=2), [7], topology=topo, loss_fn=gpt_loss)
+    errors = []
+    for make in (lambda: zero_optimizer(pipe.parameters(), torch.optim.AdamW,
+                                        group=topo.dp_group),
+                 lambda: MasterWeights(pipe.parameters(), torch.optim.AdamW,
+                                       group=topo.dp_group, shard=True),
+                 lambda: pipe.shard_gradients({})):
+        try:
+            make()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_zero_over_the_replicas_of_an_ep_group_is_refused_by_the_library():
+    """What `parallel.zero > 0` with `parallel.ep > 1` is refused for, the library refuses:
+    ZeRO-1 (torch's ZeroRedundancyOptimizer), sharded master weights, ZeRO-2's gradients."""
+    for errors in hybridpar.spawn(_zero_worker, 2, timeout=120):
+        assert all(e is not None for e in errors), errors
+        assert "ZeRO (a sharded optimizer state) with expert parallelism is not supported " \
+               "yet" in errors[0] and errors[0] == errors[1]
+        assert "ZeRO-2 with expert parallelism is not supported yet" in errors[2]

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.optim.update_broadcast import UpdateBroadcast
-from hybridpar.optim.zero import check_shardable
+from hybridpar.optim.zero import check_no_expert_shards, check_shardable
 from hybridpar.precision import grad_of, set_grad
 
 __all__ = ["MasterWeights", "deal"]
@@ -91,9 +91,10 @@ class MasterWeights:
                 issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
                             f"{optimizer_class!r}")
+        groups = _as_groups(params)
         if shard:
             check_shardable(optimizer_class)
-        groups = _as_groups(params)
+            check_no_expert_shards(groups)
         self.group = group
         self.ranks = dist.get_world_size(group) if shard and group is not None else 1
         self.rank = dist.get_rank(group) if self.ranks > 1 else 0

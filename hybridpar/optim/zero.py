@@ -25,8 +25,17 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["ZERO_LEVELS", "check_shardable", "local_optimizer", "optimizer_state_tensors",
-           "owned_parameters", "zero_optimizer"]
+from hybridpar.sharded.attrs import is_expert_shard
+
+__all__ = [
+    "ZERO_LEVELS",
+    "check_no_expert_shards",
+    "check_shardable",
+    "local_optimizer",
+    "optimizer_state_tensors",
+    "owned_parameters",
+    "zero_optimizer",
+]
 
 ZERO_LEVELS = (0, 1, 2)  # parallel.zero: 0 = replicated, 1 = state sharded over dp, 2 = and grads
 
@@ -44,6 +53,8 @@ def zero_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Opti
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
                         f"{optimizer_class!r}")
     check_shardable(optimizer_class)
+    params = list(params)
+    check_no_expert_shards(params)
     with warnings.catch_warnings():
         # the package's __init__ scripts its functional optimizers and the RPC
         # DistributedOptimizer with torch.jit.script / interface, which torch 2.13 deprecates;
@@ -55,8 +66,20 @@ def zero_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Opti
 
     # parameters_as_bucket_view: each rank's parameters are views of one flat buffer per
     # (device, rank), so the update goes out in one broadcast per rank, not one per parameter
-    return ZeroRedundancyOptimizer(list(params), optimizer_class, process_group=group,
+    return ZeroRedundancyOptimizer(params, optimizer_class, process_group=group,
                                    parameters_as_bucket_view=True, **defaults)
+
+
+def check_no_expert_shards(params: Iterable[Any]) -> None:
+    """Raise `ValueError` if `params` (tensors or parameter groups) hold a slice of a model's
+    experts: ZeRO deals the state of whole parameters over dp replicas, and under expert
+    parallelism the replicas of an ep group hold other experts."""
+    for item in params:
+        for p in item["params"] if isinstance(item, dict) else [item]:
+            if is_expert_shard(p):
+                raise ValueError("ZeRO (a sharded optimizer state) with expert parallelism is "
+                                 "not supported yet: the dp replicas of an ep group hold other "
+                                 "experts; use zero 0 (parallel.zero = 0) with ep > 1")
 
 
 def check_shardable(optimizer_class: type[torch.optim.Optimizer]) -> None:
