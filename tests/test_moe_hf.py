@@ -151,3 +151,32 @@ def test_the_hugging_face_plan_of_a_model_with_experts_is_refused_naming_auto():
     with pytest.raises(ValueError, match=r"MixtralConfig's own tensor-parallel plan shards "
                                          r"experts .* use tp_plan='auto'"):
         tp_plan(to_sequential(tiny_moe("mixtral")))
+
+
+def _run_config(run_dir):
+    from pathlib import Path
+
+    from hybridpar.train.configs.config import load_config
+    from hybridpar.train.trainer import train
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "mixtral_tiny.toml", [
+        "model.hidden_size=16", "model.intermediate_size=12", "model.num_hidden_layers=2",
+        "data.seq_len=8", "parallel.tp=1", "parallel.timeout=60", "train.steps=2",
+        "train.batch_size=4", "train.warmup_steps=1", "train.log_every=1",
+        "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0"])
+    return train(config, run_dir, progress=False)["losses"]
+
+
+def test_a_mixtral_config_trains_meta_built_and_logs_its_routing(tmp_path):
+    """configs/mixtral_tiny.toml, shrunk, through the trainer at pp 2: built on meta and
+    initialized by Hugging Face's own `_init_weights` (the norm and head views' tensors
+    included), and each step's aux loss and expert load in metrics.jsonl."""
+    import json
+
+    losses = hybridpar.spawn(_run_config, 2, args=(str(tmp_path),), timeout=240)[0]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text()
+               .splitlines() if '"loss"' in line]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["aux_loss"] > 0 and sorted(r["expert_load"]) == ["1", "2"]

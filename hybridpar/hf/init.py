@@ -64,6 +64,9 @@ def init_fn(model_or_config: Any) -> _Init:
 
     @torch.no_grad()
     def initialize(module: nn.Module) -> None:
+        inner = getattr(module, "inner", None)     # a view (`moe.carry`): its module's tensors
+        if isinstance(inner, nn.Module) and module._parameters is inner._parameters:
+            module = inner
         if isinstance(module, DecoderBlock):
             module.reset_parameters()      # its rotary buffers; its children come on their own
         elif isinstance(module, ParallelLayer):

@@ -4,7 +4,8 @@ Forward hooks on a stage's modules, no change to the model:
 
     hooked on                 records (training forwards only, not recomputations)
     each MoE block called     its copies per expert: the counts it added to the routing sums
-    with routing sums         (`stats` out − `stats` in), summed over the step's micro-batches
+    with routing sums         (`stats` out − `stats` in; a Hugging Face block's view: its
+                              `stats` after − before), summed over the step's micro-batches
     the stage's last module   the aux loss of each micro-batch, where the output is
                               (logits, aux (1,)) (what `hybridpar.moe.split_aux` reads)
 
@@ -25,6 +26,7 @@ from torchgpipe.checkpoint import is_recomputing
 
 from hybridpar.moe.balance_loss import stats_experts
 from hybridpar.moe.block import MoE
+from hybridpar.moe.hf_blocks import HFMoE
 from hybridpar.topology import Topology
 
 __all__ = ["RoutingLog"]
@@ -41,9 +43,15 @@ class RoutingLog:
         self.aux: list[Tensor] = []
         self._handles: list[Any] = []
         for name, module in stage.named_modules():
+            layer = int(name.split(".", 1)[0]) if name else -1
             if isinstance(module, MoE):
-                layer = int(name.split(".", 1)[0])
                 self._handles.append(module.register_forward_hook(self._counter(layer)))
+            elif isinstance(module, HFMoE):   # its sums in `module.stats`, before and after
+                before: dict[str, Any] = {}
+                self._handles += [
+                    module.register_forward_pre_hook(
+                        lambda m, args, before=before: before.update(stats=m.stats)),
+                    module.register_forward_hook(self._hf_counter(layer, before))]
         children = list(stage.children())
         if children:
             self._handles.append(children[-1].register_forward_hook(self._aux_hook))
@@ -54,6 +62,15 @@ class RoutingLog:
                 return
             E = stats_experts(output[1])
             added = (output[1] - args[1])[:E].detach()
+            self.counts[layer] = self.counts.get(layer, 0) + added
+        return hook
+
+    def _hf_counter(self, layer: int, before: dict[str, Any]) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            start, end = before.pop("stats", None), getattr(module, "stats", None)
+            if not _counted(module) or start is None or end is None:
+                return
+            added = (end - start)[:stats_experts(end)].detach()
             self.counts[layer] = self.counts.get(layer, 0) + added
         return hook
 

@@ -92,7 +92,10 @@ class RunState:
         self.optimizer = build_optimizer(self.pipe, config)
         self.step = 0
         self.layers = self.pipe.layers
-        experts = config.model.args.get("n_experts", 0) if config.model.name == "gpt" else 0
+        args = config.model.args
+        experts = args.get("n_experts", 0) if config.model.name == "gpt" else \
+            (args.get("num_local_experts") or args.get("num_experts") or 0) \
+            if config.model.name.startswith("hf:") else 0
         #: each step's expert load and aux loss, for the metrics (a model with experts)
         self.routing = RoutingLog(self.pipe, layers=sum(self.pipe.balance),
                                   n_experts=experts) if experts else None
