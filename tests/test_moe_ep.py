@@ -276,25 +276,27 @@ def test_the_dispatch_sends_exactly_the_routed_rows_and_equals_one_block(chosen)
 # the dry run -------------------------------------------------------------------------------
 def test_the_dry_run_holds_e_over_ep_experts_per_rank_and_counts_the_all_to_alls():
     """`hybridpar check` at ep 2 (fake ranks, no values: the routing taken as balanced): each
-    rank holds exactly half of its stage's expert bytes less than at ep 1, their gradients
-    live in the expert buckets, and the step's collectives include the all-to-alls."""
+    rank holds its stage's dense bytes and half of its expert bytes, every gradient lives in
+    a bucket (the experts' own included), and the step's collectives include the
+    all-to-alls."""
     from hybridpar.train.check.run import dry_run
 
     common = ["model.block_size=8", "model.n_embd=16", "model.n_layer=2", "model.n_head=2",
               "model.n_experts=4", "parallel.tp=1", "parallel.pp=2", "parallel.dp=2",
-              "data.source=synthetic", "train.batch_size=8", "parallel.chunks=2"]
+              "parallel.ep=2", "data.source=synthetic", "train.batch_size=8",
+              "parallel.chunks=2"]
     # fake CPU ranks in this process (fake GPUs need a process whose autograd engine has not
     # started yet: `dry_run`'s isolate; the CLI's default): the same bytes
-    one, two = (dry_run(QUICKSTART, overrides=[*common, f"parallel.ep={ep}"], device="cpu",
-                        isolate=False) for ep in (1, 2))
+    report = dry_run(QUICKSTART, overrides=common, device="cpu", isolate=False)
     torch.manual_seed(0)
     model = gpt(vocab_size=256, block_size=8, n_embd=16, n_layer=2, n_head=2, n_experts=4)
-    for a, b in zip(one.ranks, two.ranks, strict=True):
-        experts = sum(p.numel() * p.element_size() for i in a.layers
-                      for n, p in model[i].named_parameters() if ".experts." in f".{n}")
-        assert a.params - b.params == experts // 2
-        assert b.buckets == b.params and b.grads == 0   # every gradient in a bucket
-        assert "all_to_all" in b.comm and "all_to_all" not in a.comm
+    for rank in report.ranks:
+        held = [(n, p) for i in rank.layers for n, p in model[i].named_parameters()]
+        experts = sum(p.numel() * 4 for n, p in held if ".experts." in f".{n}")
+        dense = sum(p.numel() * 4 for n, p in held if ".experts." not in f".{n}")
+        assert experts and rank.params == dense + experts // 2
+        assert rank.buckets == rank.params and rank.grads == 0   # every gradient in a bucket
+        assert "all_to_all" in rank.comm
 
 
 def _zero_worker():
