@@ -197,8 +197,8 @@ def test_a_run_at_ep2_resumed_at_ep1_trains_as_a_run_at_ep1(tmp_path):
 # the config's checks ---------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.ep=2"], "parallel.ep=2 shards experts: the built-in gpt with model.n_experts "
-                        "> 0 (not yet other models, Hugging Face MoE families included); got "
-                        "model 'gpt' without experts"),
+                        "> 0, or a Hugging Face MoE family (Mixtral, Qwen2/3-MoE, OLMoE, "
+                        "GraniteMoE, GPT-OSS); got model 'gpt' without experts"),
     (["model.n_experts=6", "parallel.ep=4", "parallel.dp=4"],
      "parallel.ep=4 does not divide model.n_experts=6"),
     (["model.n_experts=4", "parallel.ep=4", "parallel.dp=2"],

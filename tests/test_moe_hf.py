@@ -91,8 +91,8 @@ def _reference(family: str, micro: int):
 def _worker(family, layout, balance, options):
     from hybridpar.hf import hf_state_dict, to_sequential
 
-    pp, tp, dp = layout
-    topo = hybridpar.init(pp=pp, tp=tp, dp=dp, timeout=60)
+    pp, tp, dp, ep = layout
+    topo = hybridpar.init(pp=pp, tp=tp, dp=dp, ep=ep, timeout=60)
     model = tiny_moe(family)
     pipe = hybridpar.HybridPipe(to_sequential(model), balance, topology=topo,
                                 loss_fn=gpt_loss, **options)
@@ -106,15 +106,20 @@ def _worker(family, layout, balance, options):
     return hf_state_dict(pipe.consolidated_state_dict(), model.config)
 
 
-# (pp, tp, dp), balance over embedding, 2 blocks, norm, head, options
+# (pp, tp, dp, ep), balance over embedding, 2 blocks, norm, head, options
 LAYOUTS = {
-    "pp2-1f1b": ((2, 1, 1), [2, 3], {"chunks": 2, "schedule": "1f1b"}),
-    "pp2-zbv": ((2, 1, 1), [2, 1, 1, 1], {"chunks": 2, "schedule": "zbv"}),
-    "pp2dp2-gpipe": ((2, 1, 2), [3, 2], {"chunks": 2, "schedule": "gpipe",
-                                         "checkpoint": "always"}),
+    "pp2-1f1b": ((2, 1, 1, 1), [2, 3], {"chunks": 2, "schedule": "1f1b"}),
+    "pp2-zbv": ((2, 1, 1, 1), [2, 1, 1, 1], {"chunks": 2, "schedule": "zbv"}),
+    "pp2dp2-gpipe": ((2, 1, 2, 1), [3, 2], {"chunks": 2, "schedule": "gpipe",
+                                            "checkpoint": "always"}),
     # "auto": attention and the dense MLPs sharded, each MoE replicated over tp
-    "pp2tp2-1f1b-auto": ((2, 2, 1), [2, 3], {"chunks": 2, "schedule": "1f1b",
-                                             "tp_plan": "auto"}),
+    "pp2tp2-1f1b-auto": ((2, 2, 1, 1), [2, 3], {"chunks": 2, "schedule": "1f1b",
+                                                "tp_plan": "auto"}),
+    # expert parallelism: half the experts on each rank of an ep group
+    "dp2ep2-gpipe": ((1, 1, 2, 2), [5], {"chunks": 2, "schedule": "gpipe"}),
+    "pp2dp2ep2-1f1b": ((2, 1, 2, 2), [2, 3], {"chunks": 2, "schedule": "1f1b"}),
+    "tp2dp2ep2-auto": ((1, 2, 2, 2), [5], {"chunks": 2, "schedule": "gpipe",
+                                           "tp_plan": "auto"}),
 }
 CASES = {f"{family}-{name}": (family, *layout) for family in FAMILIES
          for name, layout in LAYOUTS.items()}
@@ -180,3 +185,32 @@ def test_a_mixtral_config_trains_meta_built_and_logs_its_routing(tmp_path):
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert r["aux_loss"] > 0 and sorted(r["expert_load"]) == ["1", "2"]
+
+
+def _meta_worker():
+    from hybridpar.hf import to_sequential
+
+    topo = hybridpar.init(dp=2, ep=2, timeout=60)
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    try:
+        hybridpar.HybridPipe(to_sequential(model), [5], topology=topo, loss_fn=gpt_loss)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_expert_parallelism_of_a_meta_built_hugging_face_model_is_refused():
+    """On meta each rank would draw its experts at their local size: refused by the library
+    and by the config (which asks for model.init = 'full')."""
+    from pathlib import Path
+
+    from config_errors import error_of
+
+    for message in hybridpar.spawn(_meta_worker, 2, timeout=120):
+        assert message is not None and "expert parallelism of a Hugging Face model built " \
+                                       "on meta is not supported yet" in message
+    config = Path(__file__).resolve().parents[1] / "configs" / "mixtral_tiny.toml"
+    assert "parallel.ep=2 with a Hugging Face model needs it built whole on each rank " \
+           "(model.init = 'full'" in error_of(config, "parallel.tp=1", "parallel.dp=2",
+                                              "parallel.ep=2")

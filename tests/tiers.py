@@ -204,14 +204,17 @@ CAMPAIGN: dict[str, str] = {
         "its zbv case (virtual stages) and the other schedules",
     "tests/test_moe_gpt.py::test_the_moe_gpt_pipeline_equals_one_device[*-zb-h1-":
         "its zbv case (split backward) and the other schedules",
-    # Hugging Face experts: each family in one layout, every layout by some family
+    # Hugging Face experts: each family in one or two layouts, every layout by some family
     **{f"tests/test_moe_hf.py::test_a_hugging_face_moe_trains_as_the_plain_model[{family}-"
-       f"{layout}]": f"{family}-{kept} (and {layout} of another family)"
-       for family, kept in (("mixtral", "pp2-1f1b"), ("qwen2_moe", "pp2tp2-1f1b-auto"),
-                            ("qwen3_moe", "pp2-zbv"), ("olmoe", "pp2dp2-gpipe"),
-                            ("granitemoe", "pp2-1f1b"), ("gpt_oss", "pp2tp2-1f1b-auto"))
-       for layout in ("pp2-1f1b", "pp2-zbv", "pp2dp2-gpipe", "pp2tp2-1f1b-auto")
-       if layout != kept},
+       f"{layout}]": f"{family}-{' and '.join(kept)} (and {layout} of another family)"
+       for family, kept in (("mixtral", ("pp2-1f1b", "pp2dp2ep2-1f1b")),
+                            ("qwen2_moe", ("pp2tp2-1f1b-auto", "dp2ep2-gpipe")),
+                            ("qwen3_moe", ("pp2-zbv",)), ("olmoe", ("pp2dp2-gpipe",)),
+                            ("granitemoe", ("pp2-1f1b",)),
+                            ("gpt_oss", ("pp2tp2-1f1b-auto", "tp2dp2ep2-auto")))
+       for layout in ("pp2-1f1b", "pp2-zbv", "pp2dp2-gpipe", "pp2tp2-1f1b-auto",
+                      "dp2ep2-gpipe", "pp2dp2ep2-1f1b", "tp2dp2ep2-auto")
+       if layout not in kept},
 }
 
 

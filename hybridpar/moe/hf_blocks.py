@@ -15,7 +15,9 @@ loss's, `hybridpar.moe.balance_loss`) to `stats` when the decoder block hands th
     GptOssMLP                router    -  (transposed experts, biases)        (out, scores)
 
 In float64 each equals the block's own forward to the last bits (tests/test_moe_hf.py).
-Mixtral's router jitter (training noise) is refused.
+Mixtral's router jitter (training noise) is refused. Under expert parallelism
+(`shard_experts`, which HybridPipe applies when its topology has ep > 1) each rank keeps
+E / ep of the block's experts and dispatches as `hybridpar.moe.MoE` does.
 """
 
 from __future__ import annotations
@@ -23,13 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from hybridpar.moe.balance_loss import routing_stats
 from hybridpar.moe.block import combine, group_by_expert
+from hybridpar.moe.dispatch import dispatch_plan
 from hybridpar.moe.experts import expert_mlp, gated
+from hybridpar.sharded.attrs import register_expert_shard
 
-__all__ = ["RECIPES", "HFMoE", "Recipe", "hf_moe"]
+__all__ = ["RECIPES", "HFMoE", "Recipe", "hf_moe", "shard_experts"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,28 @@ class HFMoE(nn.Module):
         object.__setattr__(self, "hf_block", block)
         self.recipe, self.top_k = recipe, top_k
         self.stats: Tensor | None = None
+        self.group: ProcessGroup | None = None           # expert parallelism: `shard`
         self.train(block.training)
+
+    def shard(self, group: ProcessGroup) -> None:
+        """Keep this rank's E / P of the experts (P: `group`'s size) and send the tokens to
+        their experts' ranks from now on (`hybridpar.moe.dispatch`). The experts' tensors
+        become their slices, tagged as expert shards (reduced over the dp ranks holding
+        them, stored at their global index)."""
+        P, rank = dist.get_world_size(group), dist.get_rank(group)
+        experts: Any = self._modules["experts"]
+        E = int(experts.gate_up_proj.shape[0])
+        if E % P:
+            raise ValueError(f"ep={P} does not divide the {E} experts of "
+                             f"{type(self.hf_block).__name__}: each ep rank holds E / ep")
+        local = E // P
+        for name, p in list(experts._parameters.items()):
+            if p is not None and p.shape[0] == E:
+                piece = nn.Parameter(p.detach()[rank * local:(rank + 1) * local].clone(),
+                                     requires_grad=p.requires_grad)
+                register_expert_shard(piece)
+                experts._parameters[name] = piece
+        self.group = group
 
     def forward(self, hidden: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         shape = hidden.shape
@@ -82,13 +109,13 @@ class HFMoE(nn.Module):
         logits, weights, chosen = parts[self.recipe.router](flat)
         experts = parts["experts"]
         copies, counts, order = group_by_expert(flat, chosen, logits.shape[-1])
-        if self.recipe.transposed:
-            done = expert_mlp(copies, counts, experts.gate_up_proj, experts.down_proj,
-                              gate=experts._apply_gate, transposed=True,
-                              biases=(experts.gate_up_proj_bias, experts.down_proj_bias))
-        else:
-            done = expert_mlp(copies, counts, experts.gate_up_proj, experts.down_proj,
-                              gate=lambda h: gated(h, experts.act_fn))
+        if self.group is None:
+            done = self._experts(experts, copies, counts)                # (N·k, H)
+        else:                                           # to the experts' ranks and back
+            plan = dispatch_plan(counts, self.group, copies.shape[0])
+            mine = self._experts(experts, plan.to_experts(copies, self.group),
+                                 plan.local_counts)
+            done = plan.back(mine, self.group)                           # (N·k, H)
         out = combine(done, weights, order)                              # (N, H)
         if self.recipe.shared is not None:
             shared = parts[self.recipe.shared](flat)
@@ -100,8 +127,26 @@ class HFMoE(nn.Module):
         out = out.reshape(shape)
         return (out, weights) if self.recipe.returns_scores else out
 
+    def _experts(self, experts: Any, rows: Tensor, counts: Tensor) -> Tensor:
+        """The block's experts (this rank's) on rows grouped by expert."""
+        if self.recipe.transposed:
+            return expert_mlp(rows, counts, experts.gate_up_proj, experts.down_proj,
+                              gate=experts._apply_gate, transposed=True,
+                              biases=(experts.gate_up_proj_bias, experts.down_proj_bias))
+        return expert_mlp(rows, counts, experts.gate_up_proj, experts.down_proj,
+                          gate=lambda h: gated(h, experts.act_fn))
+
     def extra_repr(self) -> str:
         return f"{type(self.hf_block).__name__}, top_k={self.top_k}"
+
+
+def shard_experts(module: nn.Module, group: ProcessGroup) -> int:
+    """`HFMoE.shard` every Hugging Face sparse block of `module` over the ep `group` (built
+    whole: each rank slices what it holds); how many."""
+    views = [m for m in module.modules() if isinstance(m, HFMoE) and m.group is None]
+    for view in views:
+        view.shard(group)
+    return len(views)
 
 
 def hf_moe(layer: nn.Module, config: Any) -> tuple[str, HFMoE] | None:

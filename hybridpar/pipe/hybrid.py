@@ -23,6 +23,7 @@ from hybridpar.pipe.build import (
     stage_routes,
     watchdog_timeout,
 )
+from hybridpar.pipe.experts import shard_hf_experts
 from hybridpar.pipe.parameters import PipeParameters
 from hybridpar.pipeline.activations.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.parameters.grad_shards import ShardedGradBuckets
@@ -133,6 +134,8 @@ class HybridPipe(PipeParameters):
         if sequence_parallel and topo.tp > 1 and is_packed(module):   # the config's refusal
             raise ValueError(SEQUENCE_PARALLEL_PACKED)
         module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)
+        if topo.ep > 1:   # a Hugging Face model's sparse blocks: this rank's experts
+            shard_hf_experts(module, topo.ep_group)
         if sequence_parallel and topo.tp > 1:   # a Hugging Face decoder (`hf.sequence`)
             from hybridpar.hf.sequence import sequence_parallel as shard_sequence
 

@@ -125,7 +125,7 @@ def build_pipe(config: Config, topo: Topology, *, sample: Any = None) -> HybridP
         if par.tp > 1 and par.tp_plan is None else {}
     if par.sequence_parallel and not name.startswith("hf:"):   # hf: HybridPipe applies it
         extra["sequence_parallel"] = True
-    if par.ep > 1:                                              # this rank's experts
+    if par.ep > 1 and name == "gpt":   # this rank's experts (hf: HybridPipe slices them)
         extra.update(ep=par.ep, ep_group=topo.ep_group)
     pretrained = config.model.args.get("pretrained") if name.startswith("hf:") else None
     torch.manual_seed(config.train.seed)

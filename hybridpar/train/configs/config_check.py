@@ -101,11 +101,18 @@ def _check_experts(cfg: Config, where: Where) -> None:
                           "model.n_experts = 0", "parallel.sequence_parallel", "model.n_experts")
     if par.ep == 1:
         return
+    if model.name.startswith("hf:"):   # a Hugging Face MoE family, built whole
+        experts = model.args.get("num_local_experts") or model.args.get("num_experts") or 0
+        if experts and model.init != "full":
+            raise where.error(f"parallel.ep={par.ep} with a Hugging Face model needs it built "
+                              "whole on each rank (model.init = 'full'; each rank then keeps "
+                              "its experts): a meta build would draw a rank's experts at their "
+                              "local size", "parallel.ep", "model.init")
     if not experts:
         raise where.error(f"parallel.ep={par.ep} shards experts: the built-in gpt with "
-                          f"model.n_experts > 0 (not yet other models, Hugging Face MoE "
-                          f"families included); got model {model.name!r} without experts",
-                          "parallel.ep", "model.n_experts")
+                          f"model.n_experts > 0, or a Hugging Face MoE family (Mixtral, "
+                          f"Qwen2/3-MoE, OLMoE, GraniteMoE, GPT-OSS); got model "
+                          f"{model.name!r} without experts", "parallel.ep", "model.n_experts")
     if experts % par.ep:
         raise where.error(f"parallel.ep={par.ep} does not divide model.n_experts={experts}: "
                           f"each ep rank holds n_experts / ep experts", "parallel.ep",
