@@ -17,6 +17,7 @@ import pytest
 import torch
 from spawn_cases import selected_ids, spawn_by_world
 from test_moe_gpt import BATCH, MOE, _batches, _rows
+from test_moe_gpt import _reference as _moe_gpt_reference
 
 import hybridpar
 from hybridpar.models import gpt, gpt_loss
@@ -29,19 +30,8 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
 
 
 def _reference(micro: int):
-    torch.manual_seed(0)
-    model = gpt(**MOE).double()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    norms = []
-    for x, y in _batches(False):
-        opt.zero_grad()
-        rows = BATCH // micro
-        for i in range(micro):
-            (gpt_loss(model(_rows(x, i * rows, (i + 1) * rows)), y[i * rows:(i + 1) * rows])
-             / micro).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-    return model.state_dict(), norms
+    state, _, norms = _moe_gpt_reference(micro, False, clip=CLIP)
+    return state, norms
 
 
 @contextlib.contextmanager

@@ -55,11 +55,12 @@ def _model(packed: bool, **kwargs) -> torch.nn.Sequential:
     return pack_documents(model) if packed else model
 
 
-def _reference(micro: int, packed: bool):
-    """One device, gradient accumulation over `micro` micro-batches of the global batch."""
+def _reference(micro: int, packed: bool, clip: float | None = None):
+    """One device, gradient accumulation over `micro` micro-batches of the global batch
+    (clipped to `clip`): the state, each micro-batch's aux loss, each step's norm."""
     model = _model(packed)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    auxes = []
+    auxes, norms = [], []
     for x, y in _batches(packed):
         opt.zero_grad()
         rows = BATCH // micro
@@ -67,8 +68,10 @@ def _reference(micro: int, packed: bool):
             out = model(_rows(x, i * rows, (i + 1) * rows))
             auxes.append(float(split_aux(out)[1].detach()))
             (gpt_loss(out, y[i * rows:(i + 1) * rows]) / micro).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
-    return model.state_dict(), auxes
+    return model.state_dict(), auxes, norms
 
 
 def _worker(layout, balance, options, packed):
@@ -117,7 +120,7 @@ def runs(request):
 
 
 def _assert_like(results, micro: int, packed: bool = False) -> None:
-    reference, auxes = _reference(micro, packed)
+    reference, auxes, _ = _reference(micro, packed)
     assert min(auxes) > 0.1      # the aux loss (coef 0.1, E · Σ f·P >= 1) moves the weights
     for r in results:
         assert list(r["state"]) == list(reference)
