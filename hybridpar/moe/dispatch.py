@@ -109,7 +109,7 @@ def dispatch_plan(counts: Tensor, group: ProcessGroup, rows: int) -> DispatchPla
     with trace.collective("all_to_all", _sent([L] * P, counts.view(E, 1), group)):
         dist.all_to_all_single(received, counts.contiguous(), group=group)
     sizes = received.view(P, L)                                      # (source, expert)
-    if is_fake(counts):   # a dry run (no values): the balanced routing, as much each way
+    if is_fake(counts) or counts.is_meta:   # no values: the balanced routing, each way
         send = even_split(rows, P)
         host = [even_split(send[dist.get_rank(group)], L) for _ in range(P)]
     else:

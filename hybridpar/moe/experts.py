@@ -116,11 +116,12 @@ def expert_mlp(x: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *,
     weights `gate_up` / `down` of the layout (module docstring), `gate` (N, 2I) -> (N, I),
     optional biases (E, 2I) / (E, H) -> (N, H). What `Experts` runs, and the Hugging Face
     blocks with their own weights and gates (`hybridpar.moe.hf_blocks`)."""
+    n = x.shape[0]    # each bias row repeated for its expert's rows (N known: no host read)
     h = grouped_linear(x, gate_up, counts, transposed=transposed)         # (N, 2I)
     if biases[0] is not None:
-        h = h + biases[0].repeat_interleave(counts, dim=0)
+        h = h + biases[0].repeat_interleave(counts, dim=0, output_size=n)
     out = grouped_linear(gate(h), down, counts, transposed=transposed)    # (N, H)
     if biases[1] is not None:
-        out = out + biases[1].repeat_interleave(counts, dim=0)
+        out = out + biases[1].repeat_interleave(counts, dim=0, output_size=n)
     return out
 

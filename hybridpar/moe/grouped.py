@@ -36,10 +36,11 @@ def uses_grouped_mm(x: Tensor) -> bool:
 
 
 def host_counts(counts: Tensor, total: int) -> list[int]:
-    """`counts` read on the host (a sync on a GPU). A fake tensor (`hybridpar check`'s dry
-    run, which has no values) reads as an even split of `total` rows, the first ones one
-    more: the balanced routing the dry run's memory assumes."""
-    if is_fake(counts):
+    """`counts` read on the host (a sync on a GPU). A fake or meta tensor (`hybridpar
+    check`'s dry run; the "auto" tp plan following a forward on meta), which has no values,
+    reads as an even split of `total` rows, the first ones one more: the balanced routing
+    the dry run's memory assumes."""
+    if is_fake(counts) or counts.is_meta:
         return even_split(total, counts.shape[0])
     return [int(c) for c in counts.tolist()]
 
