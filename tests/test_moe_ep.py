@@ -90,6 +90,7 @@ LAYOUTS = [
     ((2, 1, 2), 2, [3, 4], {"chunks": 2, "schedule": "1f1b", "checkpoint": "except_last"}),
     ((2, 1, 2), 2, [2, 2, 2, 1], {"chunks": 4, "schedule": "zbv", "checkpoint": "never"}),
     ((1, 2, 2), 2, [7], {"chunks": 2, "schedule": "gpipe", "checkpoint": "never"}),
+    ((2, 2, 2), 2, [3, 4], {"chunks": 2, "schedule": "1f1b", "checkpoint": "except_last"}),
 ]
 IDS = [f"pp{pp}tp{tp}dp{dp}ep{ep}-{o['schedule']}-{o['checkpoint']}"
        for (pp, tp, dp), ep, _, o in LAYOUTS]

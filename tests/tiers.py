@@ -204,6 +204,8 @@ CAMPAIGN: dict[str, str] = {
         "its zbv case (virtual stages) and the other schedules",
     "tests/test_moe_gpt.py::test_the_moe_gpt_pipeline_equals_one_device[*-zb-h1-":
         "its zbv case (split backward) and the other schedules",
+    "tests/test_moe_ep.py::test_expert_parallel_moe_gpt_equals_one_device[pp2tp2dp2ep2-":
+        "ep 2 with pp 2 and with tp 2 (4 ranks each)",
     # Hugging Face experts: each family in one or two layouts, every layout by some family
     **{f"tests/test_moe_hf.py::test_a_hugging_face_moe_trains_as_the_plain_model[{family}-"
        f"{layout}]": f"{family}-{' and '.join(kept)} (and {layout} of another family)"
