@@ -1,7 +1,8 @@
 """The MoE block: route each token to k experts, run them grouped, sum the weighted results.
 
     x (N, H) --router--> experts (N, k), weights (N, k)
-    copies   (N·k, H)    each token once per chosen expert, sorted by expert (stable)
+    copies   (N·k, H)    each token once per chosen expert, sorted by expert (stable,
+                         slot by slot: transformers' order of each expert's rows)
     experts  (N·k, H)    each copy through its expert's MLP (`Experts`, grouped)
     combine  (N, H)      Σ over a token's k copies of weight · output, in expert order
     + shared (N, H)      an optional dense expert every token takes (DeepSeek, Qwen2-MoE),
@@ -29,8 +30,8 @@ __all__ = ["MoE", "SharedExpert", "combine", "group_by_expert"]
 
 
 class SharedExpert(nn.Module):
-    """A dense SwiGLU MLP every token takes: ``down(silu(gate(x)) * up(x))``, optionally
-    scaled by ``sigmoid(gate_scale(x))`` (Qwen2-MoE's `shared_expert_gate`)."""
+    """A dense SwiGLU MLP every token takes: ``down_proj(silu(gate_proj(x)) * up_proj(x))``,
+    with `gated` scaled by ``sigmoid(gate(x))`` (Qwen2-MoE's `shared_expert_gate`)."""
 
     def __init__(self, hidden: int, intermediate: int, *, gated: bool = False) -> None:
         super().__init__()
