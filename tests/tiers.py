@@ -215,7 +215,8 @@ CAMPAIGN: dict[str, str] = {
                             ("granitemoe", ("pp2-1f1b",)),
                             ("gpt_oss", ("pp2tp2-1f1b-auto", "tp2dp2ep2-auto")))
        for layout in ("pp2-1f1b", "pp2-zbv", "pp2dp2-gpipe", "pp2tp2-1f1b-auto",
-                      "dp2ep2-gpipe", "pp2dp2ep2-1f1b", "tp2dp2ep2-auto")
+                      "dp2ep2-gpipe", "pp2dp2ep2-1f1b", "tp2dp2ep2-auto", "pp2dp2ep2-zbv",
+                      "pp2tp2dp2ep2-1f1b-auto")
        if layout not in kept},
 }
 
