@@ -92,6 +92,13 @@ CASES = {
                                     "train.precision=bf16", "train.param_dtype=bf16",
                                     "train.batch_size=8", "model.block_size=32"],
                                    ["model.n_embd=64"]),
+    # experts: 4 of top-2 per block, half of them on each rank (ep 2); the dry run takes
+    # the routing as balanced, the measured run routes its batch
+    "gpt experts dp2 ep2": ("quickstart.toml",
+                            ["model.n_embd=512", "model.n_layer=4", "parallel.tp=1",
+                             "parallel.pp=1", "parallel.dp=2", "parallel.ep=2",
+                             "model.n_experts=4", "parallel.chunks=2"],
+                            ["model.n_embd=64"]),
     "llama pp2": ("llama_tiny.toml",
                   ["model.hidden_size=512", "model.intermediate_size=1408",
                    "model.num_attention_heads=8", "model.num_key_value_heads=4", "parallel.tp=1",
@@ -147,7 +154,7 @@ def _measure(config_file: str, overrides: list[str], warm_up: list[str]) -> int:
     ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 128 << 10)
     config = load_config(config_file, overrides)
     par = config.parallel
-    topo = hybridpar.init(pp=par.pp, tp=par.tp, dp=par.dp, timeout=par.timeout)
+    topo = hybridpar.init(pp=par.pp, tp=par.tp, dp=par.dp, ep=par.ep, timeout=par.timeout)
     _train(load_config(config_file, [*overrides, *warm_up]), topo, measured=False)
     return _train(config, topo, measured=True)
 
