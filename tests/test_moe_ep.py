@@ -22,6 +22,7 @@ from test_moe_gpt import _reference as _moe_gpt_reference
 import hybridpar
 from hybridpar.models import gpt, gpt_loss
 from hybridpar.moe import Experts
+from hybridpar.pipeline.schedules import replay as nccl
 
 from pipe_harness import checked_step
 
@@ -70,6 +71,7 @@ def _train(layout, ep, balance, options):
     model = gpt(**MOE, ep=ep, **({"tp": tp} if tp > 1 else {})).double()
     held = [(m.first, m.local) for m in model.modules() if isinstance(m, Experts)]
     pipe = hybridpar.HybridPipe(model, balance, topology=topo, loss_fn=gpt_loss, **options)
+    pipe.p2p_log = []
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
     rows, norms = BATCH // dp, []
     for x, y in _batches(False):
@@ -78,8 +80,10 @@ def _train(layout, ep, balance, options):
                      y[topo.dp_rank * rows:(topo.dp_rank + 1) * rows])
         norms.append(float(pipe.clip_grad_norm_(CLIP)))
         opt.step()
+    log = [[[op.kind, op.peer, op.numel, op.dtype, op.label] for op in group]
+           for group in pipe.p2p_log]
     return {"state": pipe.consolidated_state_dict(), "norms": norms, "held": held,
-            "ep_rank": topo.ep_rank}
+            "ep_rank": topo.ep_rank, "log": log}
 
 
 # (pp, tp, dp), ep, balance over the 7 layers, options
@@ -117,6 +121,10 @@ def test_expert_parallel_moe_gpt_equals_one_device(layout, ep, balance, options,
             torch.testing.assert_close(r["state"][k], v, atol=1e-9, rtol=0,
                                        msg=lambda m, k=k: f"{k}: {m}")
     assert_nccl_order(results)
+    if layout[0] > 1:   # the stages' P2P (the routing sums ride along) under NCCL's rules
+        logs = {rank: [[nccl.P2POp(*op) for op in group] for group in r["log"]]
+                for rank, r in enumerate(results)}
+        assert nccl.replay(logs, check_labels=True).pairs > 0
 
 
 def assert_nccl_order(results) -> None:

@@ -15,6 +15,8 @@ does, so a float64 block equals HF's to the bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,7 +28,7 @@ from hybridpar.moe.dispatch import dispatch_plan
 from hybridpar.moe.experts import Experts
 from hybridpar.moe.router import Router
 
-__all__ = ["MoE", "SharedExpert", "combine", "group_by_expert"]
+__all__ = ["MoE", "SharedExpert", "combine", "group_by_expert", "routed"]
 
 
 class SharedExpert(nn.Module):
@@ -76,20 +78,28 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])                                  # (N, H)
         routing = self.router(flat)
-        copies, counts, order = group_by_expert(flat, routing.experts, self.router.n_experts)
-        if self.group is None:
-            done = self.experts(copies, counts)                              # (N·k, H)
-        else:                                           # to the experts' ranks and back
-            plan = dispatch_plan(counts, self.group, copies.shape[0])
-            mine = self.experts(plan.to_experts(copies, self.group), plan.local_counts)
-            done = plan.back(mine, self.group)                               # (N·k, H)
-        out = combine(done, routing.weights, order)                          # (N, H)
+        out = routed(flat, routing.experts, routing.weights, self.router.n_experts,
+                     self.experts, self.group)                               # (N, H)
         if self.shared is not None:
             out = out + self.shared(flat)
         out = out.reshape(shape)
         if stats is None:
             return out
         return out, stats + routing_stats(routing.logits, self.router.top_k)
+
+
+def routed(x: Tensor, chosen: Tensor, weights: Tensor, n_experts: int,
+           run: Callable[[Tensor, Tensor], Tensor], group: ProcessGroup | None) -> Tensor:
+    """x (N, H) through its chosen experts (N, k) -> (N, H), the weighted sum: copies grouped
+    by expert, `run(rows, counts)` on them (on the experts' ranks of the ep `group`, if
+    any: `hybridpar.moe.dispatch`), combined. What `MoE` and the Hugging Face views run."""
+    copies, counts, order = group_by_expert(x, chosen, n_experts)
+    if group is None:
+        done = run(copies, counts)                                           # (N·k, H)
+    else:                                               # to the experts' ranks and back
+        plan = dispatch_plan(counts, group, copies.shape[0])
+        done = plan.back(run(plan.to_experts(copies, group), plan.local_counts), group)
+    return combine(done, weights, order)
 
 
 def group_by_expert(x: Tensor, experts: Tensor, n_experts: int

@@ -30,8 +30,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from hybridpar.moe.balance_loss import routing_stats
-from hybridpar.moe.block import combine, group_by_expert
-from hybridpar.moe.dispatch import dispatch_plan
+from hybridpar.moe.block import routed
 from hybridpar.moe.experts import expert_mlp, gated
 from hybridpar.sharded.attrs import register_expert_shard
 
@@ -108,15 +107,9 @@ class HFMoE(nn.Module):
         parts: dict[str, Any] = dict(self._modules)
         logits, weights, chosen = parts[self.recipe.router](flat)
         experts = parts["experts"]
-        copies, counts, order = group_by_expert(flat, chosen, logits.shape[-1])
-        if self.group is None:
-            done = self._experts(experts, copies, counts)                # (N·k, H)
-        else:                                           # to the experts' ranks and back
-            plan = dispatch_plan(counts, self.group, copies.shape[0])
-            mine = self._experts(experts, plan.to_experts(copies, self.group),
-                                 plan.local_counts)
-            done = plan.back(mine, self.group)                           # (N·k, H)
-        out = combine(done, weights, order)                              # (N, H)
+        out = routed(flat, chosen, weights, logits.shape[-1],
+                     lambda rows, counts: self._experts(experts, rows, counts),
+                     self.group)                                         # (N, H)
         if self.recipe.shared is not None:
             shared = parts[self.recipe.shared](flat)
             if self.recipe.shared_gate is not None:
