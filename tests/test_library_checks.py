@@ -68,8 +68,6 @@ CONFIG_CHECKS = {
                                                                       "models.gpt(ep=...)"),
     ("_check_experts", "parallel.ep={par.ep} does not divide par"): (LIBRARY,
                                                                       "topology.ParallelDims"),
-    ("_check_experts", "parallel.ep={par.ep} with a Hugging Face"): (
-        LIBRARY, "pipe.experts.shard_hf_experts"),
     ("_check_experts", "parallel.zero={par.zero} with parallel.e"): (
         LIBRARY, "optim.zero.check_no_expert_shards"),
 }

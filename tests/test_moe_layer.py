@@ -207,6 +207,10 @@ def test_bad_experts_are_refused():
         Experts(E, H, FFN, activation="tanh")
     with pytest.raises(ValueError, match=r"experts 6\.\.9 are not among the 8 experts"):
         Experts(E, H, FFN, first=6, local=4)
+    with pytest.raises(ValueError, match=r"experts 2\.\.5 are not one of equal slices of the 8"):
+        Experts(E, H, FFN, first=2, local=4)
+    with pytest.raises(ValueError, match=r"experts 0\.\.2 are not one of equal slices of the 8"):
+        Experts(E, H, FFN, first=0, local=3)
     with pytest.raises(ValueError, match=r"rank 0 must hold experts 0\.\.7 .* but the block "
                                          r"holds 0\.\.3 of 8"):
         MoE(Router(H, E, K), Experts(E, H, FFN, local=4))

@@ -206,6 +206,10 @@ CAMPAIGN: dict[str, str] = {
         "its zbv case (split backward) and the other schedules",
     "tests/test_moe_ep.py::test_expert_parallel_moe_gpt_equals_one_device[pp2tp2dp2ep2-":
         "ep 2 with pp 2 and with tp 2 (4 ranks each)",
+    "tests/test_moe_hf.py::test_a_mixtral_config_at_ep2_built_on_meta_trains_as_at_ep1":
+        "test_moe_checkpoints.py's meta build at pp2 x dp2 x ep2 (the one-device experts)",
+    "tests/test_moe_checkpoints.py::test_the_dry_run_of_a_meta_built_mixtral_at_ep2_holds_":
+        "test_moe_ep.py's dry run at ep 2 (the gpt's experts per rank, the all-to-alls)",
     # Hugging Face experts: each family in one or two layouts, every layout by some family
     **{f"tests/test_moe_hf.py::test_a_hugging_face_moe_trains_as_the_plain_model[{family}-"
        f"{layout}]": f"{family}-{' and '.join(kept)} (and {layout} of another family)"

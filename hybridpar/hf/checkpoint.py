@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from hybridpar.hf.keys import key_map, sequential_state_dict
+from hybridpar.moe.hub_names import piece_view
 
 __all__ = ["checkpoint_config", "load_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -70,14 +71,16 @@ def save_hf_checkpoint(state_dict: Mapping[str, Tensor], config: Any,
     """Write a Sequential state dict as a Hugging Face checkpoint (``from_pretrained`` reads it).
 
     `config` is the model's `PretrainedConfig` (written as ``config.json``). One
-    ``model.safetensors`` file, without the tied head (as ``save_pretrained`` writes it).
+    ``model.safetensors`` file, the names and per-expert tensors as ``save_pretrained``
+    writes them (`KeyMap.saved`), without the tied head.
     """
     from safetensors.torch import save_file
 
     names = key_map(config)
-    hf = {names.to_hf(k): v for k, v in state_dict.items()}
-    if names.tied is not None:
-        hf.pop(names.tied[0], None)
+    head = names.tied[0] if names.tied is not None else None
+    hf = {saved: v if piece is None else piece_view(v, piece)
+          for k, v in state_dict.items() if names.to_hf(k) != head
+          for saved, piece in names.saved(names.to_hf(k), v.shape[0] if v.dim() else 0)}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)

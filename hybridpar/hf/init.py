@@ -171,24 +171,35 @@ def _init_over_full_children(module: nn.Module, init_weights: _Init) -> None:
 @contextmanager
 def _whole_own_parameters(module: nn.Module) -> Iterator[None]:
     """`module` with its own sharded parameters (per-head ones `plan.shard_per_head` cut:
-    Cohere's q / k norms) whole for the block's duration, NaN first; each then keeps this
-    rank's slice of what the rule drew (left alone if the rule drew nothing)."""
-    from hybridpar.sharded.attrs import tensor_shard_dim
+    Cohere's q / k norms; an ep rank's slice of the experts) whole for the block's duration,
+    NaN first; each then keeps this rank's slice of what the rule drew (left alone if the
+    rule drew nothing). So an ep rank's experts are those of the one-device model."""
+    from hybridpar.sharded.attrs import expert_slice, tensor_shard_dim
     from hybridpar.tensor_parallel.state import full_shape
 
     group = getattr(module, "group", None)
     cut = {name: p for name, p in module.named_parameters(recurse=False)
            if tensor_shard_dim(p) is not None}
-    for name, p in cut.items():
+    experts = {name: p for name, p in module.named_parameters(recurse=False)
+               if expert_slice(p) is not None}
+    for name, p in {**cut, **experts}.items():
+        slice_ = expert_slice(p)
+        shape = (slice_[1], *p.shape[1:]) if slice_ is not None else full_shape(p, group)
         module._parameters[name] = nn.Parameter(
-            torch.full(full_shape(p, group), float("nan"), dtype=p.dtype, device=p.device),
+            torch.full(shape, float("nan"), dtype=p.dtype, device=p.device),
             requires_grad=False)
     try:
         yield
     finally:
-        wholes = {name: module._parameters[name] for name in cut}
-        module._parameters.update(cut)
-    _keep_slices(module, SimpleNamespace(**wholes), drawn_only=True)
+        wholes = {name: module._parameters[name] for name in {**cut, **experts}}
+        module._parameters.update({**cut, **experts})
+    _keep_slices(module, SimpleNamespace(**{n: wholes[n] for n in cut}), drawn_only=True)
+    for name, p in experts.items():          # an ep rank's experts [a, b) of the whole layer
+        first = expert_slice(p)[0]           # type: ignore[index]
+        whole = wholes[name]
+        assert whole is not None
+        drawn = whole.narrow(0, first, p.shape[0])
+        p.copy_(torch.where(drawn.isnan(), p, drawn))   # (no host read: a GPU keeps going)
 
 
 @contextmanager

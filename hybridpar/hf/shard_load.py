@@ -5,8 +5,10 @@ Two sources, one reader (`load_slices`, which takes how names are found: `FileNa
 (`hybridpar export`'s plain names, every name of a tie written).
 
     for every tensor of the rank's state dict (layout-free Sequential names)
-      name     HF: `key_map(config).to_hf(name)`; else a tie's other names (a tied head left
-               out of the files is the embedding's tensor); else a bare decoder's name
+      name     HF: `key_map(config).to_hf(name)` as saved (renames undone), else as the
+               model names it; else a tie's other names (a tied head left out of the files
+               is the embedding's tensor); else a bare decoder's name; else, for fused
+               experts, each expert's parts (`hybridpar.moe.hub_names`)
                plain: the name itself; else a tie's other names
       file     ``model.safetensors.index.json``'s ``weight_map``, else the ``*.safetensors``
                (each file's header) that holds it
@@ -14,6 +16,8 @@ Two sources, one reader (`load_slices`, which takes how names are found: `FileNa
                tp-sharded:  ``get_slice(name)[..., a:b, ...]`` for each     its slice only
                             range of `shard_ranges(param)` (one; one per
                             part of a fused q | k | v)
+               ep-sharded:  ``get_slice(name)[a:b]``, or the per-expert     its experts only
+                            tensors of experts a .. b - 1
       store    copied into the parameter's own storage, range by range; the copy casts
                (a bf16 file into float32 parameters: no full-size temporary)
 
@@ -30,7 +34,7 @@ finite as it is read (`hybridpar.io.weight_checks`), and an error is raised on e
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +46,13 @@ from torch.distributed import ProcessGroup
 
 from hybridpar.comm.agreement import fail_together
 from hybridpar.hf.checkpoint import _INDEX, _files, checkpoint_config
-from hybridpar.hf.keys import KeyMap, key_map
+from hybridpar.hf.keys import FileNames, hf_file_names, plain_file_names
 from hybridpar.io.weight_checks import check_finite, check_kind
+from hybridpar.moe.hub_names import piece_view
+from hybridpar.sharded.attrs import expert_slice
 from hybridpar.tensor_parallel.state import ShardRanges, full_shape, module_group, shard_ranges
 
-__all__ = ["FileNames", "ShardLoad", "init_for_loading", "load_hf_shards",
+__all__ = ["ShardLoad", "init_for_loading", "load_hf_shards",
            "load_plain_shards", "load_slices"]
 
 _ERRORS = (FileNotFoundError, ValueError, OSError, RuntimeError)   # raised on every rank
@@ -176,68 +182,6 @@ def _names_of_ties(module: nn.Module, state: Mapping[str, Tensor]) -> dict[str, 
     return {name: list(others) for name, others in out.items()}
 
 
-def _candidates(key: str, names: KeyMap, others: list[str]) -> list[str]:
-    """The HF names `key`'s tensor may be stored under, in order of preference."""
-    hf = [names.to_hf(key)]
-    if names.tied is not None and hf[0] == names.tied[0]:
-        hf.append(names.tied[1])                  # the head: save_pretrained omits it
-    hf += [names.to_hf(other) for other in others]
-    hf += [h.removeprefix(names.base) for h in hf if h.startswith(names.base)]   # bare decoder
-    return list(dict.fromkeys(hf))
-
-
-@dataclass(frozen=True)
-class FileNames:
-    """How the model's (Sequential) names are found in the files: all a source decides."""
-
-    #: ``(name, its tie's other names)`` -> the names it may be stored under, preferred first
-    candidates: Callable[[str, list[str]], list[str]]
-    #: a model name as an error gives it (with its name in the files)
-    describe: Callable[[str], str]
-    #: ``(every key of the model, the files' names)`` -> the files' names the model lacks
-    unexpected: Callable[[list[str], Iterable[str]], list[str]]
-    #: what the model was built from, as errors name it ("config.json", "model 'gpt'")
-    model: str
-    #: what a file's extra tensor or a shape mismatch means (the end of those errors)
-    extra_hint: str
-    shape_hint: str
-
-
-def _hf_names(config: Any) -> FileNames:
-    """A Hugging Face checkpoint's names: `key_map(config)`, ties, bare decoders."""
-    names = key_map(config)
-    desc = _config_desc(config)
-
-    def unexpected(model_keys: list[str], held: Iterable[str]) -> list[str]:
-        try:
-            wanted = {names.to_hf(k) for k in model_keys}
-        except KeyError as error:
-            raise ValueError(f"the model's names do not map to {desc}'s: {error}; load into a "
-                             "Sequential that hybridpar.hf.to_sequential made") from None
-        return [k for k in held if not names.is_ignored(k) and k not in wanted
-                and names.base + k not in wanted]
-
-    return FileNames(
-        candidates=lambda key, others: _candidates(key, names, others),
-        describe=lambda key: f"{names.to_hf(key)} (the model's {key})",
-        unexpected=unexpected, model=desc,
-        extra_hint="the checkpoint and its config.json disagree (layer count, biases, tied "
-                   "embeddings)",
-        shape_hint="the weights and config.json disagree (hidden size, head counts, "
-                   "head_dim, vocab)")
-
-
-def _plain_names(model: str) -> FileNames:
-    """`hybridpar export`'s names: the Sequential's own, every name of a tie written."""
-    return FileNames(
-        candidates=lambda key, others: [key, *others],
-        describe=lambda key: key,
-        unexpected=lambda model_keys, held: [k for k in held if k not in set(model_keys)],
-        model=model,
-        extra_hint="the export is of another model (layer count, sizes, biases)",
-        shape_hint="the export is of another model size (width, heads, vocab)")
-
-
 def _plan(module: nn.Module, files: Mapping[str, Path], looked_in: str, names: FileNames
           ) -> list[_Entry]:
     """Every tensor this rank loads, checked against the files' headers (nothing read)."""
@@ -261,16 +205,32 @@ def _plan(module: nn.Module, files: Mapping[str, Path], looked_in: str, names: F
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
+        param = id(tensor) in params
+        experts = expert_slice(tensor)       # expert parallelism: experts [a, b) of E
+        first, count = experts if experts is not None else (0, tensor.shape[0] if tensor.dim()
+                                                             else 0)
+        ours = range(first, first + (tensor.shape[0] if tensor.dim() else 0))
         name = next((h for h in names.candidates(key, ties.get(key, [])) if h in files), None)
+        pieces = names.pieces(key, ours) if name is None else None
+        if pieces is not None:               # experts stored one by one: this rank's only
+            for file_name, piece in pieces:
+                if file_name not in files:
+                    missing.append(f"{file_name} (expert {piece.expert} of the model's {key})")
+                    continue
+                view = piece_view(tensor.detach(), piece, first)
+                entries.append(_Entry(key, view, file_name, files[file_name], None,
+                                      tuple(view.shape), param))
+            continue
         if name is None:
-            if id(tensor) in params:      # a buffer not in the files keeps its init (inv_freq)
+            if param:      # a buffer not in the files keeps its init (inv_freq)
                 missing.append(names.describe(key))
             continue
         group = groups.get(id(tensor))
         where = shard_ranges(tensor, group)
         expected = tuple(full_shape(tensor, group) if where is not None else tensor.shape)
-        entries.append(_Entry(key, tensor, name, files[name], where, expected,
-                              id(tensor) in params))
+        if experts is not None:              # its slice of the fused (E, ...) tensor
+            where, expected = ShardRanges(0, [(ours.start, ours.stop)]), (count, *tensor.shape[1:])
+        entries.append(_Entry(key, tensor, name, files[name], where, expected, param))
     if missing:
         raise ValueError(f"{len(missing)} tensor(s) this rank needs are not in the checkpoint: "
                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; looked "
@@ -291,11 +251,6 @@ def _plan(module: nn.Module, files: Mapping[str, Path], looked_in: str, names: F
                         f"{e.hf} in {path} has shape {shape} but the model built from "
                         f"{names.model} expects {e.expected} for {e.key}: {names.shape_hint}")
     return entries
-
-
-def _config_desc(config: Any) -> str:
-    """How an error names the config: its file when it came from one."""
-    return "config.json" if isinstance(config, dict) else type(config).__name__
 
 
 def _by_file(entries: list[_Entry]) -> dict[Path, list[_Entry]]:
@@ -345,7 +300,7 @@ def load_hf_shards(module: nn.Module, directory: str | Path, *, config: Any = No
     with fail_together(_ERRORS):
         config = checkpoint_config(directory, config)
         files, looked_in = _weight_map(directory)
-    return load_slices(module, files, looked_in, _hf_names(config))
+    return load_slices(module, files, looked_in, hf_file_names(config))
 
 
 def _export_map(path: Path) -> tuple[dict[str, Path], str]:
@@ -378,7 +333,7 @@ def load_plain_shards(module: nn.Module, path: str | Path, *, model: str = "the 
     """
     with fail_together(_ERRORS):
         files, looked_in = _export_map(Path(path))
-    return load_slices(module, files, looked_in, _plain_names(model))
+    return load_slices(module, files, looked_in, plain_file_names(model))
 
 
 def load_slices(module: nn.Module, files: Mapping[str, Path], looked_in: str,
@@ -396,5 +351,5 @@ def load_slices(module: nn.Module, files: Mapping[str, Path], looked_in: str,
                 read += _read(f, e)
             if e.param:   # (after the copy: a value the model's dtype cannot hold is inf)
                 check_finite(e.hf, str(e.file), e.tensor)
-    return ShardLoad(tensors=len(entries), bytes_read=read,
+    return ShardLoad(tensors=len({e.key for e in entries}), bytes_read=read,
                      files=tuple(str(p) for p in _by_file(entries)))

@@ -47,6 +47,9 @@ class Experts(nn.Module):
         if not (0 <= first and 1 <= local and first + local <= n_experts):
             raise ValueError(f"experts {first}..{first + local - 1} are not among the "
                              f"{n_experts} experts")
+        if first % local or n_experts % local:
+            raise ValueError(f"experts {first}..{first + local - 1} are not one of equal "
+                             f"slices of the {n_experts} experts (an ep rank's)")
         self.n_experts, self.first, self.local = n_experts, first, local
         self.hidden, self.intermediate = hidden, intermediate
         self.layout, self.activation, self.alpha, self.limit = layout, activation, alpha, limit
@@ -63,7 +66,7 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(local, hidden)) if gpt_oss else None
         if local < n_experts:
             for p in self.parameters():
-                register_expert_shard(p)
+                register_expert_shard(p, rank=first // local, ep=n_experts // local)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -97,7 +97,7 @@ class HFMoE(nn.Module):
             if p is not None and p.shape[0] == E:
                 piece = nn.Parameter(p.detach()[rank * local:(rank + 1) * local].clone(),
                                      requires_grad=p.requires_grad)
-                register_expert_shard(piece)
+                register_expert_shard(piece, rank=rank, ep=P)
                 experts._parameters[name] = piece
         self.group = group
 

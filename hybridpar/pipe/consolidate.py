@@ -182,7 +182,8 @@ def stream_state_dict(stage: nn.Module, topology: Topology, *, keys: Sequence[st
     own, None on every other rank. One full tensor is in flight at a time.
 
         for a key of stage s (a tie's alias: its canonical name's stage), at dp rank 0:
-        stage s's tp ranks          all-gather it (`full_tensor`; replicated: nothing to do)
+        stage s's tp ranks          all-gather it (`full_tensor`; replicated: nothing to do;
+                                    experts: over dp rank 0's ep group too)
         stage s's tp rank 0         sends it to the writer (unless it is the writer)
         the writer                  receives it into a buffer shaped as `layout` says
         every other rank            nothing (the dp ranks > 0 hold the same values)
@@ -191,22 +192,27 @@ def stream_state_dict(stage: nn.Module, topology: Topology, *, keys: Sequence[st
     gathers, sends and receives match by order). `keys` may repeat a tensor (every name of a
     tie); `layout` is `state_layout`'s.
     """
-    if topology.ep > 1:
-        raise ValueError("streaming a pipe's tensors (hybridpar export) with expert "
-                         "parallelism is not supported yet; consolidated_state_dict() gathers "
-                         "the experts")
     group = topology.tp_group if topology.tp > 1 else None
     writer, me = topology.global_rank(0, 0, 0), dist.get_rank()
     owner = {k: s for s, names in enumerate(stage_keys) for k in names}
     params = dict(stage.named_parameters())
-    state: dict[str, Tensor] = stage.state_dict() if topology.dp_rank == 0 else {}
+    # dp ranks 0 .. ep - 1 form dp rank 0's ep group: together they hold every expert
+    state: dict[str, Tensor] = stage.state_dict() if topology.dp_rank < topology.ep else {}
     for key in keys:
         canonical = aliases.get(key, key)
         s = owner[canonical]
         src = topology.global_rank(0, s, 0)
-        if topology.dp_rank == 0 and topology.pp_rank == s:
+        param = params.get(canonical)
+        experts = _expert_group(topology) if param is not None and is_expert_shard(param) \
+            else None
+        if topology.pp_rank == s and (topology.dp_rank == 0 or (
+                experts is not None and topology.dp_rank < topology.ep)):
             value = state[canonical]
-            full = full_tensor(value, params.get(canonical), group)
+            full = full_tensor(value, param, group, experts)
+            if topology.dp_rank > 0:   # (its experts gathered to dp rank 0's side)
+                del full
+                yield None
+                continue
             if me == writer:
                 out = _own_cpu(full, value)
                 del full

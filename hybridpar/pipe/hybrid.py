@@ -15,6 +15,7 @@ from hybridpar.balance.choose import choose_balance
 from hybridpar.comm import p2p as comm
 from hybridpar.comm.agreement import fail_together
 from hybridpar.keyed import KeyedInit
+from hybridpar.moe.hf_blocks import shard_experts
 from hybridpar.packing import SEQUENCE_PARALLEL_PACKED, is_packed
 from hybridpar.pipe.build import (
     apply_plan,
@@ -23,7 +24,6 @@ from hybridpar.pipe.build import (
     stage_routes,
     watchdog_timeout,
 )
-from hybridpar.pipe.experts import shard_hf_experts
 from hybridpar.pipe.parameters import PipeParameters
 from hybridpar.pipeline.activations.checkpoint import RNGReplay, check_checkpoint
 from hybridpar.pipeline.parameters.grad_shards import ShardedGradBuckets
@@ -135,7 +135,7 @@ class HybridPipe(PipeParameters):
             raise ValueError(SEQUENCE_PARALLEL_PACKED)
         module, self.tp_plan_decisions = apply_plan(module, tp_plan, group=topo.tp_group)
         if topo.ep > 1:   # a Hugging Face model's sparse blocks: this rank's experts
-            shard_hf_experts(module, topo.ep_group)
+            shard_experts(module, topo.ep_group)
         if sequence_parallel and topo.tp > 1:   # a Hugging Face decoder (`hf.sequence`)
             from hybridpar.hf.sequence import sequence_parallel as shard_sequence
 

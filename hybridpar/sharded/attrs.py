@@ -32,6 +32,7 @@ __all__ = [
     "PARALLEL_DIM_ATTR",
     "PARTIAL_GRAD_ATTR",
     "SEQUENCE",
+    "expert_slice",
     "get_order_type",
     "get_parallel_dim",
     "has_partial_grad",
@@ -131,18 +132,29 @@ def has_partial_grad(param: Tensor) -> bool:
 
 
 #: on a parameter that holds a slice, along dim 0, of a layer's experts (expert parallelism):
-#: its gradient is summed over the dp ranks holding the same experts, not averaged over dp
+#: (ep rank, ep); its gradient is summed over the dp ranks holding the same experts, not
+#: averaged over dp
 EXPERT_SHARD_ATTR = _TAGS[-1]
 
 
-def register_expert_shard(param: Tensor) -> None:
-    """Mark `param` as holding a slice of the experts along dim 0, over the ep group."""
-    setattr(param, EXPERT_SHARD_ATTR, True)
+def register_expert_shard(param: Tensor, *, rank: int, ep: int) -> None:
+    """Mark `param` as ep rank `rank`'s slice (of ep equal ones) of the experts, along dim 0."""
+    setattr(param, EXPERT_SHARD_ATTR, (rank, ep))
 
 
 def is_expert_shard(param: Tensor) -> bool:
     """Whether `param` is marked by `register_expert_shard`."""
-    return getattr(param, EXPERT_SHARD_ATTR, False) is True
+    return expert_slice(param) is not None
+
+
+def expert_slice(param: Tensor) -> tuple[int, int] | None:
+    """``(first expert, experts in the layer)`` of a `register_expert_shard` slice (its
+    ``shape[0]`` experts from the first), else None."""
+    mark = getattr(param, EXPERT_SHARD_ATTR, None)
+    if mark is None:
+        return None
+    rank, ep = mark
+    return rank * param.shape[0], ep * param.shape[0]
 
 
 def is_sharded_layer(module: nn.Module) -> bool:

@@ -93,9 +93,13 @@ class _Checkpoint:
         self.names = sorted([*keys, *self.aliases], key=_layer_order)
 
     def nbytes(self, name: str) -> int:
+        dtype, shape = self.info(name)
+        return shape.numel() * dtype.itemsize
+
+    def info(self, name: str) -> tuple[torch.dtype, torch.Size]:
         meta = self.metadata.state_dict_metadata["model/" + self.aliases.get(name, name)]
         assert isinstance(meta, TensorStorageMetadata)
-        return meta.size.numel() * meta.properties.dtype.itemsize
+        return meta.properties.dtype, meta.size
 
     def tensor(self, name: str) -> Tensor:
         key = "model/" + self.aliases.get(name, name)
@@ -269,6 +273,7 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
     ``AutoTokenizer.from_pretrained(out)`` loads too. `config`: the run's config.json (default
     RUN_DIR/config.json). Holds one file's tensors at most.
     """
+    from hybridpar.hf.keys import as_saved
     from hybridpar.models.hf import hf_config
 
     size = parse_size(max_shard_size)
@@ -286,8 +291,9 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *
         if isinstance(pretrained, str):
             _copy_tokenizer(Path(pretrained), folder)
 
-    return _write(target, [(name, source.nbytes(n)) for name, n in entries],
-                  (source.tensor(n) for _, n in entries), max_shard_size=size, extra=extra)
+    sizes, tensors = as_saved(entries, [source.info(n) for _, n in entries],
+                               (source.tensor(n) for _, n in entries), hf)
+    return _write(target, sizes, tensors, max_shard_size=size, extra=extra)
 
 
 # what a save_pretrained folder holds besides the model: its tokenizer and generation defaults
@@ -333,6 +339,7 @@ def export_pipe(pipe: HybridPipe, out: str | os.PathLike[str], *, config: Any = 
     disk) is raised on every rank, and nothing is left behind. Returns what was written
     (counts and `peak_bytes` on rank 0; elsewhere the file names and zeros).
     """
+    from hybridpar.hf.keys import as_saved
     from hybridpar.pipe import consolidate
 
     size = parse_size(max_shard_size)   # (the same on every rank: fails on all alike)
@@ -355,6 +362,9 @@ def export_pipe(pipe: HybridPipe, out: str | os.PathLike[str], *, config: Any = 
         stream = consolidate.stream_state_dict(pipe, topo, keys=[k for _, k in entries],
                                                stage_keys=stage_keys, aliases=aliases,
                                                layout=layout)
+        if config is not None:
+            sizes, stream = as_saved(entries, [layout[aliases.get(k, k)] for _, k in entries],
+                                      stream, config)
         return _write(target, sizes, stream, max_shard_size=size,
                       extra=config.save_pretrained if config is not None else None,
                       agree=_agree)

@@ -101,13 +101,8 @@ def _check_experts(cfg: Config, where: Where) -> None:
                           "model.n_experts = 0", "parallel.sequence_parallel", "model.n_experts")
     if par.ep == 1:
         return
-    if model.name.startswith("hf:"):   # a Hugging Face MoE family, built whole
+    if model.name.startswith("hf:"):   # a Hugging Face MoE family
         experts = model.args.get("num_local_experts") or model.args.get("num_experts") or 0
-        if experts and model.init != "full":
-            raise where.error(f"parallel.ep={par.ep} with a Hugging Face model needs it built "
-                              "whole on each rank (model.init = 'full'; each rank then keeps "
-                              "its experts): a meta build would draw a rank's experts at their "
-                              "local size", "parallel.ep", "model.init")
     if not experts:
         raise where.error(f"parallel.ep={par.ep} shards experts: the built-in gpt with "
                           f"model.n_experts > 0, or a Hugging Face MoE family (Mixtral, "
