@@ -10,7 +10,8 @@ standard library's sources), one document per source file:
     1. tokenizer  a byte-level BPE of `vocab` ids trained by `tokenizers` on the corpus, with
                   one special token, <|endoftext|> (id 0): the end of document (EOS), also
                   the BOS and the padding token; wrapped as transformers' fast tokenizer
-    2. model      the family's causal LM (llama, gpt2, qwen2, mistral) from a small config,
+    2. model      the family's causal LM (llama, gpt2, qwen2, mistral; mixtral, qwen3_moe with
+                  4 experts of top-2) from a small config,
                   vocab_size = the tokenizer's, random-init from `seed`
     3. pretrain   `steps` AdamW steps of next-token loss on the corpus's tokens (documents
                   joined by the EOS, windows of seq_len + 1), so the weights are not pure
@@ -43,7 +44,7 @@ TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"     # --chat
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
           "{{ message['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
+FAMILIES = ("llama", "gpt2", "qwen2", "mistral", "mixtral", "qwen3_moe")
 
 
 def documents(corpus: bytes) -> list[str]:
@@ -82,8 +83,14 @@ def model_config(family: str, vocab: int, eos_id: int, args: argparse.Namespace,
             n_inner=args.intermediate, n_positions=max(256, 4 * args.seq_len),
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **special)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}[family]
-    extra: dict[str, Any] = {"sliding_window": None} if family == "mistral" else {}
+           "mistral": transformers.MistralConfig, "mixtral": transformers.MixtralConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+    extra: dict[str, Any] = {"sliding_window": None} if family in ("mistral", "mixtral") \
+        else {}
+    if family in ("mixtral", "qwen3_moe"):   # 4 experts of top-2, the load-balancing loss on
+        extra.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=args.intermediate, output_router_logits=True,
+                     router_aux_loss_coef=0.01)
     return cls(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                num_hidden_layers=args.layers, num_attention_heads=args.heads,
                num_key_value_heads=args.kv_heads,

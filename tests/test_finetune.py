@@ -5,9 +5,10 @@ embedded corpus, a tiny model saved with `save_pretrained`), `hybridpar tokenize
 tokenizes this repository's docs with its tokenizer, and `configs/finetune_llama.toml` (as it
 is, shrunk by --set) fine-tunes it through the real `hybridpar run` (its console entry, called
 in this process) at pp2 x tp2; the export
-loads with `from_pretrained`, tokenizer included, and generates text. gpt2, qwen2 and mistral
-take one step each from a token folder (pp2, in-process ranks: one spawn for the three) and
-export the same way.
+loads with `from_pretrained`, tokenizer included, and generates text. gpt2, qwen2, mistral and
+the mixtures of experts qwen3_moe (pp2) and mixtral (dp2 x ep2) take one step each from a
+token folder (in-process ranks: one spawn for the five) and export the same way (the experts
+one by one, as the Hub stores them).
 """
 
 from __future__ import annotations
@@ -143,7 +144,11 @@ def _one_step(cfg, run_dir: str) -> dict:
     return train(cfg, run_dir, progress=False)
 
 
-FAMILIES = ["gpt2", "qwen2", "mistral"]
+FAMILIES = ["gpt2", "qwen2", "mistral", "mixtral", "qwen3_moe"]
+# each family's layout on 2 ranks: pp 2, or (a Hub MoE checkpoint, its experts stored one by
+# one) dp 2 x ep 2, each rank reading its 2 of the 4 experts
+LAYOUTS = {family: ["parallel.pp=2", "parallel.dp=1"] for family in FAMILIES} | {
+    "mixtral": ["parallel.pp=1", "parallel.dp=2", "parallel.ep=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +161,7 @@ def stepped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, P
         pretrained = make_pretrained(family, root / family / family)
         tokens = tokenize(root / family / "tokens", "--tokenizer", str(pretrained))
         cfg = load_config(CONFIG, [f"model.name=hf:{family}", f"model.pretrained={pretrained}",
-                                   f"data.path={tokens}", "parallel.pp=2", "parallel.tp=1",
+                                   f"data.path={tokens}", *LAYOUTS[family], "parallel.tp=1",
                                    "parallel.chunks=2", "train.steps=1", "train.eval_every=0",
                                    "checkpoint.every=1", *SMALL])
         run_dir = root / family / "run"

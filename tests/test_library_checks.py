@@ -64,7 +64,7 @@ CONFIG_CHECKS = {
     ("_check_experts", "parallel.sequence_parallel does not take"): (LIBRARY, "models.gpt"),
     ("_check_experts", "parallel.ep={par.ep} shards experts: the"): (
         CONFIG, "ep of a model without experts: the library's topology is plain dp then"),
-    ("_check_experts", "parallel.ep={par.ep} does not divide mod"): (LIBRARY,
+    ("_check_experts", "parallel.ep={par.ep} does not divide {co"): (LIBRARY,
                                                                       "models.gpt(ep=...)"),
     ("_check_experts", "parallel.ep={par.ep} does not divide par"): (LIBRARY,
                                                                       "topology.ParallelDims"),

@@ -173,3 +173,20 @@ def test_the_dry_run_of_a_meta_built_mixtral_at_ep2_holds_half_its_experts_per_f
     for rank in report.ranks:
         assert rank.buckets == dense + experts // 2   # (params: + the rotary buffers)
         assert "all_to_all" in rank.comm
+
+
+def test_the_config_counts_a_pretrained_folders_experts(tmp_path):
+    """ep is checked against the experts of model.pretrained's config.json (4 here), not the
+    family's default (Mixtral's 8), and a folder of another family is named."""
+    from pathlib import Path
+
+    from config_errors import error_of
+
+    _saved("mixtral", tmp_path / "hub")
+    config = Path(__file__).resolve().parents[1] / "configs" / "mixtral_tiny.toml"
+    base = ["parallel.tp=1", "parallel.pp=1", "parallel.balance=[5]", "parallel.dp=8",
+            f"model.pretrained={tmp_path / 'hub'}"]
+    assert "parallel.ep=8 does not divide the pretrained config.json's experts=4: each ep " \
+           "rank holds E / ep of the experts" in error_of(config, *base, "parallel.ep=8")
+    assert "holds a 'mixtral' model, not 'qwen3_moe': use model.name = 'hf:mixtral'" in \
+        error_of(config, *base, "parallel.ep=2", "model.name=hf:qwen3_moe")

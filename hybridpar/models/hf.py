@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from hybridpar.keyed import keyed_reset_
 from hybridpar.models.gpt import gpt_loss
 
-__all__ = ["FAMILIES", "any_family", "gpt2", "hf_config", "llama", "mistral", "next_token_loss",
-           "qwen2", "qwen3"]
+__all__ = ["FAMILIES", "any_family", "expert_count", "gpt2", "hf_config", "llama", "mistral",
+           "next_token_loss", "qwen2", "qwen3"]
 
 Built = tuple[nn.Sequential, Callable[[Tensor, Tensor], Tensor]]
 log = logging.getLogger(__name__)
@@ -79,6 +79,20 @@ def hf_config(family: str, options: dict[str, Any]) -> Any:
     except Exception as e:   # transformers' validators (StrictDataclass... errors)
         raise ValueError(f"transformers' {config_class.__name__} refuses the [model] options "
                          f"of 'hf:{family}': {e}") from e
+
+
+def expert_count(name: str, options: dict[str, Any]) -> int:
+    """E of model `name`'s MoE layers (0: none): the built-in gpt's ``n_experts``; an
+    ``hf:<family>``'s config (``model.pretrained``'s config.json when given)."""
+    if name == "gpt":
+        return int(options.get("n_experts", 0))
+    if not name.startswith("hf:"):
+        return 0
+    from hybridpar.hf.structure import config_value
+
+    config = hf_config(name.removeprefix("hf:"),
+                       {k: v for k, v in options.items() if k not in ("name", "init")})
+    return int(config_value(config, "num_local_experts", "num_experts", default=0) or 0)
 
 
 def _config_class(family: str) -> Any:

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from hybridpar.comm.agreement import fail_together
 from hybridpar.data.windows import PaddedExamples, TokenWindows
+from hybridpar.models.hf import expert_count
 from hybridpar.moe.observe import RoutingLog
 from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters
 from hybridpar.pipe import HybridPipe
@@ -92,10 +93,7 @@ class RunState:
         self.optimizer = build_optimizer(self.pipe, config)
         self.step = 0
         self.layers = self.pipe.layers
-        args = config.model.args
-        experts = args.get("n_experts", 0) if config.model.name == "gpt" else \
-            (args.get("num_local_experts") or args.get("num_experts") or 0) \
-            if config.model.name.startswith("hf:") else 0
+        experts = expert_count(config.model.name, config.model.args)
         #: each step's expert load and aux loss, for the metrics (a model with experts)
         self.routing = RoutingLog(self.pipe, layers=sum(self.pipe.balance),
                                   n_experts=experts) if experts else None

@@ -101,17 +101,25 @@ def _check_experts(cfg: Config, where: Where) -> None:
                           "model.n_experts = 0", "parallel.sequence_parallel", "model.n_experts")
     if par.ep == 1:
         return
-    if model.name.startswith("hf:"):   # a Hugging Face MoE family
-        experts = model.args.get("num_local_experts") or model.args.get("num_experts") or 0
+    if model.name.startswith("hf:"):   # a Hugging Face MoE family (its pretrained config's)
+        from hybridpar.models.hf import expert_count
+
+        try:
+            experts = expert_count(model.name, model.args)
+        except (ValueError, OSError) as e:
+            raise where.error(str(e), "model.name", "model.pretrained") from None
     if not experts:
         raise where.error(f"parallel.ep={par.ep} shards experts: the built-in gpt with "
                           f"model.n_experts > 0, or a Hugging Face MoE family (Mixtral, "
                           f"Qwen2/3-MoE, OLMoE, GraniteMoE, GPT-OSS); got model "
                           f"{model.name!r} without experts", "parallel.ep", "model.n_experts")
     if experts % par.ep:
-        raise where.error(f"parallel.ep={par.ep} does not divide model.n_experts={experts}: "
-                          f"each ep rank holds n_experts / ep experts", "parallel.ep",
-                          "model.n_experts")
+        count = "model.n_experts" if model.name == "gpt" else (
+            "the pretrained config.json's experts" if model.args.get("pretrained")
+            else "model.num_local_experts / num_experts")
+        raise where.error(f"parallel.ep={par.ep} does not divide {count}={experts}: each ep "
+                          f"rank holds E / ep of the experts", "parallel.ep",
+                          "model.n_experts" if model.name == "gpt" else "model.name")
     if par.dp is not None and par.dp % par.ep:
         raise where.error(f"parallel.ep={par.ep} does not divide parallel.dp={par.dp}: ep is "
                           "carved out of the dp replicas", "parallel.ep", "parallel.dp")
