@@ -207,6 +207,9 @@ def test_a_run_at_ep2_resumed_at_ep1_trains_as_a_run_at_ep1(tmp_path):
     (["model.n_experts=4", "model.top_k=5"], "top_k=5 must be between 1 and n_experts=4"),
     (["model.n_experts=4", "parallel.sequence_parallel=true", "parallel.tp=2"],
      "parallel.sequence_parallel does not take experts yet"),
+    (["model.n_experts=4", "model.router=top1"], "router='top1' is not one of softmax, sigmoid"),
+    (["model.n_experts=4", "model.bias_update_rate=0.01"],
+     "bias_update_rate=0.01 moves the correction bias of the sigmoid router"),
 ])
 def test_the_config_refuses_bad_expert_layouts_naming_the_keys(overrides, message):
     from config_errors import error_of

@@ -178,7 +178,7 @@ def test_the_block_adds_its_routing_sums_and_the_load_is_logged():
     x = torch.randn(2, 5, H, dtype=torch.float64)
     out, stats = moe(x, empty_stats(E))
     assert torch.equal(out, moe(x))
-    assert stats.shape == (2 * E + 1,) and stats[-1] == 10 and stats[:E].sum() == 10 * K
+    assert stats.shape == (2 * E + 2,) and stats[2 * E] == 10 and stats[:E].sum() == 10 * K
     low, high = expert_load(stats)
     assert 0 <= low <= 1 <= high <= E
 

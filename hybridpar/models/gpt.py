@@ -95,9 +95,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+ROUTERS = ("softmax", "sigmoid")
+
+
 def check_gpt_config(*, vocab_size: int, block_size: int, n_layer: int, n_head: int,
                      n_embd: int, dropout: float, tp: int | None, n_experts: int = 0,
-                     top_k: int = 2) -> None:
+                     top_k: int = 2, router: str = "softmax", z_loss_coef: float = 0.0,
+                     bias_update_rate: float = 0.0) -> None:
     """Raise `ValueError` naming the numbers (and the valid tp sizes) for a bad config."""
     for name, value in (("vocab_size", vocab_size), ("block_size", block_size),
                         ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
@@ -109,6 +113,15 @@ def check_gpt_config(*, vocab_size: int, block_size: int, n_layer: int, n_head: 
     if n_experts and not 1 <= top_k <= n_experts:
         raise ValueError(f"gpt: top_k={top_k} must be between 1 and n_experts={n_experts}: "
                          "each token goes to top_k distinct experts")
+    if router not in ROUTERS:
+        raise ValueError(f"gpt: router={router!r} is not one of {', '.join(ROUTERS)}")
+    if not z_loss_coef >= 0 or not bias_update_rate >= 0:
+        raise ValueError(f"gpt: z_loss_coef={z_loss_coef} and bias_update_rate="
+                         f"{bias_update_rate} must be >= 0")
+    if bias_update_rate and router != "sigmoid":
+        raise ValueError(f"gpt: bias_update_rate={bias_update_rate} moves the correction bias "
+                         "of the sigmoid router (DeepSeek-V3's aux-loss-free balancing): set "
+                         "router = 'sigmoid'")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"gpt: dropout must be in [0, 1), got {dropout}")
     if n_embd % n_head != 0:
@@ -134,7 +147,8 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
         group: ProcessGroup | None = None, bias: bool = True,
         sequence_parallel: bool = False, n_experts: int = 0, top_k: int = 2,
         expert_hidden: int | None = None, balance_coef: float = 0.01, ep: int | None = None,
-        ep_group: ProcessGroup | None = None) -> nn.Sequential:
+        ep_group: ProcessGroup | None = None, router: str = "softmax", z_loss_coef: float = 0.0,
+        bias_update_rate: float = 0.0) -> nn.Sequential:
     """A GPT as ``nn.Sequential(Embeddings, Block × n_layer, LayerNorm, Head)``.
 
     Input (B, T) int64 token ids with T <= block_size; output logits (B, T, V), or
@@ -143,13 +157,16 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
     of `hybridpar.init`), whose size must be `tp`. A pipeline may split it at any layer.
     With `n_experts` > 0 every block's MLP is a mixture of experts (`models.gpt_moe`: top_k
     of n_experts SwiGLU experts of `expert_hidden` features) and in training the output is
-    (logits, the load-balancing loss × `balance_coef`), which `gpt_loss` adds. With `ep` > 1
-    each rank holds n_experts / ep of them, over `ep_group` (default: the ep group of
-    `hybridpar.init(ep=...)`).
+    (logits, the load-balancing loss × `balance_coef` + the router z-loss × `z_loss_coef`),
+    which `gpt_loss` adds. `router`: "softmax" (renormalized top-k, Mixtral's) or "sigmoid"
+    (DeepSeek-V3's scores with a correction bias, moved by `bias_update_rate` a step:
+    `hybridpar.moe.ExpertBiasUpdate`). With `ep` > 1 each rank holds n_experts / ep of them,
+    over `ep_group` (default: the ep group of `hybridpar.init(ep=...)`).
     """
     check_gpt_config(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
                      n_head=n_head, n_embd=n_embd, dropout=dropout, tp=tp,
-                     n_experts=n_experts, top_k=top_k)
+                     n_experts=n_experts, top_k=top_k, router=router,
+                     z_loss_coef=z_loss_coef, bias_update_rate=bias_update_rate)
     if sequence_parallel and n_experts:
         raise ValueError("gpt(sequence_parallel=True) does not take experts yet (each tp "
                          "rank would route a part of the tokens); turn one of them off")
@@ -162,7 +179,8 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
     layers: list[nn.Module] = [Embeddings(vocab_size, block_size, n_embd, dropout=dropout,
                                           tp=tp, group=group, n_experts=n_experts, **sp)]
     layers += [Block(n_embd, n_head, dropout=dropout, tp=tp, group=group, bias=bias, **sp,
-                     moe=gpt_moe(n_embd, n_experts, top_k, expert_hidden, group=experts)
+                     moe=gpt_moe(n_embd, n_experts, top_k, expert_hidden, group=experts,
+                                 router=router, bias_rate=bias_update_rate)
                      if n_experts else None)
                for _ in range(n_layer)]
     norm_cls = SequenceLayerNorm if sequence_parallel else \
@@ -173,7 +191,7 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
             register_partial_grad(p)
     layers.append(norm)
     layers.append(Head(n_embd, vocab_size, tp=tp, group=group, **sp,
-                       balance_coef=balance_coef))
+                       balance_coef=balance_coef, z_loss_coef=z_loss_coef))
     return keyed(torch.initial_seed(), nn.Sequential(*layers))
 
 

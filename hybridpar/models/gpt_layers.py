@@ -265,15 +265,17 @@ class Head(nn.Module):
 
     def __init__(self, n_embd: int, vocab_size: int, *, tp: int | None = None,
                  group: ProcessGroup | None = None, sequence_parallel: bool = False,
-                 balance_coef: float = 0.0) -> None:
+                 balance_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
         super().__init__()
         self.proj = ParallelLinear(n_embd, vocab_size, False, dim=_dims(tp)[0], group=group)
         self.sequence_parallel, self.balance_coef = sequence_parallel, balance_coef
+        self.z_loss_coef = z_loss_coef
 
     def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
         """(B, T, C) -> logits; (x, stats) of an MoE GPT -> (logits, aux) in training."""
         if isinstance(x, tuple):
-            return head_output(self._logits(x[0]), x[1], self.balance_coef, self.training)
+            return head_output(self._logits(x[0]), x[1], self.balance_coef, self.training,
+                               z_coef=self.z_loss_coef)
         return self._logits(x)
 
     def _logits(self, x: Tensor) -> Tensor:

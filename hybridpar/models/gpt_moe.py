@@ -31,14 +31,17 @@ __all__ = ["StatsLayerNorm", "gpt_moe"]
 
 
 def gpt_moe(n_embd: int, n_experts: int, top_k: int, expert_hidden: int | None, *,
-            group: ProcessGroup | None = None) -> MoE:
-    """A GPT block's MoE: softmax top-k router (renormalized), SwiGLU experts; with an ep
-    `group` of P ranks, this rank's E / P experts."""
+            group: ProcessGroup | None = None, router: str = "softmax",
+            bias_rate: float = 0.0) -> MoE:
+    """A GPT block's MoE: a top-k router (softmax, renormalized; or sigmoid with a correction
+    bias moved by `bias_rate`), SwiGLU experts; with an ep `group` of P ranks, this rank's
+    E / P experts."""
     hidden = expert_hidden if expert_hidden is not None else max(1, 4 * n_embd // top_k)
     P = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     local = n_experts // P
-    return MoE(Router(n_embd, n_experts, top_k, scoring="softmax", normalize=True),
+    return MoE(Router(n_embd, n_experts, top_k, scoring=router, normalize=True,
+                      bias_rate=bias_rate),
                Experts(n_experts, n_embd, hidden, activation="silu", first=rank * local,
                        local=local), group=group)
 

@@ -1,5 +1,5 @@
 """Mixture of experts: router, fused experts, the MoE block, expert-parallel dispatch, the
-load-balancing loss."""
+load-balancing loss, the router z-loss, the aux-loss-free bias update."""
 
 from hybridpar.moe.balance_loss import (
     balance_loss,
@@ -8,7 +8,9 @@ from hybridpar.moe.balance_loss import (
     routing_stats,
     split_aux,
     stats_experts,
+    z_loss,
 )
+from hybridpar.moe.bias_update import ExpertBiasUpdate
 from hybridpar.moe.block import MoE, SharedExpert, combine, group_by_expert
 from hybridpar.moe.dispatch import DispatchPlan, all_to_all, dispatch_plan
 from hybridpar.moe.experts import Experts
@@ -17,6 +19,7 @@ from hybridpar.moe.router import Router, Routing
 
 __all__ = [
     "DispatchPlan",
+    "ExpertBiasUpdate",
     "Experts",
     "MoE",
     "Router",
@@ -34,4 +37,5 @@ __all__ = [
     "split_aux",
     "stats_experts",
     "uses_grouped_mm",
+    "z_loss",
 ]

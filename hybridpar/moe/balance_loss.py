@@ -10,9 +10,13 @@ A product of sums over layers does not split into per-layer terms, and under pip
 parallelism the layers of one micro-batch sit on several stages. So the sums travel with the
 micro-batch, one small float32 vector beside the hidden state, each MoE layer adding its own:
 
-    stats (2E + 1,)   [ C_0 .. C_{E-1} | P_0 .. P_{E-1} | R ]
+    stats (2E + 2,)   [ C_0 .. C_{E-1} | P_0 .. P_{E-1} | R | Z ]
     embedding -> zeros -> layer 0 adds -> ... (stage boundary: sent on) -> layer L-1 adds
     -> the loss on the last stage; its gradient flows back along the same path
+
+Z is the router z-loss of ST-MoE (eq. 5), which penalizes large router logits: each layer's
+mean over its N tokens of logsumexp(logits)², summed over the layers (a sum of per-layer
+terms, carried with the rest so that it reaches the loss on the last stage the same way).
 
 so every schedule (GPipe, 1F1B, interleaved, ZB-H1, ZBV) computes, per micro-batch, the loss
 and gradients of that micro-batch's forward on one device: plain transformers trained with
@@ -27,29 +31,36 @@ import torch
 from torch import Tensor
 
 __all__ = ["balance_loss", "empty_stats", "expert_load", "routing_stats", "split_aux",
-           "stats_experts"]
+           "stats_experts", "z_loss"]
 
 
 def empty_stats(n_experts: int, *, device: torch.device | str | None = None) -> Tensor:
-    """The sums before the first MoE layer: zeros (2E + 1,) float32."""
-    return torch.zeros(2 * n_experts + 1, dtype=torch.float32, device=device)
+    """The sums before the first MoE layer: zeros (2E + 2,) float32."""
+    return torch.zeros(2 * n_experts + 2, dtype=torch.float32, device=device)
 
 
 def stats_experts(stats: Tensor) -> int:
-    """E of a stats vector (2E + 1,)."""
-    return (stats.shape[-1] - 1) // 2
+    """E of a stats vector (2E + 2,)."""
+    return (stats.shape[-1] - 2) // 2
 
 
 def routing_stats(logits: Tensor, top_k: int) -> Tensor:
     """One layer's sums for router logits (N, E): counts of the top-k choices of
-    softmax(logits), the probabilities summed over the N rows, and N: (2E + 1,) float32."""
+    softmax(logits), the probabilities summed over the N rows, N, and the layer's z-loss:
+    (2E + 2,) float32."""
     N, E = logits.shape
     probs = torch.softmax(logits, dim=-1)                                # (N, E)
     chosen = torch.topk(probs, top_k, dim=-1)[1]                         # (N, k)
     # a histogram of float ids: no host sync, deterministic on every device
     counts = torch.histc(chosen.reshape(-1).float(), bins=E, min=0, max=E)
     rows = torch.full((1,), float(N), dtype=torch.float32, device=logits.device)
-    return torch.cat([counts, probs.float().sum(dim=0), rows])
+    z = torch.logsumexp(logits.float(), dim=-1).square().mean().reshape(1)
+    return torch.cat([counts, probs.float().sum(dim=0), rows, z])
+
+
+def z_loss(stats: Tensor) -> Tensor:
+    """Σ over layers of mean(logsumexp(logits)²), a 0-dim float32 (module docstring)."""
+    return stats[-1]
 
 
 def balance_loss(stats: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from hybridpar.moe.balance_loss import balance_loss
+from hybridpar.moe.balance_loss import balance_loss, z_loss
 
 __all__ = ["AuxOutput", "Carried", "head_output", "join_carry", "split_carry"]
 
@@ -43,12 +43,16 @@ def join_carry(h: Tensor, positions: Tensor | None, stats: Tensor | None
     return (h, *rest) if rest else h
 
 
-def head_output(logits: Tensor, stats: Tensor | None, coef: float, training: bool
-                ) -> Tensor | tuple[Tensor, Tensor]:
-    """The head's output: logits, or in training with experts (logits, coef · balance)."""
+def head_output(logits: Tensor, stats: Tensor | None, coef: float, training: bool, *,
+                z_coef: float = 0.0) -> Tensor | tuple[Tensor, Tensor]:
+    """The head's output: logits, or in training with experts (logits, coef · balance
+    + z_coef · the router z-loss)."""
     if stats is None or not training:
         return logits
-    return logits, (balance_loss(stats) * coef).reshape(1)
+    aux = balance_loss(stats) * coef
+    if z_coef:
+        aux = aux + z_loss(stats) * z_coef
+    return logits, aux.reshape(1)
 
 
 class Carried(nn.Module):

@@ -51,16 +51,18 @@ class Router(nn.Module):
     """A linear gate (E, H) scoring the experts of each token, then top-k (module docstring).
 
     `bias` adds a trained bias to the logits (GPT-OSS); ``scoring="sigmoid"`` holds the
-    correction bias buffer `correction_bias` (E,), zero until an aux-loss-free update moves
-    it."""
+    correction bias buffer `correction_bias` (E,), zero until the aux-loss-free update
+    (`hybridpar.moe.ExpertBiasUpdate`) moves it by `bias_rate` a step."""
 
     def __init__(self, hidden: int, n_experts: int, top_k: int, *, scoring: str = "softmax",
                  normalize: bool = True, bias: bool = False, groups: int = 1,
                  top_groups: int = 1, scale: float = 1.0,
-                 score_dtype: torch.dtype | None = torch.float32) -> None:
+                 score_dtype: torch.dtype | None = torch.float32,
+                 bias_rate: float = 0.0) -> None:
         super().__init__()
         check_router(n_experts=n_experts, top_k=top_k, scoring=scoring, groups=groups,
-                     top_groups=top_groups)
+                     top_groups=top_groups, bias_rate=bias_rate)
+        self.bias_rate = bias_rate
         self.n_experts, self.top_k, self.scoring = n_experts, top_k, scoring
         self.normalize, self.scale, self.score_dtype = normalize, scale, score_dtype
         self.groups, self.top_groups = groups, top_groups
@@ -115,10 +117,14 @@ class Router(nn.Module):
 
 
 def check_router(*, n_experts: int, top_k: int, scoring: str, groups: int,
-                 top_groups: int) -> None:
+                 top_groups: int, bias_rate: float = 0.0) -> None:
     """Raise `ValueError` naming what is wrong with a router's numbers."""
     if scoring not in SCORINGS:
         raise ValueError(f"router scoring {scoring!r} is not one of {', '.join(SCORINGS)}")
+    if not bias_rate >= 0 or (bias_rate and scoring != "sigmoid"):
+        raise ValueError(f"bias_rate={bias_rate} moves the correction bias of a sigmoid "
+                         "router (DeepSeek-V3's aux-loss-free balancing): a rate >= 0 with "
+                         "scoring='sigmoid'")
     if n_experts < 1 or not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and the number of experts "
                          f"({n_experts}): each token goes to k distinct experts")

@@ -16,6 +16,7 @@ from torch import Tensor
 from hybridpar.comm.agreement import fail_together
 from hybridpar.data.windows import PaddedExamples, TokenWindows
 from hybridpar.models.hf import expert_count
+from hybridpar.moe.bias_update import ExpertBiasUpdate
 from hybridpar.moe.observe import RoutingLog
 from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters
 from hybridpar.pipe import HybridPipe
@@ -97,6 +98,9 @@ class RunState:
         #: each step's expert load and aux loss, for the metrics (a model with experts)
         self.routing = RoutingLog(self.pipe, layers=sum(self.pipe.balance),
                                   n_experts=experts) if experts else None
+        #: DeepSeek-V3's aux-loss-free balancing (gpt's `bias_update_rate`), after each step
+        bias = ExpertBiasUpdate(self.pipe, group=topo.dp_group if topo.dp > 1 else None)
+        self.expert_bias = bias if bias else None
 
     def counting(self, targets: Tensor) -> contextlib.AbstractContextManager[Any]:
         """The block of a step on `targets`: with a loss mask, its micro-batch losses add up

@@ -78,6 +78,8 @@ def train_step(run: RunState, autocast: Any, trace: TraceRequest | None) -> dict
     record["grad_norm"] = run.pipe.clip_grad_norm_(cfg.grad_clip or math.inf)
     problem = _nonfinite(*torch.stack([loss.float(), record["grad_norm"].float()]).tolist()) \
         if cfg.nonfinite == "skip" else None   # "skip" decides now: one host read a step
+    if run.expert_bias is not None:   # the step's loads: its update, or dropped with it
+        run.expert_bias.step(apply=problem is None)
     if problem is None:
         run.optimizer.step()
     else:
