@@ -1,15 +1,19 @@
-"""The router z-loss (ST-MoE) and DeepSeek-V3's aux-loss-free bias update, against
-independent computations and, through the pipeline, against one device (float64)."""
+"""The router z-loss (ST-MoE), DeepSeek-V3's aux-loss-free bias update and a capacity factor
+with its drop policies, against independent computations and, through the pipeline and
+expert parallelism, against one device (float64)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from spawn_cases import spawn_by_world
 
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
-from hybridpar.moe import ExpertBiasUpdate, Router, split_aux
+from hybridpar.moe import ExpertBiasUpdate, Experts, MoE, Router, split_aux
 
 from pipe_harness import checked_step
 
@@ -85,11 +89,67 @@ def test_bad_balancing_options_are_refused(kwargs, message):
         gpt(**{**MOE, **kwargs})
 
 
+def _kept_by_hand(routing, N, k, E, capacity, policy):
+    """{expert: [(slot, token)] it keeps}: its copies slot by slot, tokens in order (or by
+    weight, largest first), the first `capacity` of them."""
+    kept = {}
+    for e in range(E):
+        copies = [(j, i) for j in range(k) for i in range(N) if routing.experts[i, j] == e]
+        if policy == "probs":
+            copies.sort(key=lambda c: -float(routing.weights[c[1], c[0]].detach()))
+        kept[e] = copies[:capacity]
+    return kept
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_a_capacity_keeps_each_experts_first_copies_and_drops_the_rest(policy):
+    """The block with capacity_factor 0.5 against a loop over experts that keeps each one's
+    first ceil(0.5 · N · k / E) copies by the policy: output and every gradient."""
+    torch.manual_seed(0)
+    N, H, E, k, inner = 12, 6, 4, 2, 5
+    moe = MoE(Router(H, E, k, scoring="softmax"), Experts(E, H, inner), capacity_factor=0.5,
+              drop_policy=policy).double()
+    with torch.no_grad():
+        moe.router.weight.normal_(0, 1.0)          # uneven loads: something is dropped
+    x = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    out = moe(x)
+    routing = moe.router(x)
+    capacity = math.ceil(0.5 * N * k / E)
+    kept = _kept_by_hand(routing, N, k, E, capacity, policy)
+    assert sum(map(len, kept.values())) < N * k                   # copies were dropped
+    expected = torch.zeros(N, H, dtype=torch.float64)
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    for e, copies in kept.items():
+        for j, i in copies:
+            gate, up = F.linear(x[i], gate_up[e]).chunk(2)
+            expected = expected.index_add(0, torch.tensor([i]), (
+                routing.weights[i, j] * F.linear(F.silu(gate) * up, down[e])).unsqueeze(0))
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    grads = torch.autograd.grad(out.square().sum(), [x, *moe.parameters()])
+    by_hand = torch.autograd.grad(expected.square().sum(), [x, *moe.parameters()])
+    for a, b in zip(grads, by_hand):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    # a capacity of every copy drops nothing: the dropless block (to rounding: each expert's
+    # rows padded to the capacity, in another matrix shape)
+    moe.capacity_factor = E / k
+    dropless = MoE(moe.router, moe.experts)
+    torch.testing.assert_close(moe(x), dropless(x), atol=1e-15, rtol=0)
+
+
+def test_a_capacity_that_drops_every_token_is_refused():
+    with pytest.raises(ValueError, match=r"capacity_factor=0\.0 drops every token .* give a "
+                                         r"factor > 0"):
+        MoE(Router(4, 4, 2), Experts(4, 4, 4), capacity_factor=0.0)
+    with pytest.raises(ValueError, match="gpt: drop_policy 'random' is not one of position, "
+                                         "probs"):
+        gpt(**{**MOE, "capacity_factor": 1.0, "drop_policy": "random"})
+
+
 # through the pipeline ---------------------------------------------------------------------
-def _reference(micro: int):
+def _reference(micro: int, **kwargs):
     """One device, gradient accumulation over `micro` micro-batches, the bias updated after
     each step from all of them: the state (the correction biases included)."""
-    model = _model()
+    model = _model(**kwargs)
     update = ExpertBiasUpdate(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     rows = BATCH // micro
@@ -103,10 +163,11 @@ def _reference(micro: int):
     return model.state_dict()
 
 
-def _worker(layout, balance, options):
-    pp, dp = layout
-    topo = hybridpar.init(pp=pp, dp=dp, timeout=60)
-    pipe = hybridpar.HybridPipe(_model(), balance, topology=topo, loss_fn=gpt_loss, **options)
+def _worker(layout, balance, options, kwargs):
+    pp, dp, ep = layout
+    topo = hybridpar.init(pp=pp, dp=dp, ep=ep, timeout=60)
+    pipe = hybridpar.HybridPipe(_model(**kwargs, **({"ep": ep} if ep > 1 else {})), balance,
+                                topology=topo, loss_fn=gpt_loss, **options)
     update = ExpertBiasUpdate(pipe, group=topo.dp_group)
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
     rows, counted = BATCH // dp, []
@@ -120,28 +181,40 @@ def _worker(layout, balance, options):
     return {"state": pipe.consolidated_state_dict(), "counted": counted}
 
 
+# name: ((pp, dp, ep), balance, pipe options, model options beyond MOE)
+CAPACITY = {"capacity_factor": 0.75}
 LAYOUTS = {
-    "pp2-1f1b-always": ((2, 1), [3, 4], {"chunks": 2, "schedule": "1f1b",
-                                         "checkpoint": "always"}),
-    "pp2dp2-zbv": ((2, 2), [2, 2, 2, 1], {"chunks": 2, "schedule": "zbv",
-                                          "checkpoint": "never"}),
+    "pp2-1f1b-always": ((2, 1, 1), [3, 4], {"chunks": 2, "schedule": "1f1b",
+                                            "checkpoint": "always"}, {}),
+    "pp2dp2-zbv": ((2, 2, 1), [2, 2, 2, 1], {"chunks": 2, "schedule": "zbv",
+                                             "checkpoint": "never"}, {}),
+    "capacity-pp2-1f1b": ((2, 1, 1), [3, 4], {"chunks": 2, "schedule": "1f1b",
+                                              "checkpoint": "never"}, CAPACITY),
+    "capacity-probs-dp2ep2": ((1, 2, 2), [7], {"chunks": 2, "schedule": "gpipe",
+                                               "checkpoint": "never"},
+                              {**CAPACITY, "drop_policy": "probs"}),
 }
 
 
 @pytest.fixture(scope="module")
 def runs():
-    cases = {name: (layout[0] * layout[1], (layout, balance, options))
-             for name, (layout, balance, options) in LAYOUTS.items()}
+    cases = {name: (layout[0] * layout[1], case) for name, case in LAYOUTS.items()
+             for layout in [case[0]]}
     return spawn_by_world(_worker, cases, timeout=240)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_z_loss_and_bias_update_through_the_pipeline_equal_one_device(name, runs):
     """Every parameter and correction bias after 3 steps (sigmoid routers, the z-loss and
-    the balance loss on, biases moved each step from the loads summed over dp) equals one
-    device's; each rank counted each router's copies once (recomputed forwards not)."""
-    (_, dp), _, options = LAYOUTS[name]
-    reference = _reference(options["chunks"] * dp)
+    the balance loss on, biases moved each step from the loads summed over dp; with a
+    capacity, each rank's micro-batches dropping copies as one device's do, under ep too)
+    equals one device's; each rank counted each router's copies once (recomputed forwards
+    not)."""
+    (_, dp, _), _, options, kwargs = LAYOUTS[name]
+    reference = _reference(options["chunks"] * dp, **kwargs)
+    if "capacity_factor" in kwargs:   # the capacity dropped copies: not the dropless run
+        dropless = _reference(options["chunks"] * dp)
+        assert max(float((v - dropless[k]).abs().max()) for k, v in reference.items()) > 1e-4
     assert any(float(v.abs().sum()) > 0 for k, v in reference.items()
                if k.endswith("correction_bias"))
     for r in runs[name]:

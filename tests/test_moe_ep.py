@@ -210,6 +210,7 @@ def test_a_run_at_ep2_resumed_at_ep1_trains_as_a_run_at_ep1(tmp_path):
     (["model.n_experts=4", "model.router=top1"], "router='top1' is not one of softmax, sigmoid"),
     (["model.n_experts=4", "model.bias_update_rate=0.01"],
      "bias_update_rate=0.01 moves the correction bias of the sigmoid router"),
+    (["model.n_experts=4", "model.capacity_factor=0"], "capacity_factor=0.0 drops every token"),
 ])
 def test_the_config_refuses_bad_expert_layouts_naming_the_keys(overrides, message):
     from config_errors import error_of
@@ -276,17 +277,20 @@ def test_the_dispatch_sends_exactly_the_routed_rows_and_equals_one_block(chosen)
 
 
 # the dry run -------------------------------------------------------------------------------
-def test_the_dry_run_holds_e_over_ep_experts_per_rank_and_counts_the_all_to_alls():
+@pytest.mark.parametrize("capacity", [[], ["model.capacity_factor=1.0"]],
+                         ids=["dropless", "capacity"])
+def test_the_dry_run_holds_e_over_ep_experts_per_rank_and_counts_the_all_to_alls(capacity):
     """`hybridpar check` at ep 2 (fake ranks, no values: the routing taken as balanced): each
     rank holds its stage's dense bytes and half of its expert bytes, every gradient lives in
     a bucket (the experts' own included), and the step's collectives include the
-    all-to-alls."""
+    all-to-alls; with a capacity factor too (its static shapes: no value read to shape the
+    work)."""
     from hybridpar.train.check.run import dry_run
 
     common = ["model.block_size=8", "model.n_embd=16", "model.n_layer=2", "model.n_head=2",
               "model.n_experts=4", "parallel.tp=1", "parallel.pp=2", "parallel.dp=2",
               "parallel.ep=2", "data.source=synthetic", "train.batch_size=8",
-              "parallel.chunks=2"]
+              "parallel.chunks=2", *capacity]
     # fake CPU ranks in this process (fake GPUs need a process whose autograd engine has not
     # started yet: `dry_run`'s isolate; the CLI's default): the same bytes
     report = dry_run(QUICKSTART, overrides=common, device="cpu", isolate=False)

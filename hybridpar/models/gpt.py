@@ -44,6 +44,7 @@ from hybridpar.keyed import keyed
 from hybridpar.models.gpt_layers import Block, Embeddings, Head, SequenceLayerNorm
 from hybridpar.models.gpt_moe import StatsLayerNorm, gpt_moe
 from hybridpar.moe import split_aux
+from hybridpar.moe.block import check_capacity
 from hybridpar.sharded.attrs import get_parallel_dim, register_parallel_dim, register_partial_grad
 from hybridpar.sharded.mappings import group_size
 from hybridpar.tensor_parallel.loss import ParallelCrossEntropyLoss
@@ -101,7 +102,8 @@ ROUTERS = ("softmax", "sigmoid")
 def check_gpt_config(*, vocab_size: int, block_size: int, n_layer: int, n_head: int,
                      n_embd: int, dropout: float, tp: int | None, n_experts: int = 0,
                      top_k: int = 2, router: str = "softmax", z_loss_coef: float = 0.0,
-                     bias_update_rate: float = 0.0) -> None:
+                     bias_update_rate: float = 0.0, capacity_factor: float | None = None,
+                     drop_policy: str = "position") -> None:
     """Raise `ValueError` naming the numbers (and the valid tp sizes) for a bad config."""
     for name, value in (("vocab_size", vocab_size), ("block_size", block_size),
                         ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
@@ -118,6 +120,10 @@ def check_gpt_config(*, vocab_size: int, block_size: int, n_layer: int, n_head: 
     if not z_loss_coef >= 0 or not bias_update_rate >= 0:
         raise ValueError(f"gpt: z_loss_coef={z_loss_coef} and bias_update_rate="
                          f"{bias_update_rate} must be >= 0")
+    try:
+        check_capacity(capacity_factor, drop_policy)
+    except ValueError as e:
+        raise ValueError(f"gpt: {e}") from None
     if bias_update_rate and router != "sigmoid":
         raise ValueError(f"gpt: bias_update_rate={bias_update_rate} moves the correction bias "
                          "of the sigmoid router (DeepSeek-V3's aux-loss-free balancing): set "
@@ -148,7 +154,8 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
         sequence_parallel: bool = False, n_experts: int = 0, top_k: int = 2,
         expert_hidden: int | None = None, balance_coef: float = 0.01, ep: int | None = None,
         ep_group: ProcessGroup | None = None, router: str = "softmax", z_loss_coef: float = 0.0,
-        bias_update_rate: float = 0.0) -> nn.Sequential:
+        bias_update_rate: float = 0.0, capacity_factor: float | None = None,
+        drop_policy: str = "position") -> nn.Sequential:
     """A GPT as ``nn.Sequential(Embeddings, Block × n_layer, LayerNorm, Head)``.
 
     Input (B, T) int64 token ids with T <= block_size; output logits (B, T, V), or
@@ -160,13 +167,16 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
     (logits, the load-balancing loss × `balance_coef` + the router z-loss × `z_loss_coef`),
     which `gpt_loss` adds. `router`: "softmax" (renormalized top-k, Mixtral's) or "sigmoid"
     (DeepSeek-V3's scores with a correction bias, moved by `bias_update_rate` a step:
-    `hybridpar.moe.ExpertBiasUpdate`). With `ep` > 1 each rank holds n_experts / ep of them,
+    `hybridpar.moe.ExpertBiasUpdate`). `capacity_factor`: each expert keeps at most
+    ceil(factor · tokens · top_k / n_experts) copies, dropping by `drop_policy` ("position"
+    or "probs"; None: dropless). With `ep` > 1 each rank holds n_experts / ep of them,
     over `ep_group` (default: the ep group of `hybridpar.init(ep=...)`).
     """
     check_gpt_config(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
                      n_head=n_head, n_embd=n_embd, dropout=dropout, tp=tp,
                      n_experts=n_experts, top_k=top_k, router=router,
-                     z_loss_coef=z_loss_coef, bias_update_rate=bias_update_rate)
+                     z_loss_coef=z_loss_coef, bias_update_rate=bias_update_rate,
+                     capacity_factor=capacity_factor, drop_policy=drop_policy)
     if sequence_parallel and n_experts:
         raise ValueError("gpt(sequence_parallel=True) does not take experts yet (each tp "
                          "rank would route a part of the tokens); turn one of them off")
@@ -180,7 +190,8 @@ def gpt(*, vocab_size: int = 256, block_size: int = 64, n_layer: int = 4, n_head
                                           tp=tp, group=group, n_experts=n_experts, **sp)]
     layers += [Block(n_embd, n_head, dropout=dropout, tp=tp, group=group, bias=bias, **sp,
                      moe=gpt_moe(n_embd, n_experts, top_k, expert_hidden, group=experts,
-                                 router=router, bias_rate=bias_update_rate)
+                                 router=router, bias_rate=bias_update_rate,
+                                 capacity_factor=capacity_factor, drop_policy=drop_policy)
                      if n_experts else None)
                for _ in range(n_layer)]
     norm_cls = SequenceLayerNorm if sequence_parallel else \

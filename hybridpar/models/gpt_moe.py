@@ -32,7 +32,8 @@ __all__ = ["StatsLayerNorm", "gpt_moe"]
 
 def gpt_moe(n_embd: int, n_experts: int, top_k: int, expert_hidden: int | None, *,
             group: ProcessGroup | None = None, router: str = "softmax",
-            bias_rate: float = 0.0) -> MoE:
+            bias_rate: float = 0.0, capacity_factor: float | None = None,
+            drop_policy: str = "position") -> MoE:
     """A GPT block's MoE: a top-k router (softmax, renormalized; or sigmoid with a correction
     bias moved by `bias_rate`), SwiGLU experts; with an ep `group` of P ranks, this rank's
     E / P experts."""
@@ -43,7 +44,8 @@ def gpt_moe(n_embd: int, n_experts: int, top_k: int, expert_hidden: int | None, 
     return MoE(Router(n_embd, n_experts, top_k, scoring=router, normalize=True,
                       bias_rate=bias_rate),
                Experts(n_experts, n_embd, hidden, activation="silu", first=rank * local,
-                       local=local), group=group)
+                       local=local), group=group, capacity_factor=capacity_factor,
+               drop_policy=drop_policy)
 
 
 class StatsLayerNorm(nn.LayerNorm):

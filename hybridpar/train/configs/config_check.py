@@ -91,14 +91,15 @@ def _check_experts(cfg: Config, where: Where) -> None:
         try:
             check_gpt_config(tp=None, n_experts=experts, top_k=model.args.get("top_k", 2),
                              **{k: model.args[k] for k in (
-                                 "router", "z_loss_coef", "bias_update_rate")
+                                 "router", "z_loss_coef", "bias_update_rate",
+                                 "capacity_factor", "drop_policy")
                                 if k in model.args},
                              **{k: model.args[k] for k in (
                                  "vocab_size", "block_size", "n_layer", "n_head", "n_embd",
                                  "dropout")})
         except ValueError as e:
             raise where.error(str(e), "model.n_experts", "model.top_k", "model.router",
-                              "model.bias_update_rate") from None
+                              "model.bias_update_rate", "model.capacity_factor") from None
     if experts and par.sequence_parallel:
         raise where.error("parallel.sequence_parallel does not take experts yet (each tp rank "
                           "would route a part of the tokens): set it false, or "
