@@ -68,8 +68,8 @@ CONFIG_CHECKS = {
                                                                       "models.gpt(ep=...)"),
     ("_check_experts", "parallel.ep={par.ep} does not divide par"): (LIBRARY,
                                                                       "topology.ParallelDims"),
-    ("_check_experts", "parallel.zero={par.zero} with parallel.e"): (
-        LIBRARY, "optim.zero.check_no_expert_shards"),
+    ("_check_experts", "{what} with parallel.ep={par.ep} is not "): (
+        LIBRARY, "optim.for_pipe._split_experts"),
 }
 # the data checks (a token folder, a text file, a validation split): the config's alone
 DATA_FUNCTIONS = ("_check_tokens", "_check_data", "_model_vocab")

@@ -7,6 +7,9 @@
                                                                         sharded (the pipe)
     bf16 (main_grad)  MasterWeights        MasterWeights, shard=True    the same, gradients
                                                                         sharded (the pipe)
+    fp32, with ep     optimizer_class      SplitOptimizer: the dense    not yet
+                                           part's over dp, the
+                                           experts' over expert-dp
 
 At zero 2 each gradient lives on its owner only, so the parameters whose gradients are also
 summed over another group have one owner on every rank of that group: a tie's copies (over
@@ -28,9 +31,10 @@ import torch
 from torch import nn
 
 from hybridpar.optim.master import MasterWeights
+from hybridpar.optim.split import SplitOptimizer
 from hybridpar.optim.zero import ZERO_LEVELS, check_shardable, zero_optimizer
 from hybridpar.precision import has_main_grad
-from hybridpar.sharded.attrs import get_parallel_dim
+from hybridpar.sharded.attrs import get_parallel_dim, is_expert_shard
 
 if TYPE_CHECKING:
     from hybridpar.pipe import HybridPipe
@@ -40,7 +44,7 @@ __all__ = ["contiguous_owners", "gradient_owners", "pipe_optimizer"]
 
 def pipe_optimizer(pipe: HybridPipe, optimizer_class: type[torch.optim.Optimizer],
                    params: Iterable[Any] | None = None, *, zero: int = 0,
-                   **defaults: Any) -> torch.optim.Optimizer | MasterWeights:
+                   **defaults: Any) -> torch.optim.Optimizer | MasterWeights | SplitOptimizer:
     """`optimizer_class` over this rank's `params` (tensors or parameter groups; default:
     the pipe's trainable parameters) with its state (``zero >= 1``) and gradients
     (``zero = 2``, which also reshapes the pipe's gradient reduction) sharded over the pipe's
@@ -57,6 +61,9 @@ def pipe_optimizer(pipe: HybridPipe, optimizer_class: type[torch.optim.Optimizer
             warnings.warn(f"zero = {zero} at dp = 1: nothing to shard, the optimizer state and "
                           "gradients stay whole on every rank", stacklevel=2)
     lower = any(has_main_grad(p) for g in groups for p in g["params"])
+    if shard and any(is_expert_shard(p) for g in groups for p in g["params"]):
+        return _split_experts(pipe, groups, optimizer_class, zero=zero, lower=lower,
+                              **defaults)
     if zero == 2 and shard:
         owners = gradient_owners(pipe, groups)
         optimizer = MasterWeights(groups, optimizer_class, group=topo.dp_group, shard=True,
@@ -70,6 +77,34 @@ def pipe_optimizer(pipe: HybridPipe, optimizer_class: type[torch.optim.Optimizer
     if shard:
         return zero_optimizer(groups, optimizer_class, group=topo.dp_group, **defaults)
     return optimizer_class(groups, **defaults)
+
+
+def _split_experts(pipe: HybridPipe, groups: list[dict[str, Any]],
+                   optimizer_class: type[torch.optim.Optimizer], *, zero: int, lower: bool,
+                   **defaults: Any) -> SplitOptimizer:
+    """ZeRO-1 of a pipe with expert parallelism: the dense parameters' state dealt over the
+    dp group, the experts' over the expert-dp group, or whole on each rank when every dp
+    rank of an ep group holds other experts (dp = ep) (`optim.split`)."""
+    if zero == 2 or lower:
+        raise ValueError(f"{'bf16 weights (sharded masters)' if lower else 'zero = 2'} with "
+                         "expert parallelism is not supported yet: use zero 1 with float32 "
+                         "weights (its state dealt over the ranks holding each part), or "
+                         "zero 0")
+    topo = pipe.topology
+
+    def part(experts: bool) -> list[dict[str, Any]]:
+        kept = [{**g, "params": [p for p in g["params"] if is_expert_shard(p) == experts]}
+                for g in groups]
+        return [g for g in kept if g["params"]]
+
+    dense, experts = part(False), part(True)
+    shard_experts = topo.dp // topo.ep > 1
+    parts: list[Any] = [zero_optimizer(dense, optimizer_class, group=topo.dp_group,
+                                       **defaults)] if dense else []
+    parts.append(zero_optimizer(experts, optimizer_class, group=topo.expert_dp_group,
+                                experts=True, **defaults) if shard_experts
+                 else optimizer_class(experts, **defaults))
+    return SplitOptimizer(parts)
 
 
 def gradient_owners(pipe: HybridPipe, groups: list[dict[str, Any]]) -> dict[int, int]:

@@ -10,7 +10,9 @@ updated:
     0               averaged on every rank    on every rank             4 + 4 + 8 = 16 bytes
     1               averaged on every rank    1 / dp of it per rank     4 + 4 + 8 / dp
 
-A parameter's state lives whole on one rank, so checkpoints keep their keys
+Under expert parallelism the experts' state is dealt over the expert-dp group instead
+(`pipe_optimizer`, `optim.split`). A parameter's state lives whole on one rank, so
+checkpoints keep their keys
 (``optim/<name>/<key>``, each written once, by its owner) and load under any dp, zero or
 layout: a rank reads the state of the parameters it owns now.
 """
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from hybridpar.optim.split import SplitOptimizer
 from hybridpar.sharded.attrs import is_expert_shard
 
 __all__ = [
@@ -44,17 +47,20 @@ _UNSHARDABLE = (torch.optim.LBFGS,)
 
 
 def zero_optimizer(params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
-                   group: ProcessGroup, **defaults: Any) -> torch.optim.Optimizer:
+                   group: ProcessGroup, experts: bool = False,
+                   **defaults: Any) -> torch.optim.Optimizer:
     """`optimizer_class` over `params` (tensors or parameter groups) with its state sharded
     over the dp `group` (torch's `ZeroRedundancyOptimizer`); call it on every rank of the
-    group with the same parameters in the same order."""
+    group with the same parameters in the same order. A slice of the experts is refused
+    unless `experts` says `group` is the expert-dp group (the ranks holding that slice)."""
     if not (isinstance(optimizer_class, type) and
             issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
                         f"{optimizer_class!r}")
     check_shardable(optimizer_class)
     params = list(params)
-    check_no_expert_shards(params)
+    if not experts:
+        check_no_expert_shards(params)
     with warnings.catch_warnings():
         # the package's __init__ scripts its functional optimizers and the RPC
         # DistributedOptimizer with torch.jit.script / interface, which torch 2.13 deprecates;
@@ -77,9 +83,10 @@ def check_no_expert_shards(params: Iterable[Any]) -> None:
     for item in params:
         for p in item["params"] if isinstance(item, dict) else [item]:
             if is_expert_shard(p):
-                raise ValueError("ZeRO (a sharded optimizer state) with expert parallelism is "
-                                 "not supported yet: the dp replicas of an ep group hold other "
-                                 "experts; use zero 0 (parallel.zero = 0) with ep > 1")
+                raise ValueError("a slice of the experts in an optimizer sharded over the dp "
+                                 "group: the dp replicas of an ep group hold other experts; "
+                                 "use hybridpar.optim.pipe_optimizer(pipe, ..., zero=1), "
+                                 "which deals the experts' state over the expert-dp group")
 
 
 def check_shardable(optimizer_class: type[torch.optim.Optimizer]) -> None:
@@ -98,7 +105,9 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def owned_parameters(optimizer: Any) -> set[int]:
     """The ``id`` of every model parameter whose state this rank holds (all of them without
-    sharding; for `MasterWeights`, those with a master here)."""
+    sharding; for `MasterWeights`, those with a master here; a `SplitOptimizer`'s parts')."""
+    if isinstance(optimizer, SplitOptimizer):
+        return set().union(*map(owned_parameters, optimizer.parts))
     masters = getattr(optimizer, "masters", None)
     if masters is not None:
         return set(masters)
@@ -109,6 +118,8 @@ def owned_parameters(optimizer: Any) -> set[int]:
 def optimizer_state_tensors(optimizer: Any) -> list[Tensor]:
     """Every tensor of this rank's optimizer state (`MasterWeights`: the masters that are
     copies too)."""
+    if isinstance(optimizer, SplitOptimizer):
+        return [t for part in optimizer.parts for t in optimizer_state_tensors(part)]
     local = local_optimizer(optimizer)
     masters = optimizer.copies() if hasattr(optimizer, "copies") else []
     return [*masters, *(t for s in local.state.values() for t in s.values()

@@ -19,6 +19,7 @@ from hybridpar.models.hf import expert_count
 from hybridpar.moe.bias_update import ExpertBiasUpdate
 from hybridpar.moe.observe import RoutingLog
 from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters
+from hybridpar.optim.split import parts_of
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.tensor_parallel.random import (
@@ -130,11 +131,12 @@ class RunState:
             self.optimizer.wait_params()
         masters = getattr(self.optimizer, "masters", None)   # bf16 weights: float32 values
         experts = (self.topo.ep, self.topo.ep_rank)
-        state: dict[str, Entry] = {
-            **model_entries(self.pipe, group, aliases=tied, masters=masters, experts=experts),
-            **optimizer_entries(self.pipe, local_optimizer(self.optimizer), group,
-                                aliases=tied, owned=owned_parameters(self.optimizer),
-                                masters=masters, experts=experts)}
+        state: dict[str, Entry] = model_entries(self.pipe, group, aliases=tied,
+                                                masters=masters, experts=experts)
+        for part in parts_of(self.optimizer):   # (with ep and ZeRO: dense, experts)
+            state.update(optimizer_entries(self.pipe, local_optimizer(part), group,
+                                           aliases=tied, owned=owned_parameters(part),
+                                           masters=masters, experts=experts))
         state.update(tie_entries(tied))   # lets an export give every tied name its tensor
         state["train/step"] = torch.tensor(self.step, dtype=torch.int64)
         state.update(flatten("data", {k: torch.tensor(v, dtype=torch.int64)
