@@ -68,7 +68,7 @@ CONFIG_CHECKS = {
                                                                       "models.gpt(ep=...)"),
     ("_check_experts", "parallel.ep={par.ep} does not divide par"): (LIBRARY,
                                                                       "topology.ParallelDims"),
-    ("_check_experts", "{what} with parallel.ep={par.ep} is not "): (
+    ("_check_experts", "parallel.zero=2 with parallel.ep={par.ep"): (
         LIBRARY, "optim.for_pipe._split_experts"),
 }
 # the data checks (a token folder, a text file, a validation split): the config's alone

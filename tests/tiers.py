@@ -206,6 +206,8 @@ CAMPAIGN: dict[str, str] = {
         "its zbv case (split backward) and the other schedules",
     "tests/test_moe_ep.py::test_expert_parallel_moe_gpt_equals_one_device[pp2tp2dp2ep2-":
         "ep 2 with pp 2 and with tp 2 (4 ranks each)",
+    "tests/test_moe_ep.py::test_a_bf16_zero1_run_at_ep2_resumes_from_its_checkpoint_exactly":
+        "test_moe_ep.py's zero-1 run resumed at ep 1 (float32) and bf16's zero 1 = zero 0",
     "tests/test_moe_hf.py::test_a_mixtral_config_at_ep2_built_on_meta_trains_as_at_ep1":
         "test_moe_checkpoints.py's meta build at pp2 x dp2 x ep2 (the one-device experts)",
     "tests/test_moe_checkpoints.py::test_the_dry_run_of_a_meta_built_mixtral_at_ep2_holds_":

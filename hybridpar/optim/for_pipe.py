@@ -7,9 +7,10 @@
                                                                         sharded (the pipe)
     bf16 (main_grad)  MasterWeights        MasterWeights, shard=True    the same, gradients
                                                                         sharded (the pipe)
-    fp32, with ep     optimizer_class      SplitOptimizer: the dense    not yet
+    with ep           (as above)           SplitOptimizer: the dense    refused
                                            part's over dp, the
                                            experts' over expert-dp
+                                           (bf16: MasterWeights each)
 
 At zero 2 each gradient lives on its owner only, so the parameters whose gradients are also
 summed over another group have one owner on every rank of that group: a tie's copies (over
@@ -82,14 +83,13 @@ def pipe_optimizer(pipe: HybridPipe, optimizer_class: type[torch.optim.Optimizer
 def _split_experts(pipe: HybridPipe, groups: list[dict[str, Any]],
                    optimizer_class: type[torch.optim.Optimizer], *, zero: int, lower: bool,
                    **defaults: Any) -> SplitOptimizer:
-    """ZeRO-1 of a pipe with expert parallelism: the dense parameters' state dealt over the
-    dp group, the experts' over the expert-dp group, or whole on each rank when every dp
-    rank of an ep group holds other experts (dp = ep) (`optim.split`)."""
-    if zero == 2 or lower:
-        raise ValueError(f"{'bf16 weights (sharded masters)' if lower else 'zero = 2'} with "
-                         "expert parallelism is not supported yet: use zero 1 with float32 "
-                         "weights (its state dealt over the ranks holding each part), or "
-                         "zero 0")
+    """ZeRO-1 of a pipe with expert parallelism: the dense parameters' state (`lower`: and
+    float32 masters) dealt over the dp group, the experts' over the expert-dp group, or
+    whole on each rank when every dp rank of an ep group holds other experts (dp = ep)
+    (`optim.split`)."""
+    if zero == 2:
+        raise ValueError("zero = 2 with expert parallelism is not supported yet: use zero 1 "
+                         "(each part's state dealt over the ranks holding it), or zero 0")
     topo = pipe.topology
 
     def part(experts: bool) -> list[dict[str, Any]]:
@@ -99,8 +99,16 @@ def _split_experts(pipe: HybridPipe, groups: list[dict[str, Any]],
 
     dense, experts = part(False), part(True)
     shard_experts = topo.dp // topo.ep > 1
-    parts: list[Any] = [zero_optimizer(dense, optimizer_class, group=topo.dp_group,
-                                       **defaults)] if dense else []
+    parts: list[Any] = []
+    if lower:   # bf16 weights: float32 masters, each part's dealt over its group
+        if dense:
+            parts.append(MasterWeights(dense, optimizer_class, group=topo.dp_group,
+                                       shard=True, module=pipe, **defaults))
+        parts.append(MasterWeights(experts, optimizer_class, group=topo.expert_dp_group,
+                                   shard=shard_experts, module=pipe, experts=True, **defaults))
+        return SplitOptimizer(parts)
+    if dense:
+        parts.append(zero_optimizer(dense, optimizer_class, group=topo.dp_group, **defaults))
     parts.append(zero_optimizer(experts, optimizer_class, group=topo.expert_dp_group,
                                 experts=True, **defaults) if shard_experts
                  else optimizer_class(experts, **defaults))

@@ -86,7 +86,8 @@ class MasterWeights:
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
                  group: ProcessGroup | None = None, shard: bool = False,
                  owners: Sequence[int] | None = None, module: nn.Module | None = None,
-                 master_dtype: torch.dtype = torch.float32, **defaults: Any) -> None:
+                 master_dtype: torch.dtype = torch.float32, experts: bool = False,
+                 **defaults: Any) -> None:
         if not (isinstance(optimizer_class, type) and
                 issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
@@ -94,7 +95,8 @@ class MasterWeights:
         groups = _as_groups(params)
         if shard:
             check_shardable(optimizer_class)
-            check_no_expert_shards(groups)
+            if not experts:    # (`experts`: `group` is the expert dp group)
+                check_no_expert_shards(groups)
         self.group = group
         self.ranks = dist.get_world_size(group) if shard and group is not None else 1
         self.rank = dist.get_rank(group) if self.ranks > 1 else 0

@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from hybridpar.optim.split import SplitOptimizer
 from hybridpar.sharded.attrs import is_expert_shard
 
 __all__ = [
@@ -106,6 +105,8 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def owned_parameters(optimizer: Any) -> set[int]:
     """The ``id`` of every model parameter whose state this rank holds (all of them without
     sharding; for `MasterWeights`, those with a master here; a `SplitOptimizer`'s parts')."""
+    from hybridpar.optim.split import SplitOptimizer  # (split imports master, master this)
+
     if isinstance(optimizer, SplitOptimizer):
         return set().union(*map(owned_parameters, optimizer.parts))
     masters = getattr(optimizer, "masters", None)
@@ -118,6 +119,8 @@ def owned_parameters(optimizer: Any) -> set[int]:
 def optimizer_state_tensors(optimizer: Any) -> list[Tensor]:
     """Every tensor of this rank's optimizer state (`MasterWeights`: the masters that are
     copies too)."""
+    from hybridpar.optim.split import SplitOptimizer
+
     if isinstance(optimizer, SplitOptimizer):
         return [t for part in optimizer.parts for t in optimizer_state_tensors(part)]
     local = local_optimizer(optimizer)

@@ -18,8 +18,8 @@ from hybridpar.data.windows import PaddedExamples, TokenWindows
 from hybridpar.models.hf import expert_count
 from hybridpar.moe.bias_update import ExpertBiasUpdate
 from hybridpar.moe.observe import RoutingLog
-from hybridpar.optim import MasterWeights, local_optimizer, owned_parameters
-from hybridpar.optim.split import parts_of
+from hybridpar.optim import local_optimizer, owned_parameters
+from hybridpar.optim.split import has_masters, parts_of
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.schedules.layout import Layout
 from hybridpar.tensor_parallel.random import (
@@ -127,7 +127,7 @@ class RunState:
         """Everything a resume needs, under layout-free keys (see `shards`)."""
         group = self._tp_group()
         tied = self.pipe.tied_aliases
-        if isinstance(self.optimizer, MasterWeights):   # the update's broadcast: all arrived
+        if has_masters(self.optimizer):   # the update's broadcast: all arrived
             self.optimizer.wait_params()
         masters = getattr(self.optimizer, "masters", None)   # bf16 weights: float32 values
         experts = (self.topo.ep, self.topo.ep_rank)
@@ -165,7 +165,7 @@ class RunState:
         saved_id = [k for k in metadata.state_dict_metadata if k.startswith(_DATA_ID)]
         state.update(allocate_like(metadata, ["layout", *saved_rng, *saved_id]))
         load_checkpoint(path, state)
-        if isinstance(self.optimizer, MasterWeights):   # the masters read: the weights follow
+        if has_masters(self.optimizer):   # the masters read: the weights follow
             self.optimizer.copy_to_params()
         step = state["train/step"]
         assert isinstance(step, Tensor)

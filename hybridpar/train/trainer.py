@@ -36,7 +36,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from hybridpar.comm.agreement import fail_together
 from hybridpar.comm.stop_request import stop_on_signals
 from hybridpar.io.run_lock import RunDirInUse, hold_run_dir
-from hybridpar.optim import MasterWeights
+from hybridpar.optim.split import has_masters
 from hybridpar.pipeline.tracing.trace_report import TraceRequest
 from hybridpar.topology import Topology
 from hybridpar.train.build import (
@@ -103,7 +103,7 @@ def _train(config: Config, run_dir: Path, topo: Topology, *, init_from: str | No
         run.load(run_dir / "checkpoints" / f"step-{resume}")
     elif init_from is not None:
         init_weights_from(run.pipe, config, init_from)
-        if isinstance(run.optimizer, MasterWeights):   # the masters from the loaded weights
+        if has_masters(run.optimizer):   # the masters from the loaded weights
             run.optimizer.copy_from_params()
     start = run.step
     reporter = Reporter(run, start=start, progress=progress)

@@ -128,13 +128,10 @@ def _check_experts(cfg: Config, where: Where) -> None:
     if par.dp is not None and par.dp % par.ep:
         raise where.error(f"parallel.ep={par.ep} does not divide parallel.dp={par.dp}: ep is "
                           "carved out of the dp replicas", "parallel.ep", "parallel.dp")
-    if par.zero == 2 or (par.zero and cfg.train.param_dtype != "fp32"):
-        what = "parallel.zero=2" if par.zero == 2 else \
-            f"parallel.zero={par.zero} with train.param_dtype={cfg.train.param_dtype!r}"
-        raise where.error(f"{what} with parallel.ep={par.ep} is not supported yet: use "
-                          "parallel.zero = 1 with float32 weights (the experts' state dealt "
-                          "over the ranks holding them), or zero 0", "parallel.zero",
-                          "parallel.ep", "train.param_dtype")
+    if par.zero == 2:
+        raise where.error(f"parallel.zero=2 with parallel.ep={par.ep} is not supported yet: "
+                          "use parallel.zero = 1 (the experts' state dealt over the ranks "
+                          "holding them), or zero 0", "parallel.zero", "parallel.ep")
 
 
 def _check_sequence_parallel(cfg: Config, where: Where) -> None:
