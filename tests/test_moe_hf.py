@@ -22,6 +22,7 @@ from spawn_cases import selected_ids, spawn_cases
 
 import hybridpar
 from hybridpar.models import gpt_loss
+from hybridpar.pipeline.schedules import replay as nccl
 
 from pipe_harness import checked_step
 
@@ -126,6 +127,7 @@ def _train(family, layout, balance, options):
     model = tiny_moe(family)
     pipe = hybridpar.HybridPipe(to_sequential(model), balance, topology=topo,
                                 loss_fn=gpt_loss, **options)
+    pipe.p2p_log = []
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     rows = BATCH // dp
     for ids, y in _batches():
@@ -138,7 +140,9 @@ def _train(family, layout, balance, options):
         from hybridpar.sharded.attrs import get_parallel_dim
 
         assert any(get_parallel_dim(p) is not None for p in pipe.parameters()), family
-    return hf_state_dict(pipe.consolidated_state_dict(), model.config)
+    log = [[[op.kind, op.peer, op.numel, op.dtype, op.label] for op in group]
+           for group in pipe.p2p_log]
+    return {"state": hf_state_dict(pipe.consolidated_state_dict(), model.config), "log": log}
 
 
 # (pp, tp, dp, ep), balance over embedding, 2 blocks, norm, head, options
@@ -186,11 +190,16 @@ def test_a_hugging_face_moe_trains_as_the_plain_model(case, runs):
     with float64_norms(family, layout[1]):
         reference = _reference(family, options["chunks"] * layout[2])
     tol = 1e-9
-    for state in runs[case]:
+    for result in runs[case]:
+        state = result["state"]
         assert set(state) == set(reference)
         for k, v in reference.items():
             torch.testing.assert_close(state[k], v, atol=tol, rtol=0,
                                        msg=lambda m, k=k: f"{case} {k}: {m}")
+    if layout[0] > 1:   # the stages' P2P (the routing sums ride along) under NCCL's rules
+        logs = {rank: [[nccl.P2POp(*op) for op in group] for group in r["log"]]
+                for rank, r in enumerate(runs[case])}
+        assert nccl.replay(logs, check_labels=True).pairs > 0
 
 
 def test_the_hugging_face_plan_of_a_model_with_experts_is_refused_naming_auto():
