@@ -17,7 +17,8 @@ from hybridpar.models import gpt_loss
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "cohere2_moe",
+            "flex_olmo", "mellum", "minimax")
 
 
 def _saved(family, folder):

@@ -46,6 +46,18 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=12, num_local_experts=4, head_dim=8,
                                      sliding_window=4,
                                      layer_types=["sliding_attention", "full_attention"])),
+    "cohere2_moe": ("Cohere2MoeConfig", dict(intermediate_size=12, num_experts=4, head_dim=4,
+                                             sliding_window=4,
+                                             layer_types=["sliding_attention", "full_attention"],
+                                             mlp_layer_types=["sparse", "sparse"])),
+    "flex_olmo": ("FlexOlmoConfig", dict(intermediate_size=12, num_experts=4)),
+    "mellum": ("MellumConfig", dict(intermediate_size=24, moe_intermediate_size=12,
+                                    num_local_experts=4, head_dim=4,
+                                    layer_types=["full_attention", "full_attention"],
+                                    mlp_layer_types=["sparse", "sparse"])),
+    "minimax": ("MiniMaxConfig", dict(intermediate_size=12, num_local_experts=4, head_dim=4,
+                                      layer_types=["full_attention", "linear_attention"],
+                                      block_size=4)),
 }
 
 
@@ -85,7 +97,8 @@ def _reference(family: str, micro: int):
             out = model(ids[i * rows:(i + 1) * rows])
             ce = F.cross_entropy(out.logits.flatten(0, 1), y[i * rows:(i + 1) * rows].flatten(),
                                  ignore_index=-100)
-            ((ce + coef * out.aux_loss) / micro).backward()
+            aux = out.aux_loss if out.aux_loss is not None else 0.0   # (Cohere2-MoE: none)
+            ((ce + coef * aux) / micro).backward()
         opt.step()
     return model.state_dict()
 
@@ -97,16 +110,19 @@ def _float64_rms_norm(self, hidden):
 
 @contextlib.contextmanager
 def float64_norms(family, tp):
-    """OLMoE's RMSNorm computing in float64 under tp, in this process (restored after).
+    """OLMoE's (and FlexOlmo's) RMSNorm computing in float64 under tp, in this process
+    (restored after).
 
     Its q / k norms span the whole projection: under tp the mean of squares is each rank's
     float32 sum, added (HF's float32, as OLMo 2's: test_hf_families.py), ~1e-8 off, and a
     routing choice near a tie may flip on it. Computed in float64, in the reference and the
     ranks alike, every parameter agrees to 1e-9."""
-    if family != "olmoe" or tp == 1:
+    norms = {"olmoe": "OlmoeRMSNorm", "flex_olmo": "FlexOlmoRMSNorm"}
+    if family not in norms or tp == 1:
         yield
         return
-    cls = importlib.import_module("transformers.models.olmoe.modeling_olmoe").OlmoeRMSNorm
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"),
+                  norms[family])
     old, cls.forward = cls.forward, _float64_rms_norm
     try:
         yield
@@ -135,8 +151,9 @@ def _train(family, layout, balance, options):
         part = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
         checked_step(pipe, ids[part], y[part])
         opt.step()
-    if tp > 1 and family != "gpt_oss":   # "auto" followed the MoE: attention is sharded
-        # (GPT-OSS's attention sinks keep its attention whole under "auto")
+    if tp > 1 and family != "gpt_oss" and (family != "minimax" or topo.pp_rank == 0):
+        # "auto" followed the MoE: attention is sharded (GPT-OSS's attention sinks keep its
+        # attention whole under "auto", and so does MiniMax's linear attention, its block 2)
         from hybridpar.sharded.attrs import get_parallel_dim
 
         assert any(get_parallel_dim(p) is not None for p in pipe.parameters()), family

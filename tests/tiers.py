@@ -219,7 +219,9 @@ CAMPAIGN: dict[str, str] = {
                             ("qwen2_moe", ("pp2tp2-1f1b-auto", "dp2ep2-gpipe")),
                             ("qwen3_moe", ("pp2-zbv",)), ("olmoe", ("pp2dp2-gpipe",)),
                             ("granitemoe", ("pp2-1f1b",)),
-                            ("gpt_oss", ("pp2tp2-1f1b-auto", "tp2dp2ep2-auto")))
+                            ("gpt_oss", ("pp2tp2-1f1b-auto", "tp2dp2ep2-auto")),
+                            ("cohere2_moe", ("dp2ep2-gpipe",)), ("flex_olmo", ("pp2-1f1b",)),
+                            ("mellum", ("dp2ep2-gpipe",)), ("minimax", ("pp2-1f1b",)))
        for layout in ("pp2-1f1b", "pp2-zbv", "pp2dp2-gpipe", "pp2tp2-1f1b-auto",
                       "dp2ep2-gpipe", "pp2dp2ep2-1f1b", "tp2dp2ep2-auto", "pp2dp2ep2-zbv",
                       "pp2tp2dp2ep2-1f1b-auto")

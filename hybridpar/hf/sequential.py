@@ -80,7 +80,7 @@ def to_sequential(model: nn.Module, *, glue: Sequence[Glue] = GLUE) -> nn.Sequen
     output = LogitsLayer({parts.head: head}, logits_glue) if logits_glue else head
     norm = getattr(base, parts.norm)
     if _with_experts(blocks, config):   # the routing sums travel from block to block
-        norm, output = Carried(norm), AuxOutput(output, coef=_aux_coef(config))
+        norm, output = Carried(norm), AuxOutput(output, coef=_aux_coef(model, config))
     sequential = nn.Sequential(embedding, *blocks, norm, output)
     sequential.train(model.training)
     return sequential
@@ -110,9 +110,10 @@ def _with_experts(blocks: list[DecoderBlock], config: Any) -> bool:
     return sparse
 
 
-def _aux_coef(config: Any) -> float:
+def _aux_coef(model: nn.Module, config: Any) -> float:
     """The load-balancing loss's weight: Hugging Face adds it when the config asks for the
-    router logits (``output_router_logits``), as ``router_aux_loss_coef``; else 0."""
+    router logits (``output_router_logits``), as the causal LM's ``router_aux_loss_coef``
+    (a class that keeps none, Cohere2-MoE's, adds no such loss); else 0."""
     if not getattr(config, "output_router_logits", False):
         return 0.0
-    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    return float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)

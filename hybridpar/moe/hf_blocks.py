@@ -13,6 +13,8 @@ loss's, `hybridpar.moe.balance_loss`) to `stats` when the decoder block hands th
     OlmoeSparseMoeBlock      gate      -                                      out
     GraniteMoeMoE            router    -                                      out
     GptOssMLP                router    -  (transposed experts, biases)        (out, scores)
+    Cohere2MoeSparseMoeBlock, FlexOlmoSparseMoeBlock, MellumSparseMoeBlock,
+    MiniMaxSparseMoeBlock    gate      -                                      out
 
 In float64 each equals the block's own forward to the last bits (tests/test_moe_hf.py).
 Mixtral's router jitter (training noise) is refused. Under expert parallelism
@@ -55,6 +57,10 @@ RECIPES: dict[str, Recipe] = {
     "OlmoeSparseMoeBlock": Recipe(),
     "GraniteMoeMoE": Recipe(router="router"),
     "GptOssMLP": Recipe(router="router", transposed=True, returns_scores=True),
+    "Cohere2MoeSparseMoeBlock": Recipe(),
+    "FlexOlmoSparseMoeBlock": Recipe(),
+    "MellumSparseMoeBlock": Recipe(),
+    "MiniMaxSparseMoeBlock": Recipe(),
 }
 
 
@@ -70,6 +76,12 @@ class HFMoE(nn.Module):
         if block._parameters or block._buffers:
             raise ValueError(f"{type(block).__name__} holds tensors of its own; the MoE view "
                              "expects them all in its children")
+        known = {recipe.router, "experts", recipe.shared, recipe.shared_gate}
+        unknown = sorted(set(block._modules) - known)
+        if unknown:
+            raise ValueError(f"{type(block).__name__} has parts the MoE view does not run "
+                             f"({', '.join(unknown)}: a shared expert of another kind?); "
+                             "hybridpar runs this block only without them")
         if getattr(block, "jitter_noise", 0.0):
             raise ValueError(f"{type(block).__name__} has router_jitter_noise = "
                              f"{block.jitter_noise}: random noise on the routed inputs is not "
