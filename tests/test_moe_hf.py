@@ -219,6 +219,18 @@ def test_a_hugging_face_moe_trains_as_the_plain_model(case, runs):
         assert nccl.replay(logs, check_labels=True).pairs > 0
 
 
+def test_a_sparse_block_with_a_part_the_view_does_not_run_is_refused_naming_it():
+    """Cohere2-MoE with shared experts: its block holds `shared_experts`, which the view
+    would skip (a silently different model), so the conversion refuses it by name."""
+    from hybridpar.hf import to_sequential
+
+    config_name, extra = FAMILIES["cohere2_moe"]
+    config = getattr(transformers, config_name)(**COMMON, **extra, num_shared_experts=1)
+    with pytest.raises(ValueError, match=r"Cohere2MoeSparseMoeBlock has parts the MoE view "
+                                         r"does not run \(shared_experts: "):
+        to_sequential(transformers.Cohere2MoeForCausalLM(config))
+
+
 def test_the_hugging_face_plan_of_a_model_with_experts_is_refused_naming_auto():
     from hybridpar.hf import to_sequential, tp_plan
 
