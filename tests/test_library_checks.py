@@ -68,8 +68,6 @@ CONFIG_CHECKS = {
                                                                       "models.gpt(ep=...)"),
     ("_check_experts", "parallel.ep={par.ep} does not divide par"): (LIBRARY,
                                                                       "topology.ParallelDims"),
-    ("_check_experts", "parallel.zero=2 with parallel.ep={par.ep"): (
-        LIBRARY, "optim.for_pipe._split_experts"),
 }
 # the data checks (a token folder, a text file, a validation split): the config's alone
 DATA_FUNCTIONS = ("_check_tokens", "_check_data", "_model_vocab")

@@ -82,6 +82,7 @@ def _train(layout, ep, balance, options):
         opt.zero_grad()
         checked_step(pipe, _rows(x, topo.dp_rank * rows, (topo.dp_rank + 1) * rows),
                      y[topo.dp_rank * rows:(topo.dp_rank + 1) * rows])
+        pipe.check_replicas()   # dense over dp, experts over expert dp (their grads unsharded)
         norms.append(float(pipe.clip_grad_norm_(CLIP)))
         opt.step()
     log = [[[op.kind, op.peer, op.numel, op.dtype, op.label] for op in group]
@@ -104,6 +105,10 @@ LAYOUTS = [
     ((1, 1, 4), 2, [7], {"chunks": 1, "schedule": "gpipe", "checkpoint": "never", "zero": 1}),
     ((2, 1, 2), 2, [3, 4], {"chunks": 2, "schedule": "1f1b", "checkpoint": "never",
                             "zero": 1}),
+    # ZeRO-2: and each gradient on its owner only (the clipped norm over both groups)
+    ((1, 1, 4), 2, [7], {"chunks": 2, "schedule": "gpipe", "checkpoint": "never", "zero": 2}),
+    ((2, 1, 2), 2, [3, 4], {"chunks": 2, "schedule": "1f1b", "checkpoint": "always",
+                            "zero": 2}),
 ]
 IDS = [f"pp{pp}tp{tp}dp{dp}ep{ep}-{o['schedule']}-{o['checkpoint']}"
        + (f"-zero{o['zero']}" if "zero" in o else "") for (pp, tp, dp), ep, _, o in LAYOUTS]
@@ -158,7 +163,7 @@ def assert_nccl_order(results) -> None:
 
 
 # the trainer: a meta-built run at ep 2, resumed at ep 1 ------------------------------------
-def _config(ep: int, steps: int, zero: int = 0):
+def _config(ep: int, steps: int, zero: int = 0, *extra: str):
     from hybridpar.train.configs.config import load_config
 
     return load_config(QUICKSTART, [
@@ -167,7 +172,7 @@ def _config(ep: int, steps: int, zero: int = 0):
         "parallel.tp=1", "parallel.dp=2", f"parallel.ep={ep}", "parallel.chunks=2",
         "parallel.timeout=60", f"train.steps={steps}", "train.batch_size=8",
         "train.warmup_steps=1", "train.log_every=1", "train.eval_every=0",
-        "train.sample_tokens=0", "checkpoint.every=2", f"parallel.zero={zero}"])
+        "train.sample_tokens=0", "checkpoint.every=2", f"parallel.zero={zero}", *extra])
 
 
 def _runs(root):
@@ -178,8 +183,9 @@ def _runs(root):
     from hybridpar.train.trainer import train
 
     def resumed(run: str, zero: int) -> tuple[list[float], list[float]]:
-        """(a run at ep 2, then back to step 4 at ep 1)"""
-        first = train(_config(2, 6, zero), f"{root}/{run}", progress=False)["losses"]
+        """(a run at ep 2, then back to step 4 at ep 1; the replicas compared every step)"""
+        first = train(_config(2, 6, zero, "parallel.check_replicas=1"), f"{root}/{run}",
+                      progress=False)["losses"]
         dist.barrier()
         if dist.get_rank() == 0:   # back to step 4 (the learning rate follows train.steps = 6)
             shutil.rmtree(f"{root}/{run}/checkpoints/step-6")
@@ -189,20 +195,24 @@ def _runs(root):
 
     first, then = resumed("a", 0)
     _, zero_then = resumed("c", 1)   # ZeRO-1: the experts' state dealt over expert-dp
+    _, zero2_then = resumed("d", 2)  # ZeRO-2: and the gradients
     return {"ep2 then ep1": then, "ep2": first, "zero1 ep2 then ep1": zero_then,
+            "zero2 ep2 then ep1": zero2_then,
             "ep1": train(_config(1, 6), f"{root}/b", progress=False)["losses"]}
 
 
 def test_a_run_at_ep2_resumed_at_ep1_trains_as_a_run_at_ep1(tmp_path):
     """The trainer builds on meta and materializes the stage (the experts keep their shard
     tag), and checkpoints store experts at their global index: a run at ep 2 equals one at
-    ep 1 step for step, before and after it resumes at ep 1; with ZeRO-1 too (the dense
-    state dealt over dp, the experts' kept by their ranks, each saved once)."""
+    ep 1 step for step, before and after it resumes at ep 1; with ZeRO-1 and ZeRO-2 too (the
+    dense state dealt over dp, the experts' kept by their ranks, each saved once), the
+    replicas compared every step."""
     for rank in hybridpar.spawn(_runs, 2, args=(str(tmp_path),), timeout=240):
         assert len(rank["ep2 then ep1"]) == 6
         assert rank["ep2"] == pytest.approx(rank["ep1"], rel=1e-6)
         assert rank["ep2 then ep1"] == pytest.approx(rank["ep1"], rel=1e-6)
         assert rank["zero1 ep2 then ep1"] == pytest.approx(rank["ep1"], rel=1e-6)
+        assert rank["zero2 ep2 then ep1"] == pytest.approx(rank["ep1"], rel=1e-6)
     # the metrics: each step's aux loss and each MoE layer's [fewest, most] copies an expert got
     import json
 
@@ -226,8 +236,6 @@ def test_a_run_at_ep2_resumed_at_ep1_trains_as_a_run_at_ep1(tmp_path):
      "parallel.ep=4 does not divide model.n_experts=6"),
     (["model.n_experts=4", "parallel.ep=4", "parallel.dp=2"],
      "parallel.ep=4 does not divide parallel.dp=2: ep is carved out of the dp replicas"),
-    (["model.n_experts=4", "parallel.ep=2", "parallel.dp=2", "parallel.zero=2"],
-     "parallel.zero=2 with parallel.ep=2 is not supported yet: use parallel.zero = 1"),
     (["model.n_experts=4", "model.top_k=5"], "top_k=5 must be between 1 and n_experts=4"),
     (["model.n_experts=4", "parallel.sequence_parallel=true", "parallel.tp=2"],
      "parallel.sequence_parallel does not take experts yet"),
@@ -330,10 +338,10 @@ def test_the_dry_run_holds_e_over_ep_experts_per_rank_and_counts_the_all_to_alls
 
 
 def _zero_worker():
-    from hybridpar.optim import MasterWeights, pipe_optimizer
+    from hybridpar.optim import MasterWeights
     from hybridpar.optim.zero import zero_optimizer
 
-    topo = hybridpar.init(dp=2, ep=2, timeout=60)
+    topo = hybridpar.init(dp=4, ep=2, timeout=60)
     torch.manual_seed(0)
     pipe = hybridpar.HybridPipe(gpt(**MOE, ep=2), [7], topology=topo, loss_fn=gpt_loss)
     errors = []
@@ -341,7 +349,6 @@ def _zero_worker():
                                         group=topo.dp_group),
                  lambda: MasterWeights(pipe.parameters(), torch.optim.AdamW,
                                        group=topo.dp_group, shard=True),
-                 lambda: pipe_optimizer(pipe, torch.optim.AdamW, zero=2),
                  lambda: pipe.shard_gradients({})):
         try:
             make()
@@ -351,17 +358,16 @@ def _zero_worker():
     return errors
 
 
-def test_what_zero_with_ep_does_not_do_yet_the_library_refuses():
-    """ZeRO-1 with ep deals the experts' state over the expert-dp group (`pipe_optimizer`);
-    an optimizer sharding experts over the whole dp group is refused (torch's
-    ZeroRedundancyOptimizer, sharded master weights), and so is what the config refuses:
-    ZeRO-2 with ep."""
-    for errors in hybridpar.spawn(_zero_worker, 2, timeout=120):
+def test_zero_over_the_whole_dp_group_of_a_models_experts_is_refused():
+    """ZeRO with ep deals the experts' state (and at zero 2 their gradients) over the
+    expert-dp group (`pipe_optimizer`); an optimizer sharding experts over the whole dp
+    group is refused (torch's ZeroRedundancyOptimizer, sharded master weights), and so are
+    sharded gradients without the experts' owners."""
+    for errors in hybridpar.spawn(_zero_worker, 4, timeout=120):
         assert all(e is not None for e in errors), errors
         assert "a slice of the experts in an optimizer sharded over the dp group" in \
                errors[0] and errors[0] == errors[1]
-        assert "zero = 2 with expert parallelism is not supported yet: use zero 1" in errors[2]
-        assert "ZeRO-2 with expert parallelism is not supported yet" in errors[3]
+        assert "ZeRO-2 with expert parallelism needs expert_owners" in errors[2]
 
 
 def _bf16_worker():

@@ -7,10 +7,10 @@
                                                                         sharded (the pipe)
     bf16 (main_grad)  MasterWeights        MasterWeights, shard=True    the same, gradients
                                                                         sharded (the pipe)
-    with ep           (as above)           SplitOptimizer: the dense    refused
-                                           part's over dp, the
-                                           experts' over expert-dp
-                                           (bf16: MasterWeights each)
+    with ep           (as above)           SplitOptimizer: the dense    SplitOptimizer of
+                                           part's over dp, the          MasterWeights, each
+                                           experts' over expert-dp      part's gradients on
+                                           (bf16: MasterWeights each)   its owners
 
 At zero 2 each gradient lives on its owner only, so the parameters whose gradients are also
 summed over another group have one owner on every rank of that group: a tie's copies (over
@@ -83,13 +83,10 @@ def pipe_optimizer(pipe: HybridPipe, optimizer_class: type[torch.optim.Optimizer
 def _split_experts(pipe: HybridPipe, groups: list[dict[str, Any]],
                    optimizer_class: type[torch.optim.Optimizer], *, zero: int, lower: bool,
                    **defaults: Any) -> SplitOptimizer:
-    """ZeRO-1 of a pipe with expert parallelism: the dense parameters' state (`lower`: and
-    float32 masters) dealt over the dp group, the experts' over the expert-dp group, or
-    whole on each rank when every dp rank of an ep group holds other experts (dp = ep)
-    (`optim.split`)."""
-    if zero == 2:
-        raise ValueError("zero = 2 with expert parallelism is not supported yet: use zero 1 "
-                         "(each part's state dealt over the ranks holding it), or zero 0")
+    """ZeRO of a pipe with expert parallelism: the dense parameters' state (`lower`: and
+    float32 masters; zero 2: and gradients) dealt over the dp group, the experts' over the
+    expert-dp group, or whole on each rank when every dp rank of an ep group holds other
+    experts (dp = ep) (`optim.split`)."""
     topo = pipe.topology
 
     def part(experts: bool) -> list[dict[str, Any]]:
@@ -100,6 +97,21 @@ def _split_experts(pipe: HybridPipe, groups: list[dict[str, Any]],
     dense, experts = part(False), part(True)
     shard_experts = topo.dp // topo.ep > 1
     parts: list[Any] = []
+    if zero == 2:   # gradients too: each lives on its owner (the masters' owner) only
+        owners = gradient_owners(pipe, dense) if dense else {}
+        listed = [p for g in experts for p in g["params"]]
+        expert_owners = dict(zip((id(p) for p in listed), contiguous_owners(
+            [p.numel() for p in listed], topo.dp // topo.ep), strict=True))
+        if dense:
+            parts.append(MasterWeights(
+                dense, optimizer_class, group=topo.dp_group, shard=True, module=pipe,
+                owners=[owners[id(p)] for g in dense for p in g["params"]], **defaults))
+        parts.append(MasterWeights(
+            experts, optimizer_class, group=topo.expert_dp_group, shard=shard_experts,
+            module=pipe, experts=True, owners=[expert_owners[id(p)] for p in listed]
+            if shard_experts else None, **defaults))
+        pipe.shard_gradients(owners, expert_owners=expert_owners)
+        return SplitOptimizer(parts)
     if lower:   # bf16 weights: float32 masters, each part's dealt over its group
         if dense:
             parts.append(MasterWeights(dense, optimizer_class, group=topo.dp_group,

@@ -1,8 +1,9 @@
 """Optimizers over disjoint parts of a rank's parameters, stepped as one.
 
-ZeRO-1 under expert parallelism (`pipe_optimizer`): the dense parameters are replicated over
+ZeRO under expert parallelism (`pipe_optimizer`): the dense parameters are replicated over
 the whole dp group and the experts only over the expert-dp group (the dp ranks that hold
-the same experts), so their states are dealt over different groups:
+the same experts), so their states (at zero 2 their gradients too) are dealt over
+different groups:
 
     part        parameters            state dealt over          dp 4, ep 2: a rank holds
     dense       all but the experts   dp group (dp ranks)       1 / 4 of the dense state

@@ -200,7 +200,7 @@ class HybridPipe(PipeParameters):
         self._dp_buckets: GradBuckets | ShardedGradBuckets = GradBuckets(
             [p for p in local.parameters() if not is_expert_shard(p)],
             topo.dp_group if topo.dp > 1 else None, grad_dtype=grad_dtype)
-        self._expert_buckets = GradBuckets(
+        self._expert_buckets: GradBuckets | ShardedGradBuckets | None = GradBuckets(
             experts, topo.expert_dp_group if topo.dp > topo.ep else None,
             grad_dtype=grad_dtype, divisor=topo.dp) if experts else None
         self._grads_here: set[int] | None = None   # zero 2: ids of the parameters owned

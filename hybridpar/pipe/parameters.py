@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import torch.distributed as dist
 from torch import Tensor
 
 from hybridpar.pipe import consolidate
@@ -55,18 +56,32 @@ class PipeParameters(PipeSteps):
                                         sharded=self._grads_here is not None)
 
     def shard_gradients(self, owners: Mapping[int, int], *,
-                        bucket_bytes: int = ZERO2_BUCKET_BYTES) -> None:
+                        bucket_bytes: int = ZERO2_BUCKET_BYTES,
+                        expert_owners: Mapping[int, int] | None = None) -> None:
         """ZeRO-2 from the next step on: each gradient is reduced to the dp rank `owners`
         names (``id(parameter) -> dp rank``, the same on every rank; ties' copies and partial
         replicas with one owner over their groups: `hybridpar.optim.gradient_owners`) and
         lives there only (`pipeline.parameters.grad_shards`), in buckets of up to
-        `bucket_bytes` (8 MiB: two are alive during the backward). No-op at dp = 1."""
+        `bucket_bytes` (8 MiB: two are alive during the backward). Under expert parallelism
+        the experts' gradients go to the rank of their expert dp group `expert_owners` names
+        (none needed when dp = ep: each rank's experts are its own). No-op at dp = 1."""
         topo = self.topology
         if topo.dp == 1:
             return
-        if self._expert_buckets is not None:
-            raise ValueError("ZeRO-2 with expert parallelism is not supported yet: the experts' "
-                             "gradients are reduced over their own dp ranks; use zero 0 or 1")
+        experts = self._expert_buckets
+        if experts is not None and topo.dp > topo.ep:
+            if expert_owners is None:
+                raise ValueError("ZeRO-2 with expert parallelism needs expert_owners (each "
+                                 "expert slice's rank in its expert dp group): "
+                                 "hybridpar.optim.pipe_optimizer(pipe, ..., zero=2) gives them")
+            experts.remove()
+            for p in experts.params:
+                set_grad(p, None)
+                p.grad = None
+            self._expert_buckets = ShardedGradBuckets(
+                experts.params, topo.expert_dp_group,
+                [expert_owners.get(id(p), 0) for p in experts.params],
+                bucket_bytes=bucket_bytes, grad_dtype=experts.grad_dtype, divisor=topo.dp)
         old = self._dp_buckets
         params = old.params
         old.remove()
@@ -77,6 +92,10 @@ class PipeParameters(PipeSteps):
             params, topo.dp_group, [owners.get(id(p), 0) for p in params],
             bucket_bytes=bucket_bytes, grad_dtype=old.grad_dtype)
         self._grads_here = {id(p) for p in params if owners.get(id(p), 0) == topo.dp_rank}
+        if experts is not None:     # its expert dp rank's share, or (dp = ep) all its own
+            mine = dist.get_rank(topo.expert_dp_group) if topo.dp > topo.ep else None
+            self._grads_here |= {id(p) for p in experts.params if mine is None
+                                 or (expert_owners or {}).get(id(p), 0) == mine}
 
     def check_replicas(self, *, atol: float = 0.0) -> float:
         """Raise `ReplicaMismatchError` on every rank if the copies of a replicated parameter
@@ -98,7 +117,8 @@ class PipeParameters(PipeSteps):
                                        grads=self._grads_here is None))
         if topo.dp > topo.ep and len(dense) < len(named):   # the same experts' copies
             groups.append(ReplicaGroup("expert dp", topo.expert_dp_group, [
-                (n, p) for n, p in named if is_expert_shard(p)]))
+                (n, p) for n, p in named if is_expert_shard(p)],
+                grads=self._grads_here is None))
         name_of = {id(p): n for n, p in named}
         groups += [ReplicaGroup("tie", group, [(name_of[id(p)], p) for p in params])
                    for group, params in self._ties.groups]

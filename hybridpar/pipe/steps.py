@@ -61,7 +61,7 @@ class PipeSteps(StageModule):
     loss_fn: Callable[..., Tensor] | None
     trace: bool
     _dp_buckets: GradBuckets | ShardedGradBuckets
-    _expert_buckets: GradBuckets | None
+    _expert_buckets: GradBuckets | ShardedGradBuckets | None
     _partial: PartialGrads
     _ties: TiedGroups
     _grads_here: set[int] | None
@@ -138,7 +138,8 @@ class PipeSteps(StageModule):
                     self._dp_buckets.finish()
             else:
                 self._dp_buckets.finish()   # float32 gradients of bf16 weights: bookkeeping
-            if self._expert_buckets is not None:   # after the step: no all-to-all beside it
+            if self._expert_buckets is not None:   # (zero 0 / 1: reduced after the step;
+                # zero 2: during each backward, as the dense buckets, then drained here)
                 with self._guard("the all-reduce of the experts' gradients over the dp ranks "
                                  "holding them", self.topology.expert_dp_group):
                     self._expert_buckets.finish()

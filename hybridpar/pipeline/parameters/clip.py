@@ -52,7 +52,12 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, topology: T
     total = local_square_sum([p for p in params if not is_expert_shard(p)], tp,
                              topology.device, not_counted=not_counted)
     nbytes = total.element_size()
-    if topology.ep > 1:   # each ep rank holds other experts: their squares summed over ep
+    if sharded and topology.dp > 1 and experts:
+        # zero 2: each expert gradient lives on one rank of the dp group (ep x expert dp),
+        # so the dp all-reduce below counts each once
+        total = total + local_square_sum(experts, tp, topology.device,
+                                         not_counted=not_counted)
+    elif topology.ep > 1:   # each ep rank holds other experts: their squares summed over ep
         mine = local_square_sum(experts, tp, topology.device, not_counted=not_counted)
         with trace.collective("all_reduce", nbytes), guard(
                 "the all-reduce of the experts' gradient norm over ep", topology.ep_group):

@@ -76,7 +76,8 @@ class ShardedGradBuckets:
     `owners`: per parameter, its owner's rank in `group` (the same on every rank). The same
     calls as `GradBuckets`: `attach` before a step's first backward, `finish` after its
     last (`arm` does nothing: every backward reduces). After `finish` an owned parameter's
-    gradient (``.grad``; ``main_grad`` of `grad_dtype` for lower weights) is the dp average,
+    gradient (``.grad``; ``main_grad`` of `grad_dtype` for lower weights) is the dp average
+    (the sum over `group` divided by `divisor`, default its size),
     a view of this rank's buffer; every other parameter's is None. A gradient present at
     `attach` is kept: the owner's joins the sum, another rank's goes out with its first
     round. At most `in_flight` reduces are outstanding after a launch: the hook waits for
@@ -87,7 +88,8 @@ class ShardedGradBuckets:
 
     def __init__(self, params: Sequence[nn.Parameter], group: ProcessGroup,
                  owners: Sequence[int], *, bucket_bytes: int = ZERO2_BUCKET_BYTES,
-                 grad_dtype: torch.dtype | None = None, in_flight: int = 1) -> None:
+                 grad_dtype: torch.dtype | None = None, in_flight: int = 1,
+                 divisor: int | None = None) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.params = list(params)
@@ -101,6 +103,9 @@ class ShardedGradBuckets:
             raise ValueError(f"an owner is outside the dp group's ranks 0..{self.size - 1}: "
                              f"{sorted(set(owners))}")
         self.owners = list(owners)
+        # the sum is divided by the group's size (an average), or by `divisor`: experts
+        # summed over their expert dp group are divided by the whole dp
+        self.divisor = self.size if divisor is None else divisor
         self.grad_dtype = grad_dtype
         self.in_flight = in_flight
         self._buckets = bucket_layout(self.params, bucket_bytes, grad_dtype, self.owners)
@@ -277,4 +282,4 @@ class ShardedGradBuckets:
             work, b, flat = self._works.popleft()
             work.wait()
             if self.owner_of_bucket(b) == self.rank:   # no views made on this path
-                self._owned_buffer(b).add_(flat, alpha=1 / self.size)
+                self._owned_buffer(b).add_(flat, alpha=1 / self.divisor)

@@ -84,7 +84,7 @@ def _check_tp(model: ModelConfig, tp: int, where: Where) -> None:
 
 def _check_experts(cfg: Config, where: Where) -> None:
     """The gpt's experts (`model.n_experts`, `model.top_k`) and `parallel.ep`: ep shards the
-    gpt's experts, dividing them and dp; not yet with ZeRO or sequence parallelism."""
+    gpt's experts, dividing them and dp; not yet with sequence parallelism."""
     model, par = cfg.model, cfg.parallel
     experts = model.args.get("n_experts", 0) if model.name == "gpt" else 0
     if model.name == "gpt":
@@ -128,10 +128,6 @@ def _check_experts(cfg: Config, where: Where) -> None:
     if par.dp is not None and par.dp % par.ep:
         raise where.error(f"parallel.ep={par.ep} does not divide parallel.dp={par.dp}: ep is "
                           "carved out of the dp replicas", "parallel.ep", "parallel.dp")
-    if par.zero == 2:
-        raise where.error(f"parallel.zero=2 with parallel.ep={par.ep} is not supported yet: "
-                          "use parallel.zero = 1 (the experts' state dealt over the ranks "
-                          "holding them), or zero 0", "parallel.zero", "parallel.ep")
 
 
 def _check_sequence_parallel(cfg: Config, where: Where) -> None:
