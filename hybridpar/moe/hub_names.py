@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["Merge", "Piece", "fuse_experts", "merges", "piece_view", "pieces_of",
@@ -114,8 +115,6 @@ def fuse_experts(state: Mapping[str, Any], found: Iterable[Merge], *,
     """`state` with every per-expert tensor fused into its target (each expert 0 .. E - 1
     present, every part: a `ValueError` naming the first missing one as `named` gives it,
     e.g. its name in the file)."""
-    import torch
-
     found = tuple(found)
     out: dict[str, Any] = {}
     groups: dict[str, dict[tuple[int, int], Tensor]] = {}
