@@ -14,6 +14,7 @@ from spawn_cases import spawn_by_world
 import hybridpar
 from hybridpar.models import example_batch, gpt, gpt_loss
 from hybridpar.moe import ExpertBiasUpdate, Experts, MoE, Router, split_aux
+from hybridpar.pipeline.schedules import replay as nccl
 
 from pipe_harness import checked_step
 
@@ -169,6 +170,7 @@ def _worker(layout, balance, options, kwargs):
     pipe = hybridpar.HybridPipe(_model(**kwargs, **({"ep": ep} if ep > 1 else {})), balance,
                                 topology=topo, loss_fn=gpt_loss, **options)
     update = ExpertBiasUpdate(pipe, group=topo.dp_group)
+    pipe.p2p_log = []
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
     rows, counted = BATCH // dp, []
     for x, y in _batches():
@@ -178,7 +180,9 @@ def _worker(layout, balance, options, kwargs):
         counted.append(sorted(float(v.sum()) for v in update.loads.values()))
         opt.step()
         update.step()
-    return {"state": pipe.consolidated_state_dict(), "counted": counted}
+    log = [[[op.kind, op.peer, op.numel, op.dtype, op.label] for op in group]
+           for group in pipe.p2p_log]
+    return {"state": pipe.consolidated_state_dict(), "counted": counted, "log": log}
 
 
 # name: ((pp, dp, ep), balance, pipe options, model options beyond MOE)
@@ -223,6 +227,10 @@ def test_z_loss_and_bias_update_through_the_pipeline_equal_one_device(name, runs
                                        rtol=0, msg=lambda m, k=k: f"{name} {k}: {m}")
         copies = BATCH // dp * MOE["block_size"] * MOE["top_k"]   # this rank's rows' copies
         assert all(set(step) == {copies} for step in r["counted"])
+    if LAYOUTS[name][0][0] > 1:   # the stages' P2P (the sums, z-loss's too, ride along)
+        logs = {rank: [[nccl.P2POp(*op) for op in group] for group in r["log"]]
+                for rank, r in enumerate(runs[name])}
+        assert nccl.replay(logs, check_labels=True).pairs > 0
 
 
 # through the trainer -----------------------------------------------------------------------
@@ -258,3 +266,21 @@ def test_a_config_trains_with_sigmoid_routers_moving_their_biases_on_every_repli
     for b in biases:   # 3 steps of ±0.01 (or 0 where a load was exactly the mean)
         assert float(b.abs().max()) > 0
         assert torch.all((b / 0.01).round().abs() <= 3)
+
+
+def test_the_dry_run_takes_the_bias_update_after_the_optimizer_step():
+    """`hybridpar check` runs the step as the trainer does, the routers' bias update (its dp
+    all-reduce) included, on fake ranks: it goes through, and each rank's experts held."""
+    from pathlib import Path
+
+    from hybridpar.train.check.run import dry_run
+
+    report = dry_run(Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml",
+                     overrides=["model.block_size=8", "model.n_embd=16", "model.n_layer=2",
+                                "model.n_head=2", "model.n_experts=4", "model.router=sigmoid",
+                                "model.bias_update_rate=0.01", "model.z_loss_coef=0.001",
+                                "data.source=synthetic", "parallel.tp=1", "parallel.pp=1",
+                                "parallel.balance=[5]", "parallel.dp=2", "parallel.ep=2",
+                                "train.batch_size=8", "parallel.chunks=2"],
+                     device="cpu", isolate=False)
+    assert len(report.ranks) == 2 and all("all_to_all" in r.comm for r in report.ranks)

@@ -206,10 +206,10 @@ def _plan(module: nn.Module, files: Mapping[str, Path], looked_in: str, names: F
             continue
         seen.add(id(tensor))
         param = id(tensor) in params
-        experts = expert_slice(tensor)       # expert parallelism: experts [a, b) of E
-        first, count = experts if experts is not None else (0, tensor.shape[0] if tensor.dim()
-                                                             else 0)
-        ours = range(first, first + (tensor.shape[0] if tensor.dim() else 0))
+        experts = expert_slice(tensor)       # expert parallelism: (first, E) of its slice
+        held = tensor.shape[0] if tensor.dim() else 0
+        first = experts[0] if experts is not None else 0
+        ours = range(first, first + held)    # the experts (dim 0 rows) this rank holds
         name = next((h for h in names.candidates(key, ties.get(key, [])) if h in files), None)
         pieces = names.pieces(key, ours) if name is None else None
         if pieces is not None:               # experts stored one by one: this rank's only
@@ -229,7 +229,8 @@ def _plan(module: nn.Module, files: Mapping[str, Path], looked_in: str, names: F
         where = shard_ranges(tensor, group)
         expected = tuple(full_shape(tensor, group) if where is not None else tensor.shape)
         if experts is not None:              # its slice of the fused (E, ...) tensor
-            where, expected = ShardRanges(0, [(ours.start, ours.stop)]), (count, *tensor.shape[1:])
+            where = ShardRanges(0, [(ours.start, ours.stop)])
+            expected = (experts[1], *tensor.shape[1:])
         entries.append(_Entry(key, tensor, name, files[name], where, expected, param))
     if missing:
         raise ValueError(f"{len(missing)} tensor(s) this rank needs are not in the checkpoint: "

@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["balance_loss", "empty_stats", "expert_load", "routing_stats", "split_aux",
-           "stats_experts", "z_loss"]
+__all__ = ["balance_loss", "choice_counts", "empty_stats", "expert_load", "routing_stats",
+           "split_aux", "stats_experts", "z_loss"]
 
 
 def empty_stats(n_experts: int, *, device: torch.device | str | None = None) -> Tensor:
@@ -51,11 +51,16 @@ def routing_stats(logits: Tensor, top_k: int) -> Tensor:
     N, E = logits.shape
     probs = torch.softmax(logits, dim=-1)                                # (N, E)
     chosen = torch.topk(probs, top_k, dim=-1)[1]                         # (N, k)
-    # a histogram of float ids: no host sync, deterministic on every device
-    counts = torch.histc(chosen.reshape(-1).float(), bins=E, min=0, max=E)
+    counts = choice_counts(chosen, E)
     rows = torch.full((1,), float(N), dtype=torch.float32, device=logits.device)
     z = torch.logsumexp(logits.float(), dim=-1).square().mean().reshape(1)
     return torch.cat([counts, probs.float().sum(dim=0), rows, z])
+
+
+def choice_counts(chosen: Tensor, n_experts: int) -> Tensor:
+    """How many of the choices `chosen` (any shape, expert ids) went to each expert: (E,)
+    float32, a histogram of float ids (no host sync, deterministic on every device)."""
+    return torch.histc(chosen.reshape(-1).float(), bins=n_experts, min=0, max=n_experts)
 
 
 def z_loss(stats: Tensor) -> Tensor:

@@ -23,6 +23,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torchgpipe.checkpoint import is_recomputing
 
+from hybridpar import trace
+from hybridpar.moe.balance_loss import choice_counts
 from hybridpar.moe.router import Router
 
 __all__ = ["ExpertBiasUpdate"]
@@ -47,10 +49,8 @@ class ExpertBiasUpdate:
         if not router.training or is_recomputing():
             return
         assert isinstance(router, Router)
-        chosen = output.experts.reshape(-1).float()
-        load = torch.histc(chosen, bins=router.n_experts, min=0, max=router.n_experts)
-        key = id(router)
-        self.loads[key] = self.loads.get(key, 0) + load.detach()
+        load = choice_counts(output.experts, router.n_experts).detach()
+        self.loads[id(router)] = self.loads.get(id(router), 0) + load
 
     @torch.no_grad()
     def step(self, *, apply: bool = True) -> None:
@@ -63,7 +63,8 @@ class ExpertBiasUpdate:
         loads = torch.cat([self.loads.get(id(r), torch.zeros(
             r.n_experts, device=r.weight.device)).float() for r in self.routers])
         if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(loads, group=self.group)
+            with trace.collective("all_reduce", loads.numel() * loads.element_size()):
+                dist.all_reduce(loads, group=self.group)
         for router, load in zip(self.routers, loads.split([r.n_experts for r in self.routers])):
             assert router.correction_bias is not None
             router.correction_bias.add_(

@@ -97,27 +97,22 @@ def _split_experts(pipe: HybridPipe, groups: list[dict[str, Any]],
     dense, experts = part(False), part(True)
     shard_experts = topo.dp // topo.ep > 1
     parts: list[Any] = []
-    if zero == 2:   # gradients too: each lives on its owner (the masters' owner) only
-        owners = gradient_owners(pipe, dense) if dense else {}
+    if zero == 2 or lower:   # MasterWeights per part (its float32 masters, or the weights)
+        owners = gradient_owners(pipe, dense) if zero == 2 and dense else None
         listed = [p for g in experts for p in g["params"]]
-        expert_owners = dict(zip((id(p) for p in listed), contiguous_owners(
-            [p.numel() for p in listed], topo.dp // topo.ep), strict=True))
+        expert_owners = contiguous_owners([p.numel() for p in listed], topo.dp // topo.ep) \
+            if zero == 2 and shard_experts else None
         if dense:
             parts.append(MasterWeights(
                 dense, optimizer_class, group=topo.dp_group, shard=True, module=pipe,
-                owners=[owners[id(p)] for g in dense for p in g["params"]], **defaults))
-        parts.append(MasterWeights(
-            experts, optimizer_class, group=topo.expert_dp_group, shard=shard_experts,
-            module=pipe, experts=True, owners=[expert_owners[id(p)] for p in listed]
-            if shard_experts else None, **defaults))
-        pipe.shard_gradients(owners, expert_owners=expert_owners)
-        return SplitOptimizer(parts)
-    if lower:   # bf16 weights: float32 masters, each part's dealt over its group
-        if dense:
-            parts.append(MasterWeights(dense, optimizer_class, group=topo.dp_group,
-                                       shard=True, module=pipe, **defaults))
+                owners=None if owners is None else
+                [owners[id(p)] for g in dense for p in g["params"]], **defaults))
         parts.append(MasterWeights(experts, optimizer_class, group=topo.expert_dp_group,
-                                   shard=shard_experts, module=pipe, experts=True, **defaults))
+                                   shard=shard_experts, module=pipe, experts=True,
+                                   owners=expert_owners, **defaults))
+        if zero == 2:   # gradients too: each on its master's owner only
+            pipe.shard_gradients(owners or {}, expert_owners=None if expert_owners is None
+                                 else dict(zip(map(id, listed), expert_owners, strict=True)))
         return SplitOptimizer(parts)
     if dense:
         parts.append(zero_optimizer(dense, optimizer_class, group=topo.dp_group, **defaults))

@@ -7,11 +7,13 @@ from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from hybridpar.pipe import consolidate
 from hybridpar.pipe.steps import PipeSteps
 from hybridpar.pipeline.parameters import clip
 from hybridpar.pipeline.parameters.grad_shards import ZERO2_BUCKET_BYTES, ShardedGradBuckets
+from hybridpar.pipeline.parameters.reduce import GradBuckets
 from hybridpar.pipeline.parameters.replicas import ReplicaGroup, check_replicas
 from hybridpar.precision import set_grad
 from hybridpar.sharded.attrs import get_parallel_dim, is_expert_shard
@@ -74,24 +76,11 @@ class PipeParameters(PipeSteps):
                 raise ValueError("ZeRO-2 with expert parallelism needs expert_owners (each "
                                  "expert slice's rank in its expert dp group): "
                                  "hybridpar.optim.pipe_optimizer(pipe, ..., zero=2) gives them")
-            experts.remove()
-            for p in experts.params:
-                set_grad(p, None)
-                p.grad = None
-            self._expert_buckets = ShardedGradBuckets(
-                experts.params, topo.expert_dp_group,
-                [expert_owners.get(id(p), 0) for p in experts.params],
-                bucket_bytes=bucket_bytes, grad_dtype=experts.grad_dtype, divisor=topo.dp)
-        old = self._dp_buckets
-        params = old.params
-        old.remove()
-        for p in params:                 # the old buckets' views: dropped with them
-            set_grad(p, None)
-            p.grad = None
-        self._dp_buckets = ShardedGradBuckets(
-            params, topo.dp_group, [owners.get(id(p), 0) for p in params],
-            bucket_bytes=bucket_bytes, grad_dtype=old.grad_dtype)
-        self._grads_here = {id(p) for p in params if owners.get(id(p), 0) == topo.dp_rank}
+            self._expert_buckets = _sharded(experts, topo.expert_dp_group, expert_owners,
+                                            bucket_bytes, divisor=topo.dp)
+        dense = self._dp_buckets
+        self._dp_buckets = _sharded(dense, topo.dp_group, owners, bucket_bytes)
+        self._grads_here = {id(p) for p in dense.params if owners.get(id(p), 0) == topo.dp_rank}
         if experts is not None:     # its expert dp rank's share, or (dp = ep) all its own
             mine = dist.get_rank(topo.expert_dp_group) if topo.dp > topo.ep else None
             self._grads_here |= {id(p) for p in experts.params if mine is None
@@ -125,3 +114,17 @@ class PipeParameters(PipeSteps):
         with self._communicating("check_replicas"):
             return check_replicas(groups, rank=topo.rank, world=topo.world_size,
                                   device=self.device, guard=self._guard, atol=atol)
+
+
+def _sharded(old: GradBuckets | ShardedGradBuckets, group: ProcessGroup,
+             owners: Mapping[int, int], bucket_bytes: int, *,
+             divisor: int | None = None) -> ShardedGradBuckets:
+    """`old`'s parameters' gradients reduced to their `owners` over `group` from now on (the
+    old buckets removed, with the gradient views they held)."""
+    old.remove()
+    for p in old.params:
+        set_grad(p, None)
+        p.grad = None
+    return ShardedGradBuckets(old.params, group, [owners.get(id(p), 0) for p in old.params],
+                              bucket_bytes=bucket_bytes, grad_dtype=old.grad_dtype,
+                              divisor=divisor)

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from hybridpar.comm import p2p as comm
 from hybridpar.device import pinned, standing_in
+from hybridpar.moe.bias_update import ExpertBiasUpdate
 from hybridpar.pipe import HybridPipe
 from hybridpar.pipeline.activations.kept import SavedActivations
 from hybridpar.pipeline.runtime.microbatch import signature, split_batch
@@ -218,7 +219,9 @@ class DryRun:
             for group in optimizer.param_groups:   # parameters it would not
                 if group.get("foreach") is None and not group.get("fused"):
                     group["foreach"] = True
-        step = _Step(pipe, optimizer, layers, mode, bf16=self.config.train.precision == "bf16")
+        step = _Step(pipe, optimizer, layers, mode, bf16=self.config.train.precision == "bf16",
+                     expert_bias=ExpertBiasUpdate(pipe, group=topo.dp_group if topo.dp > 1
+                                                  else None))
         try:
             kept = steady_state(pipe, optimizer)
         except Exception as e:
@@ -282,12 +285,13 @@ def _where(topo: Topology) -> str:
 class _Step:
     """One training step of a rank as the trainer takes it: gradients to None, the batch
     pinned (the pipe copies it to the device), `train_step` under the run's autocast; then,
-    when asked, the trainer's AdamW update. `during` names what runs (for a failure)."""
+    when asked, the trainer's AdamW update (and the sigmoid routers' bias update). `during`
+    names what runs (for a failure)."""
 
     def __init__(self, pipe: HybridPipe, optimizer: torch.optim.Optimizer, layers: LayerStack,
-                 mode: Any, *, bf16: bool) -> None:
+                 mode: Any, *, bf16: bool, expert_bias: ExpertBiasUpdate | None = None) -> None:
         self.pipe, self.optimizer, self.layers, self.mode = pipe, optimizer, layers, mode
-        self.bf16 = bf16
+        self.bf16, self.expert_bias = bf16, expert_bias
         self.during = "train_step"
 
     def run(self, x: Tensor | tuple[Tensor, ...], y: Tensor, *, during: str,
@@ -304,6 +308,8 @@ class _Step:
     def update(self) -> None:
         self.during = "the optimizer step"
         self.optimizer.step()
+        if self.expert_bias:   # the routers' bias update after it, as the trainer runs it
+            self.expert_bias.step()
 
 
 def _fake(mode: Any, x: Tensor | tuple[Tensor, ...], device: Any = None) -> Any:
